@@ -1,0 +1,124 @@
+"""Cost model and InferCept's memory-waste equations (DESIGN section 6).
+
+Times are seconds, memory is bytes, waste is byte-seconds (memory held idle
+multiplied by how long it is held).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """How long a step and a copy take on one device.
+
+    ``T_fwd(n) = fwd_base_s + fwd_per_token_s * n`` for a forward over ``n``
+    batched tokens; ``T_swap(n) = n * bytes_per_token / swap_bandwidth_bytes_s``
+    for a one-way copy of ``n`` tokens' KV. ``saturation_tokens`` (S) is the
+    batch size in tokens beyond which a step gets slower with no more throughput.
+    """
+
+    fwd_base_s: float
+    fwd_per_token_s: float
+    saturation_tokens: int
+    bytes_per_token: int
+    swap_bandwidth_bytes_s: float
+    device_kv_bytes: int = 0      # bytes of device memory available for KV
+    host_kv_bytes: int = 0        # bytes of host memory for swapped KV
+    max_num_batched_tokens: int = 512
+    name: str = "unnamed"
+    meta: dict = field(default_factory=dict)
+
+    def t_fwd(self, num_tokens: float) -> float:
+        return self.fwd_base_s + self.fwd_per_token_s * max(0.0, num_tokens)
+
+    def t_swap(self, num_tokens: float) -> float:
+        if self.swap_bandwidth_bytes_s <= 0:
+            return math.inf
+        return num_tokens * self.bytes_per_token / self.swap_bandwidth_bytes_s
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"cost profile has unknown keys {sorted(unknown)}; expected {sorted(known)}")
+        missing = {"fwd_base_s", "fwd_per_token_s", "saturation_tokens", "bytes_per_token",
+                   "swap_bandwidth_bytes_s"} - set(data)
+        if missing:
+            raise ValueError(f"cost profile is missing {sorted(missing)}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cost profile {path} is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+
+# InferCept's published constants for GPT-J-6B on one A100-40GB.
+GPTJ_6B_A100_40G = CostModel(
+    fwd_base_s=0.010,
+    fwd_per_token_s=0.0463e-3,
+    saturation_tokens=384,
+    bytes_per_token=458_752,
+    swap_bandwidth_bytes_s=25e9,
+    device_kv_bytes=int(40e9 * 0.9 - 12.1e9),
+    host_kv_bytes=int(64e9),
+    max_num_batched_tokens=384,
+    name="gptj-6b-a100-40g",
+    meta={"source": "InferCept (APISERVE) paper constants", "gpu_memory_utilization": 0.9},
+)
+
+BUILTIN_PROFILES: dict[str, CostModel] = {GPTJ_6B_A100_40G.name: GPTJ_6B_A100_40G}
+
+
+def load_profile(name_or_path: str) -> CostModel:
+    """A built-in profile by name, or a JSON file written by ``jaxserve profile``."""
+    if name_or_path in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown cost profile {name_or_path!r}: not a built-in "
+                         f"({', '.join(BUILTIN_PROFILES)}) and no such file")
+    return CostModel.load(path)
+
+
+def waste_preserve(cost: CostModel, context_tokens: int, api_duration_s: float) -> float:
+    """WastePreserve = T_API · C_i · M."""
+    return api_duration_s * context_tokens * cost.bytes_per_token
+
+
+def waste_discard(cost: CostModel, context_tokens: int, other_tokens: int) -> float:
+    """WasteDiscard = T_fwd(C_i)·C_i·M + T_fwd(C_i)·C_other·M (recompute in one go)."""
+    t = cost.t_fwd(context_tokens)
+    return t * (context_tokens + other_tokens) * cost.bytes_per_token
+
+
+def waste_discard_chunked(cost: CostModel, context_tokens: int, other_tokens: int,
+                          running_tokens: int) -> float:
+    """Recompute in ``n`` chunks of ``S − running_tokens`` tokens each:
+    ``T_fwd(C_i)·C_i·M / 2 + n · T_fwd(C_i/n) · C_other · M``.
+    """
+    room = max(1, cost.saturation_tokens - running_tokens)
+    n = max(1, math.ceil(context_tokens / room))
+    m = cost.bytes_per_token
+    return (cost.t_fwd(context_tokens) * context_tokens * m / 2
+            + n * cost.t_fwd(context_tokens / n) * other_tokens * m)
+
+
+def waste_swap(cost: CostModel, context_tokens: int, other_tokens: int) -> float:
+    """WasteSwap = 2 · T_swap(C_i) · C_batch · M (out and back in; others stall)."""
+    return 2 * cost.t_swap(context_tokens) * (context_tokens + other_tokens) * cost.bytes_per_token

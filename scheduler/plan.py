@@ -1,0 +1,67 @@
+"""What one step does (``StepPlan``) and what the policy may read (``MemoryView``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.cost_model import CostModel
+from scheduler.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryView:
+    """A snapshot of memory for policies. Pages are ``page_size`` tokens each."""
+
+    free_device_pages: int
+    total_device_pages: int
+    free_host_pages: int
+    total_host_pages: int
+    page_size: int
+    running_tokens: int        # context tokens of requests currently RUNNING (C_other for a new call)
+    num_running: int
+    paused_device_pages: int   # pages held by requests paused under Preserve
+    cost: CostModel
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.cost.bytes_per_token
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Run ``num_tokens`` query tokens of ``request`` starting at context position ``start``.
+
+    ``samples`` is True when the chunk reaches the end of the context, so the
+    step produces the request's next token.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class SwapOp:
+    """Copy KV pages between device and host: ``device_pages[i] <-> host_pages[i]``."""
+
+    request: Request
+    device_pages: list[int]
+    host_pages: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[SwapOp] = field(default_factory=list)   # apply before the forward
+    swap_in: list[SwapOp] = field(default_factory=list)    # apply before the forward
+    preempted: list[Request] = field(default_factory=list)
+    token_budget: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.chunks or self.swap_out or self.swap_in)

@@ -1,0 +1,147 @@
+"""Requests as the scheduler sees them: token counts, API segments, state, pages.
+
+Token ids live in the engine; the scheduler only needs counts, so the same
+``Request`` drives both the real engine and the simulator.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"            # queued: new, preempted, or back from an API call
+    RUNNING = "running"            # scheduled in the batch
+    PAUSED = "paused"              # inside an API call (Preserve keeps pages, Discard holds none)
+    SWAPPING_OUT = "swapping_out"  # inside an API call, KV being copied to host
+    SWAPPED = "swapped"            # inside an API call (or back from it), KV on host
+    SWAPPING_IN = "swapping_in"    # KV being copied back to device
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class Handling(enum.Enum):
+    """What happens to a request's KV cache while it waits for an API."""
+
+    PRESERVE = "preserve"
+    DISCARD = "discard"
+    SWAP = "swap"
+
+    @classmethod
+    def parse(cls, value: "Handling | str | None") -> "Handling | None":
+        """``None`` means "the policy decides"; strings are matched by value."""
+        if value is None or isinstance(value, Handling):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(h.value for h in cls)
+            raise ValueError(f"handling must be one of {names} or None, got {value!r}") from None
+
+
+@dataclass(slots=True)
+class Segment:
+    """Generate ``num_tokens`` tokens, then (if ``api_type`` is set) call an API.
+
+    ``api_duration_s`` is how long the call takes (known in replay, predicted or
+    unknown live), ``num_returned_tokens`` how many tokens it appends to the
+    context. The last segment of a request normally has no API call.
+    """
+
+    num_tokens: int
+    api_type: str | None = None
+    api_duration_s: float | None = None
+    num_returned_tokens: int = 0
+
+    @property
+    def has_api_call(self) -> bool:
+        return self.api_type is not None
+
+
+@dataclass(eq=False, slots=True)
+class ApiCallRecord:
+    """What happened at one API call, for metrics and ``RequestOutput.api_calls``."""
+
+    api_type: str
+    handling: Handling
+    call_time: float
+    return_time: float | None = None
+    resume_time: float | None = None   # first step that ran it again
+    context_tokens: int = 0             # C_i at the call
+    num_returned_tokens: int = 0
+    fell_back_from: Handling | None = None  # e.g. SWAP -> DISCARD when the host pool was full
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One request's scheduling state. Counts are in tokens, times in seconds.
+
+    Invariants: ``num_computed_tokens <= num_tokens``; KV for positions
+    ``[0, num_computed_tokens)`` is on device (``device_pages``) when RUNNING,
+    WAITING-with-pages or PAUSED under Preserve; on host (``host_pages``) when SWAPPED.
+    """
+
+    request_id: str
+    arrival_time: float
+    prompt_len: int
+    max_tokens: int
+    segments: list[Segment] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Predictions used by ranking policies (keys such as "output_len", "api_duration_s").
+    predictions: dict = field(default_factory=dict)
+
+    state: RequestState = RequestState.WAITING
+    num_tokens: int = 0            # context: prompt + generated + API-returned
+    num_computed_tokens: int = 0   # tokens whose KV is in the cache
+    num_generated: int = 0         # generated tokens (what max_tokens counts)
+    device_pages: list[int] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    pages_swapped: int = 0         # swap progress, in pages (out or in)
+
+    handling: Handling | None = None
+    segment_index: int = 0         # which segment is being generated
+    segment_generated: int = 0     # tokens generated in the current segment
+    api_calls: list[ApiCallRecord] = field(default_factory=list)
+    api_returned: bool = False     # the current call has returned
+    pending_return_tokens: int = 0  # tokens the returned call appends on resume
+
+    queue_key_time: float = 0.0    # fcfs: the time it (re-)entered the queue
+    first_scheduled_time: float | None = None
+    last_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    waiting_iterations: int = 0    # starvation counter (iterations waiting after first scheduled)
+    starving: bool = False         # promoted to the head until it completes
+    policy_state: dict = field(default_factory=dict)  # per-policy cache (scores, levels)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens == 0:
+            self.num_tokens = self.prompt_len
+        self.queue_key_time = self.arrival_time
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def current_segment(self) -> Segment | None:
+        if self.segment_index < len(self.segments):
+            return self.segments[self.segment_index]
+        return None
+
+    @property
+    def api_time_total(self) -> float:
+        """Seconds spent inside API calls that have returned."""
+        return sum(c.return_time - c.call_time for c in self.api_calls if c.return_time is not None)
+
+    def declared_call_due(self) -> bool:
+        """True when the current segment's tokens are generated and it ends in an API call."""
+        seg = self.current_segment
+        return seg is not None and seg.has_api_call and self.segment_generated >= seg.num_tokens

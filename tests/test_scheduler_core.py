@@ -1,0 +1,144 @@
+"""Scheduler core driven by a tiny in-test loop (no JAX): pages, pauses, swaps, preemption."""
+
+import random
+
+import pytest
+
+from scheduler import (BUILTIN_PROFILES, Handling, PageAllocator, Request,
+                       RequestState, Scheduler, SchedulerConfig, Segment, make_policy)
+
+COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
+
+
+def make_scheduler(num_pages=64, host_pages=64, page_size=4, policy="fcfs", handling=None, budget=32):
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16,
+                                     swap_budget_tokens=8, handling=handling),
+                     make_policy(policy), PageAllocator(num_pages, page_size),
+                     PageAllocator(host_pages, page_size, "host"), COST)
+
+
+def drive(sched, now=0.0, max_steps=5000):
+    """Run until every request finishes; API calls return after their duration."""
+    pending = []  # (return_time, request)
+    steps = 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps < max_steps, "no progress"
+        for t, r in list(pending):
+            if t <= now:
+                pending.remove((t, r))
+                sched.api_return(r, r.api_calls[-1].num_returned_tokens or r.policy_state["ret"], now)
+        plan = sched.schedule(now)
+        now += 0.01
+        for r in sched.on_step_done(plan, now):
+            if r.declared_call_due():
+                seg = r.current_segment
+                r.policy_state["ret"] = seg.num_returned_tokens
+                sched.pause(r, now, seg.api_type, seg.api_duration_s)
+                pending.append((now + seg.api_duration_s, r))
+            elif r.num_generated >= r.max_tokens:
+                sched.finish(r, "length", now)
+        sched.check_invariants()
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    return steps
+
+
+def random_requests(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        segs = [Segment(rng.randint(1, 6), "math", rng.choice([0.0, 0.02, 0.2]), rng.randint(0, 5))
+                for _ in range(rng.randint(0, 3))]
+        segs.append(Segment(rng.randint(1, 6)))
+        out.append(Request(f"r{i}", arrival_time=0.0, prompt_len=rng.randint(1, 20),
+                           max_tokens=sum(s.num_tokens for s in segs), segments=segs))
+    return out
+
+
+@pytest.mark.parametrize("handling", [Handling.PRESERVE, Handling.DISCARD, Handling.SWAP, None])
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-improved", "infercept"])
+def test_all_finish_with_tight_pool(handling, policy):
+    sched = make_scheduler(num_pages=20, host_pages=6, policy=policy, handling=handling)
+    for r in random_requests(24, seed=1):
+        sched.add_request(r, 0.0)
+    drive(sched)
+
+
+def test_swap_frees_device_pages_and_falls_back_to_discard_when_host_full():
+    sched = make_scheduler(num_pages=32, host_pages=2, handling=Handling.SWAP)
+    a = Request("a", 0.0, prompt_len=12, max_tokens=4, segments=[Segment(1, "x", 1.0, 0), Segment(3)])
+    b = Request("b", 0.0, prompt_len=12, max_tokens=4, segments=[Segment(1, "x", 1.0, 0), Segment(3)])
+    sched.add_request(a, 0.0)
+    sched.add_request(b, 0.0)
+    plan = sched.schedule(0.0)
+    for r in sched.on_step_done(plan, 0.0):
+        sched.pause(r, 0.0, "x", 1.0)
+    # a (3 pages of 4 tokens) does not fit 2 host pages -> both fall back to discard
+    assert a.handling == Handling.DISCARD and a.api_calls[-1].fell_back_from == Handling.SWAP
+    assert not a.device_pages and a.num_computed_tokens == 0
+
+
+def test_swap_out_is_chunked_by_swap_budget():
+    sched = make_scheduler(num_pages=32, host_pages=32, handling=Handling.SWAP)
+    a = Request("a", 0.0, prompt_len=16, max_tokens=4, segments=[Segment(1, "x", 1.0, 2), Segment(3)])
+    sched.add_request(a, 0.0)
+    for r in sched.on_step_done(sched.schedule(0.0), 0.0):
+        sched.pause(r, 0.0, "x", 1.0)
+    assert a.state == RequestState.SWAPPING_OUT and len(a.device_pages) == 4
+    copied = []
+    while a.state == RequestState.SWAPPING_OUT:
+        plan = sched.schedule(0.1)
+        copied += [len(op.device_pages) for op in plan.swap_out]
+        sched.check_invariants()
+    assert copied == [2, 2]  # 8 tokens per step at page size 4
+    assert a.state == RequestState.SWAPPED and not a.device_pages and len(a.host_pages) == 4
+    assert sched.device_pool.num_free == 32
+
+
+def test_preemption_takes_newest_running_first():
+    sched = make_scheduler(num_pages=10, page_size=4, budget=64)
+    old = Request("old", 0.0, prompt_len=8, max_tokens=20)
+    new = Request("new", 1.0, prompt_len=8, max_tokens=20)
+    sched.add_request(old, 0.0)
+    sched.add_request(new, 1.0)
+    preempted = []
+    for step in range(40):
+        plan = sched.schedule(step)
+        preempted += [r.request_id for r in plan.preempted]
+        for r in sched.on_step_done(plan, step):
+            if r.num_generated >= r.max_tokens:
+                sched.finish(r, "length", step)
+        sched.check_invariants()
+        if not sched.has_unfinished():
+            break
+    assert preempted and preempted[0] == "new"
+    assert not sched.has_unfinished()
+
+
+def test_fcfs_returning_request_goes_to_tail_but_improved_keeps_arrival():
+    for policy, first in (("fcfs", "late"), ("fcfs-improved", "early")):
+        sched = make_scheduler(policy=policy)
+        early = Request("early", 0.0, prompt_len=4, max_tokens=4, segments=[Segment(1, "x", 0.5, 1), Segment(3)])
+        sched.add_request(early, 0.0)
+        for r in sched.on_step_done(sched.schedule(0.0), 0.0):
+            sched.pause(r, 0.0, "x", 0.5)
+        late = Request("late", 0.2, prompt_len=4, max_tokens=4)
+        sched.add_request(late, 0.2)
+        sched.api_return(early, 1, 0.5)
+        order = sched.policy.order_waiting(sched.waiting, 0.6, sched.view())
+        assert order[0].request_id == first, policy
+
+
+def test_duplicate_id_and_abort_free_pages():
+    sched = make_scheduler()
+    r = Request("x", 0.0, prompt_len=9, max_tokens=3)
+    sched.add_request(r, 0.0)
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(Request("x", 0.0, prompt_len=1, max_tokens=1), 0.0)
+    sched.on_step_done(sched.schedule(0.0), 0.0)
+    assert r.device_pages
+    assert sched.abort("x", 0.1) is r and r.state == RequestState.ABORTED
+    assert sched.abort("x", 0.1) is None
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    sched.check_invariants()
