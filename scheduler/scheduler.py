@@ -381,6 +381,25 @@ class Scheduler:
                 produced.append(request)
         return produced
 
+    def declared_event(self, request: Request) -> str | None:
+        """Stop rules shared by every executor, for a request that just produced
+        a token: ``"api"`` when its declared segment ends in a call now,
+        ``"length"`` when ``max_tokens`` is reached or its declared segments are
+        all generated, else ``None``. (Stop tokens, stop strings and parsed tool
+        calls need token ids, so the model executor checks those itself.)"""
+        if request.declared_call_due():
+            return "api"
+        if request.num_generated >= request.max_tokens:
+            return "length"
+        if request.segments and request.segment_index == len(request.segments) - 1 \
+                and request.segment_generated >= request.segments[-1].num_tokens:
+            return "length"
+        return None
+
+    def finished_after_return(self, request: Request) -> bool:
+        """True when a returned call was the request's last declared step (it ends there)."""
+        return bool(request.segments) and request.segment_index >= len(request.segments)
+
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Pages are free or owned by exactly the request that lists them; queues agree with states."""

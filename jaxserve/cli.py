@@ -1,0 +1,69 @@
+"""The ``jaxserve`` command: ``serve``, ``replay``, ``profile``, ``bench``, ``generate``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``main(args) -> int``; this file only wires them. Every ``--some-flag`` can
+also be set with the environment variable ``JAXSERVE_SOME_FLAG`` (the command
+line wins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("jaxserve.generate_cli", "generate text from prompts (the main job on the demo model)"),
+    "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
+    "replay": ("jaxserve.replay.cli", "replay a workload trace and compare scheduling policies"),
+    "profile": ("jaxserve.profiling", "measure the cost model (T_fwd, host<->device bandwidth) of this device"),
+    "bench": ("jaxserve.bench_cli", "benchmark jaxserve against transformers generate"),
+}
+
+
+def env_var_for(option: str) -> str:
+    """``--max-model-len`` -> ``JAXSERVE_MAX_MODEL_LEN``."""
+    return "JAXSERVE_" + option.lstrip("-").replace("-", "_").upper()
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Let ``JAXSERVE_<FLAG>`` set the default of every long option of ``parser``."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.dest == "help":
+            continue
+        value = environ.get(env_var_for(longs[0]))
+        if value is None:
+            continue
+        if action.nargs == 0:  # store_true / store_false
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = action.type(value) if action.type else value
+        action.required = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                apply_env_defaults(sub, environ)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
+    subs = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sub)
+        sub.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    apply_env_defaults(parser)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
