@@ -82,7 +82,7 @@ def _kernel(
         page = page_table_ref[seq, col]
         k = k_pages_ref[page, :, h, :]  # [page_size, D]
         v = v_pages_ref[page, :, h, :]
-        s = pl.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
+        s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = col * page_size + offsets
@@ -94,7 +94,7 @@ def _kernel(
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, None])
         l_next = l_prev * correction + jnp.sum(p, axis=1)
-        pv = pl.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+        pv = plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
         return acc * correction[:, None] + pv, m_next, l_next
 
     init = (jnp.zeros((rows, head_dim), jnp.float32),

@@ -67,7 +67,9 @@ def ragged_paged_attention(
 
     def attend(args: tuple[jax.Array, ...]) -> jax.Array:
         q_c, seq_c, pos_c, valid_c = args  # [C, Hq, D], [C], [C], [C]
-        pages = page_table[seq_c]  # [C, pages_per_seq]
+        # Columns past a sequence's length may hold any id (e.g. -1); they are
+        # masked, but clamp them so the gather never reads out of bounds.
+        pages = jnp.clip(page_table[seq_c], 0, k_pages.shape[0] - 1)  # [C, pages_per_seq]
         k = k_pages[pages].reshape(chunk, kv_capacity, num_kv_heads, head_dim)
         v = v_pages[pages].reshape(chunk, kv_capacity, num_kv_heads, head_dim)
         qg = q_c.reshape(chunk, num_kv_heads, group, head_dim).astype(jnp.float32)
