@@ -1,11 +1,26 @@
 """Predictions a ranking policy reads: remaining output length and API duration.
 
-A ``Predictor`` answers from what is known at decision time; ``oracle`` reads
-the request's declared segments (replay) and explicit ``predictions``.
+A ``Predictor`` answers from what is known at decision time:
+
+- ``oracle``: the request's declared segments (replay) and explicit ``predictions``;
+- ``noisy[:p]``: oracle + Gaussian error with σ = p · value (default p = 0.3),
+  seeded and fixed per (request, segment), so the same question gets the same answer;
+- ``api-type-mean``: output lengths from the oracle, API durations as the running
+  mean of observed durations per API type (``observe_api``);
+- ``elapsed``: InferCept's estimate for a call in progress, ``t_now − t_call``.
+
+``version`` changes whenever a predictor's answers for an unchanged request may
+change (``api-type-mean`` after an observation), so policies that cache scores
+know when to re-score. A learned length predictor plugs in by subclassing
+``Predictor`` and overriding ``segment_output_len``/``total_output_len``
+(and bumping ``version`` when it is retrained).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import random
 from typing import ClassVar
 
 from scheduler.request import Request
@@ -37,9 +52,11 @@ def make_predictor(spec: str, seed: int = 0) -> "Predictor":
 
 class Predictor:
     name: ClassVar[str] = "base"
+    grows_while_waiting: ClassVar[bool] = False   # api_duration() of a call in progress grows with t_now
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+        self.version = 0   # bumped when answers for an unchanged request may change
 
     def segment_output_len(self, request: Request) -> int:
         """Tokens still to generate before the next API call (or the end)."""
@@ -52,6 +69,10 @@ class Predictor:
     def api_duration(self, request: Request, now: float, call_time: float | None) -> float | None:
         """Seconds the next (or current) API call takes; ``None`` when unknown."""
         raise NotImplementedError
+
+    def total_api_duration(self, request: Request, now: float) -> float:
+        """Seconds of API calls still ahead of the request (the current segment's and later)."""
+        return 0.0
 
     def observe_api(self, api_type: str, duration_s: float) -> None:
         """Hook: a call of ``api_type`` took ``duration_s``."""
@@ -80,3 +101,115 @@ class OraclePredictor(Predictor):
         if seg is not None and seg.has_api_call:
             return seg.api_duration_s
         return request.predictions.get("api_duration_s")
+
+    def total_api_duration(self, request: Request, now: float) -> float:
+        if request.segments:
+            return sum(s.api_duration_s or 0.0 for s in request.segments[request.segment_index:]
+                       if s.has_api_call)
+        return float(request.predictions.get("api_duration_s") or 0.0)
+
+
+def _unit_normal(seed: int, request_id: str, segment: int, what: str) -> float:
+    """A standard-normal draw fixed by (seed, request, segment, quantity)."""
+    digest = hashlib.blake2b(f"{seed}|{request_id}|{segment}|{what}".encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little")).gauss(0.0, 1.0)
+
+
+@register_predictor("noisy")
+class NoisyPredictor(OraclePredictor):
+    """Oracle values times ``1 + p·z`` with ``z ~ N(0, 1)``: error σ = p · value.
+
+    ``z`` is fixed per (seed, request, segment, quantity), so repeated questions
+    get the same answer and runs are reproducible. Lengths are rounded and
+    clipped at 0 tokens; durations clipped at 0 s. Built as ``"noisy:0.3"``.
+    """
+
+    def __init__(self, p: str | float = 0.3, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.p = float(p)
+        if not (self.p >= 0 and math.isfinite(self.p)):
+            raise ValueError(f"noisy predictor needs a relative error p >= 0, got {p!r}")
+
+    def _noisy(self, value: float, request: Request, segment: int, what: str) -> float:
+        if self.p == 0 or value == 0:
+            return value
+        return max(0.0, value * (1.0 + self.p * _unit_normal(self.seed, request.request_id, segment, what)))
+
+    def segment_output_len(self, request: Request) -> int:
+        # Noise on the whole segment length, then subtract progress: the estimate
+        # of a segment does not jitter as it is generated.
+        seg = request.current_segment
+        if seg is not None:
+            total = round(self._noisy(seg.num_tokens, request, request.segment_index, "len"))
+            return max(0, total - request.segment_generated)
+        base = super().segment_output_len(request) + request.num_generated
+        return max(0, round(self._noisy(base, request, request.segment_index, "len")) - request.num_generated)
+
+    def total_output_len(self, request: Request) -> int:
+        if request.segments:
+            rest = self.segment_output_len(request)
+            for i in range(request.segment_index + 1, len(request.segments)):
+                rest += round(self._noisy(request.segments[i].num_tokens, request, i, "len"))
+            return rest
+        return self.segment_output_len(request)
+
+    def api_duration(self, request: Request, now: float, call_time: float | None) -> float | None:
+        value = super().api_duration(request, now, call_time)
+        if value is None:
+            return None
+        return self._noisy(value, request, request.segment_index, "api")
+
+    def total_api_duration(self, request: Request, now: float) -> float:
+        if request.segments:
+            return sum(self._noisy(s.api_duration_s or 0.0, request, i, "api")
+                       for i, s in enumerate(request.segments[request.segment_index:], request.segment_index)
+                       if s.has_api_call)
+        return self._noisy(super().total_api_duration(request, now), request, 0, "api")
+
+
+@register_predictor("api-type-mean")
+class ApiTypeMeanPredictor(OraclePredictor):
+    """API duration = running mean of the durations observed for its API type
+    (``observe_api``); ``default_s`` (0 s unless given as ``"api-type-mean:5"``)
+    before the first observation of a type. Output lengths come from the oracle.
+    """
+
+    def __init__(self, default_s: str | float = 0.0, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.default_s = float(default_s)
+        self._sum: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def mean(self, api_type: str | None) -> float:
+        n = self._count.get(api_type, 0)
+        return self._sum[api_type] / n if n else self.default_s
+
+    def observe_api(self, api_type: str, duration_s: float) -> None:
+        self._sum[api_type] = self._sum.get(api_type, 0.0) + duration_s
+        self._count[api_type] = self._count.get(api_type, 0) + 1
+        self.version += 1
+
+    def api_duration(self, request: Request, now: float, call_time: float | None) -> float | None:
+        seg = request.current_segment
+        if seg is not None and seg.has_api_call:
+            return self.mean(seg.api_type)
+        api_type = request.predictions.get("api_type")
+        return self.mean(api_type) if api_type is not None else None
+
+    def total_api_duration(self, request: Request, now: float) -> float:
+        return sum(self.mean(s.api_type) for s in request.segments[request.segment_index:] if s.has_api_call)
+
+
+@register_predictor("elapsed")
+class ElapsedPredictor(OraclePredictor):
+    """InferCept's estimate for unknown durations: a call in progress is predicted
+    to last ``t_now − t_call`` (it grows while the call runs); a call not yet
+    started is predicted to take 0 s. Output lengths come from the oracle."""
+
+    grows_while_waiting = True
+
+    def api_duration(self, request: Request, now: float, call_time: float | None) -> float | None:
+        return max(0.0, now - call_time) if call_time is not None else 0.0
+
+    def total_api_duration(self, request: Request, now: float) -> float:
+        return 0.0

@@ -5,6 +5,11 @@ Pure Python. The executor (real model or simulator) calls, per step:
 ``schedule(now)`` -> applies the plan -> ``on_step_done(plan, now)`` -> for
 each request that produced a token, ``finish``/``pause`` as its stop rules say.
 API results come back through ``api_return``.
+
+``waiting`` and ``running`` are ``RequestQueue``s (insertion-ordered, O(1)
+remove); read them freely but change them only through the scheduler's
+methods, which also keep the policy's ranked index in step (``on_enqueue`` /
+``on_dequeue``).
 """
 
 from __future__ import annotations
@@ -15,19 +20,37 @@ from scheduler.cost_model import CostModel
 from scheduler.pages import PageAllocator
 from scheduler.plan import MemoryView, ScheduledChunk, StepPlan, SwapOp
 from scheduler.policies.base import Policy
+from scheduler.queues import RequestQueue
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState
+from scheduler.token_budget import TOKEN_BUDGET_MODES, DynamicBudget
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Per-step limits. Tokens are query tokens batched into one forward."""
+    """Per-step limits. Tokens are query tokens batched into one forward.
+
+    ``token_budget`` picks the per-step token limit for every policy:
+    ``"policy"`` (default) lets the policy decide (``augserve`` and any policy
+    built with ``token_budget="dynamic"`` use AugServe's dynamic budget, the
+    others ``max_num_batched_tokens``), ``"static"`` always uses
+    ``max_num_batched_tokens``, ``"dynamic"`` always uses the dynamic budget
+    (``scheduler.token_budget``) with ``budget_gamma``/``budget_beta_low``/
+    ``budget_beta_high`` and ``max_num_batched_tokens`` as ``target_max``.
+    """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     swap_budget_tokens: int = 512      # KV tokens copied host<->device per step (both ways together)
     handling: Handling | None = None   # force one handling for every call; None = the policy decides
+    token_budget: str = "policy"       # "policy" | "static" | "dynamic"
+    budget_gamma: float = 1.0
+    budget_beta_low: float = 0.25
+    budget_beta_high: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.token_budget not in TOKEN_BUDGET_MODES:
+            raise ValueError(f"token_budget must be one of {TOKEN_BUDGET_MODES}, got {self.token_budget!r}")
+        DynamicBudget(self.budget_gamma, self.budget_beta_low, self.budget_beta_high)  # validates
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be > 0")
         if self.max_num_seqs <= 0:
@@ -49,13 +72,21 @@ class Scheduler:
         self.host_pool = host_pool
         self.cost = cost
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []       # WAITING, or SWAPPED after the API returned
-        self.running: list[Request] = []       # in admission order
+        self.waiting = RequestQueue()          # WAITING, or SWAPPED after the API returned
+        self.running = RequestQueue()          # in admission order
         self.paused: dict[str, Request] = {}   # inside an API call (PAUSED, SWAPPING_OUT, SWAPPED)
         self.swapping_out: list[Request] = []
         self.swapping_in: list[Request] = []
         self.iteration = 0
         self.num_preemptions = 0
+        self.now = 0.0                          # time passed to the latest schedule()/event
+        # Requests that hold device KV without running (eviction candidates):
+        # paused under Preserve, and back from the API (or preempted) still waiting.
+        self._paused_holders: dict[str, Request] = {}
+        self._waiting_holders: dict[str, Request] = {}
+        self._dynamic_budget = DynamicBudget(config.budget_gamma, config.budget_beta_low,
+                                             config.budget_beta_high)
+        policy.attach(self)
 
     # ------------------------------------------------------------------ views
     @property
@@ -63,8 +94,7 @@ class Scheduler:
         return self.device_pool.page_size
 
     def view(self) -> MemoryView:
-        paused_pages = sum(len(r.device_pages) for r in self.paused.values()
-                           if r.state == RequestState.PAUSED)
+        paused_pages = sum(len(r.device_pages) for r in self._paused_holders.values())
         return MemoryView(
             free_device_pages=self.device_pool.num_free,
             total_device_pages=self.device_pool.num_pages,
@@ -92,8 +122,9 @@ class Scheduler:
             raise ValueError("prompt must have at least one token")
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.now = now
         self.policy.on_arrival(request, now, self.view())
+        self._enqueue(request, now)
 
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
@@ -101,6 +132,7 @@ class Scheduler:
         request.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         request.finish_reason = reason
         request.finish_time = now
+        self.policy.on_finish(request, now)
 
     def abort(self, request_id: str, now: float) -> Request | None:
         """Abort a live request; returns it, or ``None`` if unknown or already ended."""
@@ -114,11 +146,27 @@ class Scheduler:
         """Remove ``request`` from every queue and free its pages."""
         self.requests.pop(request.request_id, None)
         self.paused.pop(request.request_id, None)
-        for q in (self.waiting, self.running, self.swapping_out, self.swapping_in):
+        self._paused_holders.pop(request.request_id, None)
+        if request in self.waiting:
+            self._dequeue(request)
+        self.running.discard(request)
+        for q in (self.swapping_out, self.swapping_in):
             if request in q:
                 q.remove(request)
         self._free_device(request)
         self._free_host(request)
+
+    def _enqueue(self, request: Request, now: float) -> None:
+        """Put ``request`` in the waiting queue and tell the policy."""
+        self.waiting.append(request)
+        if request.device_pages:
+            self._waiting_holders[request.request_id] = request
+        self.policy.on_enqueue(request, now)
+
+    def _dequeue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self._waiting_holders.pop(request.request_id, None)
+        self.policy.on_dequeue(request)
 
     def _free_device(self, request: Request) -> None:
         if request.device_pages:
@@ -135,6 +183,7 @@ class Scheduler:
               api_duration_s: float | None = None) -> Handling:
         """``request`` just emitted an API call: take it out of the batch and
         apply the handling (engine-forced, else the policy's). Returns it."""
+        self.now = now
         view = self.view()
         chosen = self.config.handling or self.policy.handling(request, view, now, api_duration_s)
         record = ApiCallRecord(api_type=api_type, handling=chosen, call_time=now,
@@ -163,6 +212,8 @@ class Scheduler:
             request.state = RequestState.PAUSED
         elif chosen == Handling.PRESERVE:
             request.state = RequestState.PAUSED
+            if request.device_pages:
+                self._paused_holders[request.request_id] = request
         record.handling = chosen
         request.handling = chosen
         return chosen
@@ -172,38 +223,78 @@ class Scheduler:
         (already appended to its context by the caller)."""
         if request.request_id not in self.paused or request.api_returned:
             raise ValueError(f"request {request.request_id!r} is not waiting for an API call")
+        self.now = now
         record = request.api_calls[-1]
         record.return_time = now
         record.num_returned_tokens = num_returned_tokens
         request.num_tokens += num_returned_tokens
         request.api_returned = True
+        self.policy.predictor.observe_api(record.api_type, now - record.call_time)
         self.policy.on_api_return(request, now, self.view())
         if request.state != RequestState.SWAPPING_OUT:
             self._requeue_returned(request)
 
+    def change_handling(self, request: Request, handling: Handling, now: float) -> Handling:
+        """Re-decide the handling of a request paused under Preserve whose call
+        has not returned (InferCept re-evaluates as its elapsed-time estimate of
+        the call grows). Preserve -> Discard frees the pages now; -> Swap starts
+        a chunked swap-out (Discard when the host pool is full). Returns the
+        handling in force afterwards."""
+        if (request.request_id not in self._paused_holders or request.api_returned
+                or handling == Handling.PRESERVE):
+            return request.handling
+        record = request.api_calls[-1]
+        n = len(request.device_pages)
+        if handling == Handling.SWAP and self.host_pool.can_allocate(n):
+            del self._paused_holders[request.request_id]
+            request.host_pages = self.host_pool.allocate(request.request_id, n)
+            request.pages_swapped = 0
+            request.state = RequestState.SWAPPING_OUT
+            self.swapping_out.append(request)
+        else:
+            if handling == Handling.SWAP:
+                record.fell_back_from = Handling.SWAP
+            handling = Handling.DISCARD
+            self._drop_kv(request)
+        record.handling = request.handling = handling
+        return handling
+
     def _requeue_returned(self, request: Request) -> None:
         del self.paused[request.request_id]
+        self._paused_holders.pop(request.request_id, None)
         if request.state != RequestState.SWAPPED:
             request.state = RequestState.WAITING
-        self.waiting.append(request)
+        self._enqueue(request, self.now)
 
     def _drop_kv(self, request: Request) -> None:
         """Free the device KV; the context will be recomputed."""
         self._free_device(request)
         request.num_computed_tokens = 0
+        self._paused_holders.pop(request.request_id, None)
+        self._waiting_holders.pop(request.request_id, None)
 
     # ------------------------------------------------------------- schedule
     def schedule(self, now: float) -> StepPlan:
         self.iteration += 1
+        self.now = now
         self.policy.on_step(self, now)
         view = self.view()
-        plan = StepPlan(token_budget=max(1, self.policy.token_budget(self.config.max_num_batched_tokens, view)))
+        plan = StepPlan(token_budget=max(1, self._token_budget(view)))
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
         swap_pages = self._continue_swap_out(plan, swap_pages, view)
         swap_pages = self._continue_swap_in(plan, swap_pages)
         budget = self._schedule_running(plan, plan.token_budget, now, view)
         self._admit_waiting(plan, budget, swap_pages, now)
+        self.policy.on_plan(plan, now)
         return plan
+
+    def _token_budget(self, view: MemoryView) -> int:
+        mode, target = self.config.token_budget, self.config.max_num_batched_tokens
+        if mode == "static":
+            return target
+        if mode == "dynamic":
+            return self._dynamic_budget(target, view)
+        return self.policy.token_budget(target, view)
 
     def _continue_swap_out(self, plan: StepPlan, swap_pages: int, view: MemoryView) -> int:
         for request in list(self.policy.order_swap_out(self.swapping_out, view)):
@@ -253,7 +344,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
         scheduled: set[str] = set()
-        for request in list(self.running):
+        for request in self.policy.order_running(self.running, now, view):
             if budget <= 0:
                 break
             if request.state != RequestState.RUNNING:
@@ -282,15 +373,14 @@ class Scheduler:
         if not self.waiting:
             return
         view = self.view()
-        order = self.policy.order_waiting(self.waiting, now, view)
-        for i, request in enumerate(order):
+        for request in self.policy.iter_waiting(self.waiting, now, view):
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
             if request.state == RequestState.SWAPPED:
                 n_pages = len(request.host_pages)
                 if not self.device_pool.can_allocate(n_pages):
                     break
-                self.waiting.remove(request)
+                self._dequeue(request)
                 request.device_pages = self.device_pool.allocate(request.request_id, n_pages)
                 request.pages_swapped = 0
                 request.state = RequestState.SWAPPING_IN
@@ -307,11 +397,11 @@ class Scheduler:
                 continue
             n = min(request.num_uncomputed_tokens, budget)
             need = self._pages_needed(request, n)
-            while need > self.device_pool.num_free and self._evict_idle_holder(behind=order[i + 1:]):
+            while need > self.device_pool.num_free and self._evict_idle_holder(request, now, view):
                 need = self._pages_needed(request, n)
             if need > self.device_pool.num_free:
                 break  # keep the policy's order: no skipping ahead of the head
-            self.waiting.remove(request)
+            self._dequeue(request)
             request.state = RequestState.RUNNING
             self.running.append(request)
             self._add_chunk(plan, request, n, need, now)
@@ -342,24 +432,36 @@ class Scheduler:
         request.state = RequestState.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(request)
+        self._enqueue(request, self.now)
         plan.preempted.append(request)
 
-    def _evict_idle_holder(self, behind: list[Request] | None = None) -> bool:
+    def _evict_idle_holder(self, behind: Request | None = None, now: float | None = None,
+                           view: MemoryView | None = None) -> bool:
         """Free the pages of one request that holds device KV but is not running
-        (paused under Preserve, or back from its API and still waiting): it will
-        be recomputed. Waiting candidates are limited to ``behind`` (those the
-        policy ranks lower) when given. Returns False when there is none."""
-        waiting = self.waiting if behind is None else behind
-        for request in list(self.paused.values()) + list(reversed(waiting)):
-            if request.device_pages and request.state in (RequestState.PAUSED, RequestState.WAITING):
-                self._drop_kv(request)
-                if request.api_calls and request.api_calls[-1].handling == Handling.PRESERVE:
-                    request.api_calls[-1].fell_back_from = Handling.PRESERVE
-                    request.api_calls[-1].handling = Handling.DISCARD
-                    request.handling = Handling.DISCARD
-                return True
-        return False
+        (paused under Preserve first, then one back from its API and still
+        waiting, lowest-ranked first): it will be recomputed. When ``behind`` is
+        given, waiting candidates are limited to those the policy ranks after
+        it. Returns False when there is none."""
+        victim = next(iter(self._paused_holders.values()), None)
+        if victim is None and self._waiting_holders:
+            now = self.now if now is None else now
+            view = self.view() if view is None else view
+            rank = self.policy.waiting_rank
+            floor = rank(behind, now, view) if behind is not None else None
+            ranked = [(rank(r, now, view), r) for r in self._waiting_holders.values() if r is not behind]
+            ranked = [(k, r) for k, r in ranked if floor is None or k > floor]
+            if ranked:
+                victim = max(ranked, key=lambda kr: kr[0])[1]
+        if victim is None:
+            return False
+        self._drop_kv(victim)
+        if victim.api_calls and victim.api_calls[-1].handling == Handling.PRESERVE:
+            victim.api_calls[-1].fell_back_from = Handling.PRESERVE
+            victim.api_calls[-1].handling = Handling.DISCARD
+            victim.handling = Handling.DISCARD
+        if victim in self.waiting:
+            self.policy.on_requeue(victim, now if now is not None else self.now)
+        return True
 
     # ------------------------------------------------------------ after step
     def on_step_done(self, plan: StepPlan, now: float) -> list[Request]:
@@ -417,3 +519,8 @@ class Scheduler:
         queued += [r.request_id for r in self.paused.values()]
         assert len(queued) == len(set(queued)), "a request is in two queues"
         assert set(queued) == set(self.requests), "queues and live requests disagree"
+        holders = {r.request_id for r in self.paused.values() if r.state == RequestState.PAUSED and r.device_pages}
+        assert set(self._paused_holders) == holders, "paused-holder index out of step"
+        holders = {r.request_id for r in self.waiting if r.device_pages}
+        assert set(self._waiting_holders) == holders, "waiting-holder index out of step"
+        self.policy.check_invariants(self)

@@ -2,47 +2,100 @@
 
 from __future__ import annotations
 
-from scheduler.cost_model import waste_discard_chunked, waste_preserve, waste_swap
+from typing import TYPE_CHECKING
+
+from scheduler.cost_model import CostModel, waste_discard_chunked, waste_preserve, waste_swap
 from scheduler.plan import MemoryView
-from scheduler.policies.base import Policy, register_policy
-from scheduler.request import Handling, Request
+from scheduler.policies.fcfs import FcfsOrder
+from scheduler.policies.base import register_policy
+from scheduler.request import Handling, Request, RequestState
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
 
 
-def min_waste_handling(request: Request, view: MemoryView, api_duration_s: float) -> tuple[Handling, float]:
-    """The handling with the least memory waste for a call of ``api_duration_s``
-    seconds, and that waste in byte-seconds. Swap is only a candidate when the
-    host pool has room for the whole context."""
-    cost = view.cost
-    c_i = request.num_computed_tokens
-    c_other = max(0, view.running_tokens - request.num_tokens)
+def min_waste_choice(cost: CostModel, context_tokens: int, other_tokens: int, num_running: int,
+                     api_duration_s: float, swap_ok: bool = True) -> tuple[Handling, float]:
+    """The handling with the least memory waste (byte-seconds) for a call of
+    ``api_duration_s`` seconds by a request holding ``context_tokens`` of KV,
+    while others hold ``other_tokens``. Discard is InferCept's chunked
+    recompute: chunks of ``S − num_running`` tokens (the saturation point minus
+    the decode tokens the running batch already puts in each step). Swap is a
+    candidate only when ``swap_ok`` (the host pool has room)."""
     options = {
-        Handling.PRESERVE: waste_preserve(cost, c_i, api_duration_s),
-        Handling.DISCARD: waste_discard_chunked(cost, c_i, c_other, view.running_tokens),
+        Handling.PRESERVE: waste_preserve(cost, context_tokens, api_duration_s),
+        Handling.DISCARD: waste_discard_chunked(cost, context_tokens, other_tokens, num_running),
     }
-    if view.free_host_pages * view.page_size >= c_i:
-        options[Handling.SWAP] = waste_swap(cost, c_i, c_other)
+    if swap_ok:
+        options[Handling.SWAP] = waste_swap(cost, context_tokens, other_tokens)
     best = min(options, key=options.get)
     return best, options[best]
 
 
-@register_policy("infercept")
-class InferceptPolicy(Policy):
-    """Min-waste handling chosen when the call happens; FCFS by original arrival.
+def min_waste_handling(request: Request, view: MemoryView, api_duration_s: float) -> tuple[Handling, float]:
+    """``min_waste_choice`` for ``request`` calling an API now: ``C_i`` is its
+    computed context, ``C_other`` the rest of the running tokens."""
+    c_i = request.num_computed_tokens
+    c_other = max(0, view.running_tokens - request.num_tokens)
+    swap_ok = view.free_host_pages * view.page_size >= c_i
+    return min_waste_choice(view.cost, c_i, c_other, view.num_running, api_duration_s, swap_ok)
 
-    An unknown API duration is estimated as 0 at the call (InferCept's
-    ``t_now − t_call`` estimate, which starts at zero), so short calls are
-    preserved. Swap-out budget goes to the paused requests with the largest
-    waste first.
+
+@register_policy("infercept")
+class InferceptPolicy(FcfsOrder):
+    """Min-waste handling chosen when the call happens; FCFS by original arrival
+    (a returning request keeps its arrival time); the swap-out budget goes to
+    the paused requests with the largest waste first.
+
+    Unknown API duration (``api_duration_s=None`` and the predictor has no
+    answer, or the predictor is ``elapsed``): the duration is estimated as
+    ``t_now − t_call``, which is 0 at the call, so the call starts under
+    Preserve; every step the choice is re-made with the grown estimate, and
+    once Discard or Swap wastes less the request is switched
+    (``Scheduler.change_handling``) — seed 003 §4.4.
     """
+
+    def __init__(self, predictor=None, **options) -> None:
+        super().__init__(predictor, **options)
+        self._watch: dict[str, Request] = {}   # Preserve calls with an elapsed-time estimate
 
     def handling(self, request: Request, view: MemoryView, now: float,
                  api_duration_s: float | None) -> Handling:
         duration = api_duration_s
         if duration is None:
-            duration = self.predictor.api_duration(request, now, now) or 0.0
+            duration = self.predictor.api_duration(request, now, now)
+            if duration is None or self.predictor.grows_while_waiting:
+                duration = 0.0 if duration is None else duration
+                request.policy_state["elapsed_estimate"] = True
         best, waste = min_waste_handling(request, view, duration)
         request.policy_state["waste"] = waste
+        if best == Handling.PRESERVE and request.policy_state.pop("elapsed_estimate", False):
+            self._watch[request.request_id] = request
+        request.policy_state.pop("elapsed_estimate", None)
         return best
+
+    def on_step(self, scheduler: "Scheduler", now: float) -> None:
+        super().on_step(scheduler, now)
+        if not self._watch:
+            return
+        view = scheduler.view()
+        for rid, request in list(self._watch.items()):
+            if request.state != RequestState.PAUSED or request.api_returned or not request.device_pages:
+                del self._watch[rid]
+                continue
+            elapsed = max(0.0, now - request.api_calls[-1].call_time)
+            c_i = request.num_computed_tokens
+            swap_ok = view.free_host_pages * view.page_size >= c_i
+            best, waste = min_waste_choice(view.cost, c_i, view.running_tokens, view.num_running,
+                                           elapsed, swap_ok)
+            request.policy_state["waste"] = waste
+            if best != Handling.PRESERVE:
+                del self._watch[rid]
+                scheduler.change_handling(request, best, now)
+                view = scheduler.view()
+
+    def on_finish(self, request: Request, now: float) -> None:
+        self._watch.pop(request.request_id, None)
 
     def order_swap_out(self, swapping: list[Request], view: MemoryView) -> list[Request]:
         return sorted(swapping, key=lambda r: -r.policy_state.get("waste", 0.0))
