@@ -344,7 +344,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
         scheduled: set[str] = set()
-        for request in self.policy.order_running(self.running, now, view):
+        for request in self.policy.order_running(self.running, now, view, budget):
             if budget <= 0:
                 break
             if request.state != RequestState.RUNNING:

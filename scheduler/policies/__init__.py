@@ -1,6 +1,12 @@
-"""Scheduling policies, registered by name. Importing this package registers them all."""
+"""Scheduling policies, registered by name. Importing this package registers them all.
 
-from scheduler.policies import fcfs, infercept  # noqa: F401  (registration side effects)
-from scheduler.policies.base import Policy, available_policies, make_policy, register_policy
+One module per policy family: ``fcfs`` (fcfs, fcfs-improved), ``infercept``,
+``lamps`` (lamps, alias mars), ``augserve``, ``sjf`` (sjf, sjf-total),
+``prophet``. To add one: subclass ``Policy`` or ``RankedPolicy`` in a new
+module, decorate it with ``@register_policy("name")`` and import the module here.
+"""
 
-__all__ = ["Policy", "available_policies", "make_policy", "register_policy"]
+from scheduler.policies import augserve, fcfs, infercept, lamps, prophet, sjf  # noqa: F401  (registration)
+from scheduler.policies.base import Policy, RankedPolicy, available_policies, make_policy, register_policy
+
+__all__ = ["Policy", "RankedPolicy", "available_policies", "make_policy", "register_policy"]

@@ -115,9 +115,10 @@ class Policy:
         (ties in ``priority`` broken as ``order_waiting`` breaks them)."""
         return (self.priority(request, now, view), self.scheduler.waiting.index(request))
 
-    def order_running(self, running: Iterable[Request], now: float, view: MemoryView) -> list[Request]:
-        """Running requests in the order they get this step's token budget (a
-        new list; leaving one out skips it this step, keeping its pages)."""
+    def order_running(self, running: Iterable[Request], now: float, view: MemoryView,
+                      budget: int | None = None) -> list[Request]:
+        """Running requests in the order they get this step's ``budget`` tokens
+        (a new list; leaving one out skips it this step, keeping its pages)."""
         return list(running)
 
     def order_swap_out(self, swapping: list[Request], view: MemoryView) -> list[Request]:

@@ -1,0 +1,154 @@
+"""AugServe: two-stage scheduling values and a dynamic token budget (DESIGN 7, seed 004)."""
+
+from __future__ import annotations
+
+from scheduler.cost_model import CostModel, waste_discard, waste_preserve
+from scheduler.plan import MemoryView
+from scheduler.policies.base import RankedPolicy, register_policy
+from scheduler.policies.lamps import step_time
+from scheduler.request import Handling, Request
+
+
+def augserve_handling(cost: CostModel, context_tokens: int, other_tokens: int, api_duration_s: float,
+                      n_max: int, swap_ok: bool) -> Handling:
+    """Eqs. 4–8: the handling with the least waiting-phase memory waste.
+    Swap's waste is eq. 6, ``2 · T_swap(C_i) · N_max · M`` (a step of
+    ``N_max`` tokens stalls for the copy)."""
+    options = {
+        Handling.PRESERVE: waste_preserve(cost, context_tokens, api_duration_s),
+        Handling.DISCARD: waste_discard(cost, context_tokens, other_tokens),
+    }
+    if swap_ok:
+        options[Handling.SWAP] = 2 * cost.t_swap(context_tokens) * n_max * cost.bytes_per_token
+    return min(options, key=options.get)
+
+
+@register_policy("augserve")
+class AugServePolicy(RankedPolicy):
+    """Rank by AugServe's scheduling value (a predicted system cost, lower
+    first) minus ``α · (now − last_scheduled)``; dynamic token budget.
+
+    - Stage I, at arrival: handling ``Ŝ`` by eqs. 4–8 with the predicted
+      context at the call ``C_i = L_pre + L̂_out``; value ``V(1)`` by eqs.
+      9–15 (prefill + decode, + API residency for Preserve, + swap-out for
+      Swap).
+    - Stage II, at each API return: ``V(2)`` by eqs. 16–22 from the handling
+      actually applied and the observed return length, then ``V_final`` by
+      eqs. 23–25 with the next round's predicted handling (which is also the
+      handling applied at the next call). A request preempted without an API
+      return keeps its last value.
+    - Values are in token-seconds (byte-seconds ÷ ``M``), ``T^fwd`` is the
+      saturated step time ``T_fwd(S)``, ``N_max`` the engine's
+      ``max_num_batched_tokens``, ``S_out = S_in`` its ``swap_budget_tokens``.
+    - Anti-starvation (eq. 26): printed as ``V + α·wait``, but lower values
+      run first and the stated aim is that long-waiting requests gain
+      priority, so the key is ``V − α·(now − t_last)`` with ``t_last`` the
+      last time the request was scheduled (arrival if never). Since
+      ``−α·now`` is common to all requests, the key is filed as
+      ``V + α·t_last``: exact, and constant while the request waits.
+      ``alpha`` is in token-seconds per second waited (default 1000: a 1 s
+      wait offsets 1000 token-seconds of predicted cost); ``alpha=0`` turns it off.
+    - Token budget: ``token_budget="dynamic"`` by default (eqs. 27–32, see
+      ``scheduler.token_budget``); pass ``token_budget="static"`` to disable.
+    """
+
+    default_token_budget = "dynamic"
+
+    def __init__(self, predictor=None, *, alpha: float = 1000.0, **options) -> None:
+        super().__init__(predictor, **options)
+        if alpha < 0:
+            raise ValueError("alpha must be >= 0")
+        self.alpha = alpha
+
+    # ------------------------------------------------------------- helpers
+    def _params(self) -> tuple[CostModel, float, int, int]:
+        sched = self.scheduler
+        return sched.cost, step_time(sched.cost), sched.config.max_num_batched_tokens, \
+            sched.config.swap_budget_tokens
+
+    def _next_call(self, request: Request, now: float) -> tuple[bool, float]:
+        seg = request.current_segment
+        if seg is None or not seg.has_api_call:
+            return False, 0.0
+        return True, self.predictor.api_duration(request, now, None) or 0.0
+
+    def _choose(self, context: int, duration: float, view: MemoryView) -> Handling:
+        cost, _, n_max, _ = self._params()
+        swap_ok = view.free_host_pages * view.page_size >= context
+        return augserve_handling(cost, context, view.running_tokens, duration, n_max, swap_ok)
+
+    # ------------------------------------------------------------- stage I
+    def stage1_value(self, request: Request, handling: Handling | None, duration: float) -> float:
+        """Eqs. 9–15 (token-seconds)."""
+        _, tau, n_max, s_out = self._params()
+        l_pre = request.num_tokens
+        l_out = self.predictor.segment_output_len(request)
+        value = 0.5 * l_pre * l_pre / n_max * tau + tau * (l_pre * l_out + 0.5 * l_out * l_out)
+        if handling == Handling.PRESERVE:
+            value += (l_pre + l_out) * duration
+        elif handling == Handling.SWAP:
+            value += 0.5 * (l_pre + l_out) ** 2 / s_out * tau
+        return value
+
+    def on_arrival(self, request: Request, now: float, view: MemoryView) -> None:
+        has_call, duration = self._next_call(request, now)
+        handling = None
+        if has_call:
+            handling = self._choose(request.num_tokens + self.predictor.segment_output_len(request),
+                                    duration, view)
+        request.policy_state["aug_handling"] = handling
+        request.policy_state["aug_value"] = self.stage1_value(request, handling, duration)
+        request.policy_state["aug_stage"] = 1
+
+    # ------------------------------------------------------------ stage II
+    def stage2_value(self, applied: Handling, total: int, returned: int, out_next: int,
+                     next_handling: Handling | None, next_duration: float) -> float:
+        """Eqs. 16–25 (token-seconds): ``total`` = L_total, ``returned`` = L̃_ret."""
+        _, tau, n_max, s_io = self._params()
+        pro_api = tau / n_max * (total * returned + 0.5 * returned * returned)
+        decode_post = tau * ((total + returned) * out_next + 0.5 * out_next * out_next)
+        value = pro_api + decode_post
+        if applied == Handling.SWAP:
+            value += 0.5 * total * total / s_io * tau
+        elif applied == Handling.DISCARD:
+            value += 0.5 * total * total / n_max * tau
+        c_next = total + returned + out_next
+        if next_handling == Handling.SWAP:
+            value += 0.5 * c_next * c_next / s_io * tau
+        elif next_handling == Handling.PRESERVE:
+            value += c_next * next_duration
+        return value
+
+    def on_api_return(self, request: Request, now: float, view: MemoryView) -> None:
+        record = request.api_calls[-1]
+        returned = record.num_returned_tokens
+        total = request.num_tokens - returned
+        out_next = self.predictor.segment_output_len(request)
+        has_call, duration = self._next_call(request, now)
+        next_handling = self._choose(request.num_tokens + out_next, duration, view) if has_call else None
+        request.policy_state["aug_handling"] = next_handling
+        request.policy_state["aug_value"] = self.stage2_value(record.handling, total, returned, out_next,
+                                                              next_handling, duration)
+        request.policy_state["aug_stage"] = 2
+
+    def handling(self, request: Request, view: MemoryView, now: float,
+                 api_duration_s: float | None) -> Handling:
+        decided = request.policy_state.get("aug_handling")
+        if decided is not None:
+            return decided
+        duration = api_duration_s if api_duration_s is not None else \
+            (self.predictor.api_duration(request, now, now) or 0.0)
+        return self._choose(request.num_computed_tokens, duration, view)
+
+    # -------------------------------------------------------------- ranking
+    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+        if "aug_value" not in request.policy_state:
+            self.on_arrival(request, now, self.scheduler.view())
+        t_last = request.last_scheduled_time if request.last_scheduled_time is not None \
+            else request.arrival_time
+        return (request.policy_state["aug_value"] + self.alpha * t_last,)
+
+    def rescore_all(self, now: float) -> None:
+        # Stage values are fixed at arrival/return; a retrained predictor only
+        # changes them at the next stage, so nothing to refresh in the queue.
+        return None
