@@ -1,0 +1,22 @@
+"""jaxserve: a JAX/Pallas LLM inference engine for requests that call tools mid-generation."""
+
+from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
+from jaxserve.sampling import SamplingParams
+from jaxserve.tools import Tool
+
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "ApiCall", "ApiCallOutput", "RequestOutput", "Tool"]
+
+
+def __getattr__(name: str):
+    # Engine classes import JAX and the models; load them on first use so the
+    # simulator and trace tools stay light.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from jaxserve.engine import LLMEngine
+        return LLMEngine
+    if name == "AsyncEngine":
+        from jaxserve.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)

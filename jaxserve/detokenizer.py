@@ -1,0 +1,42 @@
+"""Incremental detokenization with stop strings, safe for multi-byte characters."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes only a short window (``prefix_offset`` … end) per token, and holds
+    back a delta that ends in an incomplete UTF-8 sequence (U+FFFD).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append a token; returns ``(new text, hit a stop string)``. On a stop
+        string the text is cut just before it."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        full = self._decode(self.ids[self._prefix:])
+        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+            return "", False
+        delta = full[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self.ids)
+        before = len(self.text)
+        self.text += delta
+        for s in self.stop:
+            at = self.text.find(s, max(0, before - len(s) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                return self.text[before:], True
+        return delta, False

@@ -1,0 +1,68 @@
+"""``LLM``: the offline Python API (batch generate, runs the engine to completion)."""
+
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import ApiCall, RequestOutput
+from jaxserve.sampling import SamplingParams
+
+
+class LLM:
+    """``LLM("demo").generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))``.
+
+    Keyword arguments go to ``LLMEngine`` (``dtype``, ``page_size``,
+    ``num_pages``, ``max_num_batched_tokens``, ``policy``, ``handling``,
+    ``tools``, ``seed``, ``attention_impl`` …).
+    """
+
+    def __init__(self, model: str = "demo", **engine_kwargs) -> None:
+        self.engine = LLMEngine(model, **engine_kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: list[str] | str | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None,
+                 api_calls: list[list[ApiCall]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; returns final outputs in input order.
+
+        All inputs are validated before any request is queued, so a bad one
+        raises ``ValueError`` and leaves the engine as it was.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("prompts: give exactly one of prompts or prompt_token_ids")
+        items = prompts if prompts is not None else prompt_token_ids
+        n = len(items)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
+        calls = api_calls if api_calls is not None else [None] * n
+        if len(params) != n or len(calls) != n:
+            raise ValueError("sampling_params and api_calls lists must match the number of prompts")
+        ids = []
+        try:
+            for i in range(n):
+                kwargs = {"prompt": items[i]} if prompts is not None else {"prompt_token_ids": items[i]}
+                ids.append(self.engine.add_request(sampling_params=params[i], api_calls=calls[i], **kwargs))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=n, disable=not use_tqdm, desc="generate")
+        while len(final) < n:
+            if not self.engine.scheduler.has_work():
+                wake = self.engine.next_wakeup()
+                time.sleep(0.001 if wake is None else max(0.0, min(0.05, wake - self.engine.clock())))
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids and out.finish_reason != "tool_calls":
+                    final[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [final[rid] for rid in ids]

@@ -1,0 +1,133 @@
+"""Llama-family decoder in ``flax.nnx``: Llama 2/3, Mistral, Qwen2.
+
+RMSNorm, rotary embeddings (with llama3/linear scaling), grouped-query
+attention over a paged KV cache, SwiGLU MLP, tied or untied embeddings.
+Parameter names follow Hugging Face's so loading is a rename plus a transpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.rope import apply_rope, inverse_frequencies
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache (shapes in tokens T and sequences S).
+
+    ``positions [T]`` token positions; ``slot_mapping [T]`` flat cache slot each
+    token's K/V is written to (-1 for padding); ``page_table [S, W]``,
+    ``kv_lens [S]``, ``cu_q_lens [S+1]``, ``num_seqs [1]`` as in
+    ``kernels.ragged_paged_attention``.
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    page_table: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs | None = None) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs) -> None:
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = _linear(h, self.num_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.k_proj = _linear(h, self.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.v_proj = _linear(h, self.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.o_proj = _linear(self.num_heads * d, h, cfg.o_bias, dtype, rngs)
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling))
+        self.sliding_window = cfg.sliding_window
+        self.attention_impl = attention_impl
+
+    def __call__(self, x: jax.Array, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata,
+                 interpret: bool) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        q, k = apply_rope(q, meta.positions, inv_freq), apply_rope(k, meta.positions, inv_freq)
+        k_pages, v_pages = kernels.write_kv_pages(kv[0], kv[1], k.astype(kv[0].dtype),
+                                                  v.astype(kv[1].dtype), meta.slot_mapping)
+        out = kernels.ragged_paged_attention(
+            q.astype(k_pages.dtype), k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q_lens,
+            meta.num_seqs, sliding_window=self.sliding_window, impl=self.attention_impl, interpret=interpret)
+        return self.o_proj(out.reshape(t, -1).astype(x.dtype)), (k_pages, v_pages)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> None:
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
+        self.up_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
+        self.down_proj = _linear(i, h, cfg.mlp_bias, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs) -> None:
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, attention_impl, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, kv, meta, interpret):
+        attn, kv = self.self_attn(self.input_layernorm(x), kv, meta, interpret)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder over a ragged batch of T tokens with a paged KV cache per layer."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_impl: str = "reference",
+                 rngs: nnx.Rngs | None = None) -> None:
+        rngs = rngs or nnx.Rngs(0)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, attention_impl, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def __call__(self, input_ids: jax.Array, kv_caches: list, meta: AttentionMetadata,
+                 logits_indices: jax.Array, interpret: bool = False) -> tuple[jax.Array, list]:
+        """``input_ids [T]`` -> float32 logits ``[len(logits_indices), vocab]`` and the updated caches."""
+        x = self.embed_tokens(input_ids)
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches):
+            x, kv = layer(x, kv, meta, interpret)
+            new_caches.append(kv)
+        x = self.norm(x[logits_indices])
+        if self.lm_head is None:
+            logits = jnp.dot(x, self.embed_tokens.embedding[...].T, precision=jax.lax.Precision.HIGHEST)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), new_caches

@@ -1,0 +1,69 @@
+"""What the engine hands back: per-request outputs and declared API calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ApiCall:
+    """A declared API call: after ``after_tokens`` generated tokens (counted from
+    the start of the request), call an API of type ``api_type`` that takes
+    ``duration_s`` seconds and appends ``returned_token_ids`` to the context."""
+
+    after_tokens: int
+    duration_s: float = 0.0
+    returned_token_ids: tuple[int, ...] | list[int] = ()
+    api_type: str = "api"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.after_tokens, int) or self.after_tokens < 1:
+            raise ValueError(f"ApiCall.after_tokens must be an integer >= 1, got {self.after_tokens!r}")
+        if not isinstance(self.duration_s, (int, float)) or self.duration_s < 0:
+            raise ValueError(f"ApiCall.duration_s must be >= 0, got {self.duration_s!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.returned_token_ids):
+            raise ValueError("ApiCall.returned_token_ids must be non-negative integers")
+
+
+@dataclass
+class ApiCallOutput:
+    """How one API call went: handling used and timings (seconds, engine clock)."""
+
+    api_type: str
+    handling: str
+    call_time: float
+    return_time: float | None
+    resume_time: float | None
+    context_tokens: int
+    returned_tokens: int
+    fell_back_from: str | None = None
+    name: str | None = None        # tool name for parsed calls
+    arguments: str | None = None   # JSON arguments for parsed calls
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request, plus what is new since the last output.
+
+    ``token_ids`` are generated ids only (API-returned tokens go into the
+    context, not here). ``finish_reason`` is "stop", "length", "abort",
+    "tool_calls" (paused on a client-side tool call; resume it with
+    ``resume``) or None while running.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    finish_reason: str | None = None
+    api_calls: list[ApiCallOutput] = field(default_factory=list)
+    tool_call: dict | None = None      # set when finish_reason == "tool_calls"
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

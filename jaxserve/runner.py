@@ -1,0 +1,247 @@
+"""Device side of a step: KV page arrays, batch building, the jitted forward +
+sample, and page copies between device and host (swap).
+
+Shapes are padded to power-of-two buckets of T (tokens) so a bounded number
+of programs is compiled; the KV arrays are donated to every program that
+changes them, so no step copies the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models import AttentionMetadata, ModelConfig
+from jaxserve.sampling import SamplingArrays, sample
+from scheduler import ScheduledChunk, SwapOp
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    page_size: int
+    num_pages: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_dtype: jnp.dtype
+    attention_impl: str
+    interpret: bool = False
+    min_token_bucket: int = 8
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        top = next_power_of_two(self.max_num_batched_tokens)
+        b, out = min(self.min_token_bucket, top), []
+        while b <= top:
+            out.append(b)
+            b *= 2
+        return out
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        return min(token_bucket, next_power_of_two(self.max_num_seqs))
+
+
+@dataclass
+class StepInputs:
+    """Host-side arrays for one step (padded) and which chunk rows sample."""
+
+    token_bucket: int
+    input_ids: np.ndarray
+    meta: dict[str, np.ndarray]
+    logits_indices: np.ndarray
+    sampling: dict[str, np.ndarray]
+    num_seqs: int
+
+
+class ModelRunner:
+    """Owns the model parameters and the KV cache on the device."""
+
+    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: RunnerConfig) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.graphdef, self.params = nnx.split(model)
+        c = model_config
+        shape = (config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim)
+        self.kv = [(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
+                   for _ in range(c.num_hidden_layers)]
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._gather = jax.jit(_gather_pages)
+        self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
+        self.device = jax.devices()[0]
+        self.host_sharding = _host_sharding(self.device)
+        self._host_store: dict[int, tuple[jax.Array, int]] = {}  # host page -> (host chunk, row in it)
+
+    # ----------------------------------------------------------------- forward
+    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
+        model = nnx.merge(self.graphdef, params)
+        logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+        return sample(logits, sampling), logits, kv
+
+    def prepare(self, chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
+                sampling_rows: dict[str, tuple]) -> StepInputs:
+        """Build padded host arrays for ``chunks``.
+
+        ``token_ids[request_id]`` is the request's full context; ``sampling_rows``
+        gives ``(temperature, top_k, top_p, seed, step)`` per request.
+        """
+        cfg = self.config
+        num_tokens = sum(c.num_tokens for c in chunks)
+        t_b = next((b for b in cfg.token_buckets if b >= num_tokens), None)
+        if t_b is None:
+            raise ValueError(f"step has {num_tokens} tokens, more than max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        s_b = cfg.seq_bucket(t_b)
+        if len(chunks) > s_b:
+            raise ValueError(f"step has {len(chunks)} sequences, more than the bucket allows ({s_b})")
+        ps = cfg.page_size
+        input_ids = np.zeros(t_b, np.int32)
+        positions = np.zeros(t_b, np.int32)
+        slots = np.full(t_b, -1, np.int32)
+        page_table = np.zeros((s_b, cfg.pages_per_seq), np.int32)
+        kv_lens = np.zeros(s_b, np.int32)
+        cu = np.zeros(s_b + 1, np.int32)
+        logits_idx = np.zeros(s_b, np.int32)
+        temp = np.zeros(s_b, np.float32)
+        top_k = np.zeros(s_b, np.int32)
+        top_p = np.ones(s_b, np.float32)
+        seed = np.zeros(s_b, np.uint32)
+        step = np.zeros(s_b, np.int32)
+        t = 0
+        for i, ch in enumerate(chunks):
+            rid = ch.request.request_id
+            pages = ch.request.device_pages
+            n, start = ch.num_tokens, ch.start
+            end = start + n
+            input_ids[t:t + n] = token_ids[rid][start:end]
+            pos = np.arange(start, end, dtype=np.int32)
+            positions[t:t + n] = pos
+            page_arr = np.asarray(pages, np.int32)
+            slots[t:t + n] = page_arr[pos // ps] * ps + pos % ps
+            page_table[i, :len(pages)] = page_arr
+            kv_lens[i] = end
+            t += n
+            cu[i + 1] = t
+            logits_idx[i] = t - 1
+            temp[i], top_k[i], top_p[i], seed[i], step[i] = sampling_rows[rid]
+        cu[len(chunks) + 1:] = t
+        meta = dict(positions=positions, slot_mapping=slots, page_table=page_table, kv_lens=kv_lens,
+                    cu_q_lens=cu, num_seqs=np.array([len(chunks)], np.int32))
+        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
+        return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks))
+
+    def execute(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+        """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``."""
+        tokens, logits, self.kv = self._step(
+            self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
+            jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
+        return tokens, logits
+
+    def warmup(self, progress: bool = False) -> None:
+        """Compile the step for every token bucket (runs on padding only)."""
+        for t_b in self.config.token_buckets:
+            s_b = self.config.seq_bucket(t_b)
+            meta = dict(positions=np.zeros(t_b, np.int32), slot_mapping=np.full(t_b, -1, np.int32),
+                        page_table=np.zeros((s_b, self.config.pages_per_seq), np.int32),
+                        kv_lens=np.zeros(s_b, np.int32), cu_q_lens=np.zeros(s_b + 1, np.int32),
+                        num_seqs=np.zeros(1, np.int32))
+            sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
+                            top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32),
+                            step=np.zeros(s_b, np.int32))
+            tokens, _ = self.execute(StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.zeros(s_b, np.int32),
+                                                sampling, 0))
+            tokens.block_until_ready()
+
+    # -------------------------------------------------------------------- swap
+    def swap_out(self, ops: list[SwapOp]) -> None:
+        """Copy each op's device pages to host memory (``pinned_host`` where the backend has it)."""
+        for op in ops:
+            n = len(op.device_pages)
+            ids = np.zeros(next_power_of_two(n), np.int32)
+            ids[:n] = op.device_pages
+            chunk = self._gather(self.kv, jnp.asarray(ids))
+            host = jax.device_put(chunk, self.host_sharding)
+            for row, hp in enumerate(op.host_pages):
+                self._host_store[hp] = (host, row)
+
+    def swap_in(self, ops: list[SwapOp]) -> None:
+        """Copy each op's host pages back into its (newly allocated) device pages."""
+        for op in ops:
+            n = len(op.device_pages)
+            parts, cache = [], {}
+            for hp in op.host_pages:
+                host, row = self._host_store.pop(hp)
+                key = id(host)
+                if key not in cache:
+                    cache[key] = jax.device_put(host, self.device)
+                parts.append(cache[key][:, :, row])
+            size = next_power_of_two(n)
+            data = jnp.stack(parts, axis=2)
+            if size > n:
+                data = jnp.pad(data, [(0, 0), (0, 0), (0, size - n)] + [(0, 0)] * 3)
+            ids = np.full(size, self.config.num_pages, np.int32)  # out of range -> dropped
+            ids[:n] = op.device_pages
+            self.kv = self._scatter(self.kv, jnp.asarray(ids), data)
+
+    def release_host_pages(self, host_pages: list[int]) -> None:
+        """Forget host copies of pages whose request ended while swapped."""
+        for hp in host_pages:
+            self._host_store.pop(hp, None)
+
+    def host_memory_kind(self, host_page: int) -> str | None:
+        entry = self._host_store.get(host_page)
+        return None if entry is None else entry[0].sharding.memory_kind
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.model_config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * jnp.dtype(self.config.kv_dtype).itemsize
+
+
+def _host_sharding(device) -> jax.sharding.Sharding:
+    """Single-device sharding in pinned host memory (unpinned, then device memory, as fallbacks)."""
+    base = jax.sharding.SingleDeviceSharding(device)
+    kinds = {m.kind for m in device.addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return base.with_memory_kind(kind)
+    return base
+
+
+def _gather_pages(kv: list, page_ids: jax.Array) -> jax.Array:
+    """``[L, 2, n, page_size, Hkv, D]``: the given pages of every layer's K and V."""
+    return jnp.stack([jnp.stack([k[page_ids], v[page_ids]]) for k, v in kv])
+
+
+def _scatter_pages(kv: list, page_ids: jax.Array, data: jax.Array) -> list:
+    """Write ``data [L, 2, n, ...]`` into ``page_ids`` of every layer (out-of-range ids dropped)."""
+    return [(k.at[page_ids].set(data[l, 0], mode="drop"), v.at[page_ids].set(data[l, 1], mode="drop"))
+            for l, (k, v) in enumerate(kv)]
+
+
+def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, fraction: float = 0.9,
+                  max_pages: int | None = None) -> int:
+    """Pages that fit in ``fraction`` of the device's free memory (after weights).
+
+    On backends that do not report memory (CPU), 2 GiB is assumed.
+    """
+    per_page = page_size * 2 * model_config.num_hidden_layers * model_config.num_key_value_heads \
+        * model_config.head_dim * jnp.dtype(kv_dtype).itemsize
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)
+    else:
+        free = 2 * 1024**3
+    pages = max(1, int(free // per_page))
+    return min(pages, max_pages) if max_pages else pages
