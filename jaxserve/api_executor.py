@@ -99,6 +99,12 @@ class ApiExecutor:
                 out.append(ApiResult(request_id, error=f"tool {name!r} timed out"))
         return out
 
+    def poll_ready(self, now: float) -> bool:
+        """True when ``poll(now)`` would return something (cheap check, no side effects)."""
+        if self._ready or (self._timers and self._timers[0][0] <= now):
+            return True
+        return any(f.done() or now >= d for f, d, _ in self._pending.values())
+
     def next_due(self) -> float | None:
         """Earliest time a timer or tool deadline falls due (None if none)."""
         times = [self._timers[0][0]] if self._timers else []

@@ -1,0 +1,198 @@
+"""``AsyncEngine``: the engine loop on a background thread, driven from asyncio.
+
+The thread owns the ``LLMEngine`` exclusively; callers send it commands
+through a queue and receive outputs on per-request asyncio queues. A step
+that raises fails only the requests in flight (their streams get the error),
+and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Callable
+
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import ApiCall, RequestOutput
+from jaxserve.sampling import SamplingParams
+
+log = logging.getLogger("jaxserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    """``async for out in engine.generate(prompt, params, request_id=...)`` streams
+    ``RequestOutput`` deltas; ``await engine.abort(request_id)``."""
+
+    max_consecutive_failures = 5
+
+    def __init__(self, model: str = "demo", *, engine: LLMEngine | None = None, **engine_kwargs) -> None:
+        self.engine = engine if engine is not None else LLMEngine(model, **engine_kwargs)
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._dead_reason: str | None = None
+        self.usage_snapshot: dict = self.engine.usage()
+        self.stats_snapshot = dataclasses.replace(self.engine.stats, finished={})
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._dead_reason is None
+
+    async def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       api_calls: list[ApiCall] | None = None,
+                       parse_tool_calls: bool | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs until the request finishes (or pauses on a client-side
+        tool call: ``finish_reason == "tool_calls"``; continue it with ``resume``).
+        Closing the iterator early aborts the request."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        stream = self._open_stream(request_id)
+        try:
+            await self._call(lambda: self.engine.add_request(
+                request_id, prompt, sampling_params, prompt_token_ids, api_calls, parse_tool_calls))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def resume(self, request_id: str, token_ids: list[int] | None = None,
+                     text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Return a client-side tool's result to a paused request and stream the continuation.
+        ``KeyError`` if the request is not paused on such a call."""
+        stream = self._open_stream(request_id)
+        try:
+            await self._call(lambda: self.engine.resume(request_id, token_ids=token_ids, text=text))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a live request and free its pages; False if it was not live."""
+        if not self.is_alive:
+            return False
+        out = await self._call(lambda: self.engine.abort(request_id))
+        return out is not None
+
+    async def is_paused_on_tool(self, request_id: str) -> bool:
+        return await self._call(lambda: self.engine.is_live(request_id)
+                                and self.engine.api.is_waiting_external(request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # -------------------------------------------------------------- plumbing
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason or "engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already streaming")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    async def _drain(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    done = True
+                    raise out
+                done = out.finished
+                yield out
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:  # the consumer went away (e.g. client disconnect): free the request
+                try:
+                    await asyncio.shield(self.abort(request_id))
+                except Exception:  # noqa: BLE001 - best effort during teardown
+                    log.exception("abort of %s after disconnect failed", request_id)
+
+    async def _call(self, fn: Callable):
+        """Run ``fn`` on the engine thread and await its result (exceptions propagate)."""
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason or "engine loop is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _run_commands(self, timeout: float | None) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                future.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        failures = 0
+        engine = self.engine
+        while not self._stop.is_set():
+            if engine.scheduler.has_work():
+                self._run_commands(None)
+            else:
+                wake = engine.next_wakeup()
+                wait = 0.05 if wake is None else min(0.05, max(0.0005, wake - engine.clock()))
+                self._run_commands(wait)
+                if not engine.scheduler.has_work() and not engine.api.poll_ready(engine.clock()):
+                    continue
+            try:
+                outputs = engine.step()
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - isolate the failure to the requests in flight
+                failures += 1
+                log.exception("engine step failed")
+                self._fail_all(e)
+                if failures >= self.max_consecutive_failures:
+                    self._dead_reason = f"engine step failed {failures} times in a row: {e}"
+                    break
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self.usage_snapshot = engine.usage()
+            self.stats_snapshot = dataclasses.replace(engine.stats, finished=dict(engine.stats.finished))
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(self._dead_reason or "engine stopped"))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine._live):
+            self.engine.abort(request_id)
+            self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
