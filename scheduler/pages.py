@@ -24,7 +24,9 @@ class PageAllocator:
         self.page_size = page_size
         self.name = name
         self._free: deque[int] = deque(range(num_pages))
-        self._owner: dict[int, str] = {}
+        # Owner per page id (None = free). A list, not a dict: no rehash spikes
+        # on the hot path however many pages churn.
+        self._owner: list[str | None] = [None] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -45,24 +47,28 @@ class PageAllocator:
         """Take ``n`` free pages for ``owner``; raises ``OutOfPagesError`` if too few."""
         if n > len(self._free):
             raise OutOfPagesError(f"{self.name} pool: asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
+        pop, owners = self._free.popleft, self._owner
+        pages = [pop() for _ in range(n)]
         for p in pages:
-            self._owner[p] = owner
+            owners[p] = owner
         return pages
 
     def free(self, owner: str, pages: list[int]) -> None:
         """Return ``pages`` (all owned by ``owner``) to the free list."""
+        owners = self._owner
         for p in pages:
-            if self._owner.get(p) != owner:
-                raise RuntimeError(f"{self.name} page {p} freed by {owner!r} but owned by {self._owner.get(p)!r}")
-            del self._owner[p]
-            self._free.append(p)
+            if owners[p] != owner:
+                raise RuntimeError(f"{self.name} page {p} freed by {owner!r} but owned by {owners[p]!r}")
+        for p in pages:
+            owners[p] = None
+        self._free.extend(pages)
 
     def owned_by(self) -> dict[str, list[int]]:
         """Pages grouped by owner (for invariant checks and metrics)."""
         out: dict[str, list[int]] = {}
-        for page, owner in self._owner.items():
-            out.setdefault(owner, []).append(page)
+        for page, owner in enumerate(self._owner):
+            if owner is not None:
+                out.setdefault(owner, []).append(page)
         return out
 
     def check_invariants(self, expected: dict[str, list[int]] | None = None) -> None:
@@ -74,9 +80,10 @@ class PageAllocator:
         free = list(self._free)
         free_set = set(free)
         assert len(free) == len(free_set), f"{self.name}: a page is on the free list twice"
-        assert not (free_set & self._owner.keys()), f"{self.name}: pages both free and owned: {sorted(free_set & self._owner.keys())[:8]}"
-        assert len(free_set) + len(self._owner) == self.num_pages, (
-            f"{self.name}: {len(free_set)} free + {len(self._owner)} owned != {self.num_pages} pages")
+        owned = {p for p, o in enumerate(self._owner) if o is not None}
+        assert not (free_set & owned), f"{self.name}: pages both free and owned: {sorted(free_set & owned)[:8]}"
+        assert len(free_set) + len(owned) == self.num_pages, (
+            f"{self.name}: {len(free_set)} free + {len(owned)} owned != {self.num_pages} pages")
         if expected is not None:
             actual = {o: sorted(p) for o, p in self.owned_by().items()}
             want = {o: sorted(p) for o, p in expected.items() if p}

@@ -284,7 +284,7 @@ class Scheduler:
         swap_pages = self._continue_swap_out(plan, swap_pages, view)
         swap_pages = self._continue_swap_in(plan, swap_pages)
         budget = self._schedule_running(plan, plan.token_budget, now, view)
-        self._admit_waiting(plan, budget, swap_pages, now)
+        self._admit_waiting(plan, budget, swap_pages, now, view)
         self.policy.on_plan(plan, now)
         return plan
 
@@ -343,36 +343,62 @@ class Scheduler:
         return max(0, total - len(request.device_pages))
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
-        scheduled: set[str] = set()
+        # The hot loop of every step (one pass over the running batch), so the
+        # common case (pages on hand) is inlined; running out of pages takes
+        # the slow path (evict an idle holder, else preempt the lowest priority).
+        pool = self.device_pool
+        page_size = pool.page_size
+        chunks = plan.chunks
+        running_state = RequestState.RUNNING
         for request in self.policy.order_running(self.running, now, view, budget):
             if budget <= 0:
                 break
-            if request.state != RequestState.RUNNING:
+            if request.state is not running_state:
                 continue  # preempted earlier in this loop
-            n = min(request.num_uncomputed_tokens, budget)
+            start = request.num_computed_tokens
+            n = request.num_tokens - start
             if n <= 0:
                 continue
-            need = self._pages_needed(request, n)
-            while need > self.device_pool.num_free:
-                if self._evict_idle_holder():
+            if n > budget:
+                n = budget
+            need = -(-(start + n) // page_size) - len(request.device_pages)
+            if need > 0:
+                while need > pool.num_free:
+                    if self._evict_idle_holder():
+                        continue
+                    victim = self._pick_victim(plan, now, view)
+                    if victim is None:
+                        break
+                    self._preempt(victim, plan)
+                    if victim is request:
+                        break
+                if request.state is not running_state or need > pool.num_free:
                     continue
-                victim = self._pick_victim(scheduled, now, view)
-                if victim is None:
-                    break
-                self._preempt(victim, plan)
-                if victim is request:
-                    break
-            if request.state != RequestState.RUNNING or need > self.device_pool.num_free:
-                continue
-            self._add_chunk(plan, request, n, need, now)
-            scheduled.add(request.request_id)
+                request.device_pages.extend(pool.allocate(request.request_id, need))
+            chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
+            if request.first_scheduled_time is None or (
+                    request.api_returned and request.api_calls[-1].resume_time is None):
+                self._mark_scheduled(request, now)
+            request.last_scheduled_time = now
             budget -= n
         return budget
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, swap_pages: int, now: float) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, swap_pages: int, now: float,
+                       step_view: MemoryView) -> None:
         if not self.waiting:
             return
-        view = self.view()
+        # Memory after the running batch took its pages (running tokens as at the step's start).
+        view = MemoryView(
+            free_device_pages=self.device_pool.num_free,
+            total_device_pages=step_view.total_device_pages,
+            free_host_pages=self.host_pool.num_free,
+            total_host_pages=step_view.total_host_pages,
+            page_size=step_view.page_size,
+            running_tokens=step_view.running_tokens,
+            num_running=len(self.running),
+            paused_device_pages=sum(len(r.device_pages) for r in self._paused_holders.values()),
+            cost=self.cost,
+        )
         for request in self.policy.iter_waiting(self.waiting, now, view):
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
@@ -412,14 +438,19 @@ class Scheduler:
             request.device_pages.extend(self.device_pool.allocate(request.request_id, need))
         start = request.num_computed_tokens
         plan.chunks.append(ScheduledChunk(request, start, n, samples=start + n == request.num_tokens))
+        self._mark_scheduled(request, now)
+        request.last_scheduled_time = now
+
+    @staticmethod
+    def _mark_scheduled(request: Request, now: float) -> None:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
         if request.api_calls and request.api_calls[-1].resume_time is None and request.api_returned:
             request.api_calls[-1].resume_time = now
-        request.last_scheduled_time = now
 
-    def _pick_victim(self, scheduled: set[str], now: float, view: MemoryView) -> Request | None:
+    def _pick_victim(self, plan: StepPlan, now: float, view: MemoryView) -> Request | None:
         """The lowest-priority running request not yet given tokens this step."""
+        scheduled = {c.request.request_id for c in plan.chunks}
         candidates = [r for r in self.running if r.request_id not in scheduled]
         if not candidates:
             return None

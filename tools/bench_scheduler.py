@@ -1,0 +1,127 @@
+"""Microseconds per ``Scheduler.schedule()`` call, per policy, at a steady state.
+
+For each policy and each waiting-queue size N (default 64, 512, 4096) it
+fills a scheduler to ``--running`` running requests (default 256, also the
+``max_num_seqs`` cap) and N waiting, then runs ``--steps`` steps of a small
+replay loop (API calls pause and return after their duration, finished
+requests leave, the waiting queue is topped back up to N after every step),
+timing only ``schedule()``. The clock advances by the profile's
+``T_fwd(batched tokens)``, and the table reports the scheduling time as a
+fraction of that typical step.
+
+    python tools/bench_scheduler.py [--profile gptj-6b-a100-40g|PATH]
+        [--policies lamps,augserve] [--waiting 64,512,4096] [--running 256] [--steps 300]
+
+Pure Python, no JAX: ``scheduler`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler import (PageAllocator, Request, Scheduler, SchedulerConfig, Segment,  # noqa: E402
+                       available_policies, load_profile, make_policy)
+
+API_TYPES = {"math": (1e-4, 2), "qa": (0.7, 8), "ve": (0.09, 20), "chat": (28.6, 60), "image": (20.0, 40)}
+
+
+def make_request(rng: random.Random, i: int, now: float) -> Request:
+    segs = []
+    for _ in range(rng.randint(0, 3)):
+        api = rng.choice(list(API_TYPES))
+        mean_s, ret = API_TYPES[api]
+        segs.append(Segment(rng.randint(4, 64), api, rng.uniform(0.5, 1.5) * mean_s, rng.randint(0, ret)))
+    segs.append(Segment(rng.randint(8, 256)))
+    return Request(f"b{i}", now, prompt_len=rng.randint(16, 512),
+                   max_tokens=sum(s.num_tokens for s in segs), segments=segs)
+
+
+def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost, seed: int = 0,
+          warmup: int = 30, budget: int = 512) -> dict:
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
+                             swap_budget_tokens=2048)
+    sched = Scheduler(config, make_policy(policy_name), PageAllocator(200_000, 16),
+                      PageAllocator(200_000, 16, "host"), cost)
+    now, counter = 0.0, 0
+    pending: list[tuple[float, Request, int]] = []
+
+    def top_up() -> None:
+        nonlocal counter
+        while len(sched.waiting) < num_waiting:
+            sched.add_request(make_request(rng, counter, now), now)
+            counter += 1
+
+    # Fill the running set: admit with a huge budget until num_running run.
+    top_up()
+    while len(sched.running) < num_running:
+        plan = sched.schedule(now)
+        for r in sched.on_step_done(plan, now):
+            pass
+        top_up()
+    times, tokens = [], []
+    for step in range(warmup + steps):
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            sched.api_return(item[1], item[2], now)
+        gc.disable()
+        t0 = time.perf_counter()
+        plan = sched.schedule(now)
+        t1 = time.perf_counter()
+        gc.enable()
+        if step >= warmup:
+            times.append(t1 - t0)
+            tokens.append(plan.num_batched_tokens)
+        now += cost.t_fwd(plan.num_batched_tokens)
+        for r in sched.on_step_done(plan, now):
+            event = sched.declared_event(r)
+            if event == "api":
+                seg = r.current_segment
+                sched.pause(r, now, seg.api_type, seg.api_duration_s)
+                pending.append((now + seg.api_duration_s, r, seg.num_returned_tokens))
+            elif event == "length":
+                sched.finish(r, "length", now)
+        for item in [p for p in pending if sched.finished_after_return(p[1])]:
+            pass
+        top_up()
+    mean_tokens = statistics.fmean(tokens)
+    step_s = cost.t_fwd(mean_tokens)
+    med = statistics.median(times)
+    return {"policy": policy_name, "waiting": num_waiting, "running": num_running,
+            "median_us": med * 1e6, "mean_us": statistics.fmean(times) * 1e6,
+            "p99_us": sorted(times)[int(0.99 * (len(times) - 1))] * 1e6,
+            "step_ms": step_s * 1e3, "fraction": med / step_s, "tokens": mean_tokens}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="gptj-6b-a100-40g", help="built-in profile name or JSON path")
+    ap.add_argument("--policies", default=",".join(p for p in available_policies() if p != "mars"))
+    ap.add_argument("--waiting", default="64,512,4096")
+    ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    args = ap.parse_args(argv)
+    cost = load_profile(args.profile)
+    sizes = [int(x) for x in args.waiting.split(",")]
+    print(f"profile {cost.name}; {args.running} running (max_num_seqs), budget {args.budget} tokens, "
+          f"{args.steps} timed steps; python {sys.version.split()[0]}")
+    print(f"{'policy':<14}{'waiting':>8}{'median µs':>11}{'mean µs':>9}{'p99 µs':>9}"
+          f"{'step ms':>9}{'% of step':>10}")
+    for name in args.policies.split(","):
+        for n in sizes:
+            r = bench(name, n, args.running, args.steps, cost, budget=args.budget)
+            print(f"{name:<14}{n:>8}{r['median_us']:>11.0f}{r['mean_us']:>9.0f}{r['p99_us']:>9.0f}"
+                  f"{r['step_ms']:>9.1f}{100 * r['fraction']:>9.2f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
