@@ -3,10 +3,11 @@
 Grid ``(num_query_blocks, num_kv_heads, num_kv_splits)``. One program takes
 one query block (``block_q`` tokens of one sequence x the ``group`` query
 heads of one KV head: a ``[rows, D]`` tile, see ``ragged_blocks``) and walks
-the sequence's pages it needs, one page (``[page_size, D]`` of K and of V,
-read straight from the paged cache through the page table) per loop
-iteration, with an online softmax in float32. Causality inside a prefill
-chunk, the sliding window and padding rows are handled by one mask per page.
+the sequence's pages it needs, ``pages_per_step`` pages per loop iteration
+(a ``[pages_per_step * page_size, D]`` tile of K and of V gathered straight
+from the paged cache through the page table), with an online softmax in
+float32. Causality inside a prefill chunk, the sliding window, the split's
+end and padding rows are handled by one mask per tile.
 
 With ``num_kv_splits > 1`` (flash-decoding) each program handles a
 contiguous share of the block's pages and writes an unnormalised partial
@@ -39,6 +40,7 @@ from kernels.ragged_blocks import (
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_DOT_ROWS = 16  # tl.dot needs every operand dimension >= 16.
 MAX_ROWS = 64
+KV_TILE = 64  # Cached tokens per loop iteration (pages_per_step * page_size).
 
 
 def default_num_kv_splits(num_blocks: int, num_kv_heads: int, pages_per_seq: int) -> int:
@@ -52,7 +54,8 @@ def _kernel(
     q_ref, k_pages_ref, v_pages_ref,
     o_ref, m_ref, l_ref,
     *, sm_scale: float, sliding_window: int | None, soft_cap: float | None,
-    block_q: int, group: int, num_kv_splits: int, precision: lax.Precision | None,
+    block_q: int, group: int, num_kv_splits: int, pages_per_step: int,
+    precision: lax.Precision | None,
 ):
     """One (query block, KV head, KV split).
 
@@ -75,18 +78,22 @@ def _kernel(
 
     q = q_ref[...]
     q_pos = first_pos + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
-    offsets = lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+    tile = pages_per_step * page_size
+    offsets = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+    num_pages = k_pages_ref.shape[0]
 
-    def body(col, carry):
+    def body(step, carry):
         acc, m_prev, l_prev = carry
-        page = page_table_ref[seq, col]
-        k = k_pages_ref[page, :, h, :]  # [page_size, D]
-        v = v_pages_ref[page, :, h, :]
+        col = split_lo + step * pages_per_step
+        # page_table is padded by pages_per_step columns; unused ids are masked.
+        pages = jnp.clip(page_table_ref[seq, pl.ds(col, pages_per_step)], 0, num_pages - 1)
+        k = k_pages_ref[pages, :, h, :].reshape(tile, head_dim)
+        v = v_pages_ref[pages, :, h, :].reshape(tile, head_dim)
         s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = col * page_size + offsets
-        mask = kv_pos <= q_pos
+        mask = (kv_pos <= q_pos) & (kv_pos < split_hi * page_size)
         if sliding_window is not None:
             mask &= kv_pos > q_pos - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
@@ -100,7 +107,8 @@ def _kernel(
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(split_lo, split_hi, body, init)
+    num_steps = lax.div(split_hi - split_lo + pages_per_step - 1, pages_per_step)
+    acc, m, l = lax.fori_loop(0, jnp.maximum(num_steps, 0), body, init)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -121,13 +129,16 @@ def ragged_paged_attention(
     interpret: bool = False,
     block_q: int | None = None,
     num_kv_splits: int | None = None,
+    pages_per_step: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:
     """Triton ragged paged attention; shapes as in ``kernels.ragged_paged_attention``.
 
-    ``block_q`` (query tokens per program) and ``num_kv_splits`` default to
-    heuristics of the static shapes (``num_kv_splits`` to 1 in interpret mode).
+    ``block_q`` (query tokens per program), ``num_kv_splits`` (programs per
+    query block and KV head) and ``pages_per_step`` (pages per loop iteration,
+    a power of two) default to heuristics of the static shapes
+    (``num_kv_splits`` to 1 in interpret mode).
     Padding query rows return zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -141,6 +152,8 @@ def ragged_paged_attention(
     if num_kv_splits is None:
         num_kv_splits = 1 if interpret else default_num_kv_splits(
             num_blocks, num_kv_heads, pages_per_seq)
+    if pages_per_step is None:
+        pages_per_step = max(1, KV_TILE // page_size)
     rows = block_q * padded_group
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -151,13 +164,15 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         block_q=block_q, group=padded_group, num_kv_splits=num_kv_splits,
+        pages_per_step=pages_per_step,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     partial_tile = pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0))
     stat_tile = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))
     partial_shape = (num_kv_splits, num_blocks, num_kv_heads, rows)
-    metadata = (blocks.seq, blocks.q_start, page_table, kv_lens, cu_q_lens)
+    padded_table = jnp.pad(page_table, ((0, 0), (0, pages_per_step)))
+    metadata = (blocks.seq, blocks.q_start, padded_table, kv_lens, cu_q_lens)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_kv_heads, num_kv_splits),

@@ -171,12 +171,14 @@ def test_pallas_matches_reference(impl, name):
     assert_close(out, expected, case["dtype"], sum(batch.q_lens))
 
 
-def test_pallas_gpu_small_query_blocks_and_kv_splits():
-    """Several query blocks per sequence and the split-KV merge path."""
+@pytest.mark.parametrize("pages_per_step", [1, 2])
+def test_pallas_gpu_small_query_blocks_and_kv_splits(pages_per_step):
+    """Several query blocks per sequence, split-KV merge, multi-page tiles."""
     batch, case = case_batch("gqa4_window_softcap_f32", seed=2)
     expected = jitted("reference", **case["options"])(*batch.args)
     out = jax.jit(functools.partial(pallas_gpu.ragged_paged_attention, sm_scale=0.25,
                                     interpret=True, block_q=4, num_kv_splits=3,
+                                    pages_per_step=pages_per_step,
                                     **case["options"]))(*batch.args)
     assert_close(out, expected, jnp.float32, sum(batch.q_lens))
 
