@@ -131,6 +131,13 @@ class LampsPolicy(RankedPolicy):
         return min_waste_handling(request, view, duration)[0]
 
     # ------------------------------------------------------------- ranking
+    def rescore_all(self, now: float) -> None:
+        """Refresh: re-predict every waiting request's handling and API duration, then re-file."""
+        view = self.scheduler.view()
+        for request in self.queue.ordered():
+            self._classify(request, now, view)
+        super().rescore_all(now)
+
     def score(self, request: Request, now: float) -> float:
         """Memory-over-time integral (byte-seconds) of the current segment."""
         sched = self.scheduler

@@ -1,0 +1,421 @@
+"""Each policy's order on hand-built situations, the predictors, and every policy
+running random multi-API workloads to completion on a tight page pool."""
+
+import random
+import statistics
+
+import pytest
+
+from scheduler import (BUILTIN_PROFILES, Handling, MemoryView, PageAllocator, Request, RequestState,
+                       Scheduler, SchedulerConfig, Segment, available_policies, make_policy, make_predictor)
+from scheduler.policies.lamps import memory_time_integral
+from scheduler.queues import RankedQueue
+from scheduler.token_budget import dynamic_token_budget
+
+COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
+
+
+def make_scheduler(policy, num_pages=256, host_pages=256, page_size=4, budget=64, seqs=16, handling=None,
+                   swap_tokens=16, **config):
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
+                                     swap_budget_tokens=swap_tokens, handling=handling, **config),
+                     policy, PageAllocator(num_pages, page_size), PageAllocator(host_pages, page_size, "host"),
+                     COST)
+
+
+def view(free=100, paused=0, running_tokens=0, num_running=0, host_free=100, page_size=4):
+    return MemoryView(free_device_pages=free, total_device_pages=1000, free_host_pages=host_free,
+                      total_host_pages=1000, page_size=page_size, running_tokens=running_tokens,
+                      num_running=num_running, paused_device_pages=paused, cost=COST)
+
+
+def step(sched, now, pending=None):
+    """One engine step with declared API calls; returns the plan."""
+    plan = sched.schedule(now)
+    for r in sched.on_step_done(plan, now):
+        event = sched.declared_event(r)
+        if event == "api":
+            seg = r.current_segment
+            sched.pause(r, now, seg.api_type, seg.api_duration_s)
+            if pending is not None:
+                pending.append((now + seg.api_duration_s, r, seg.num_returned_tokens))
+        elif event == "length":
+            sched.finish(r, "length", now)
+    sched.check_invariants()
+    return plan
+
+
+def drive(sched, now=0.0, max_steps=20000, dt=0.01):
+    pending, steps = [], 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps < max_steps, "no progress"
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            sched.api_return(item[1], item[2], now)
+        step(sched, now, pending)
+        now += dt
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    return steps
+
+
+def random_requests(n, seed, spread=0.0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        segs = [Segment(rng.randint(1, 6), rng.choice(["math", "qa"]), rng.choice([0.0, 0.02, 0.2]),
+                        rng.randint(0, 5)) for _ in range(rng.randint(0, 3))]
+        segs.append(Segment(rng.randint(1, 6)))
+        out.append(Request(f"r{i}", arrival_time=rng.uniform(0, spread), prompt_len=rng.randint(1, 20),
+                           max_tokens=sum(s.num_tokens for s in segs), segments=segs))
+    return out
+
+
+# ------------------------------------------------------------------ completion
+ALL = [p for p in available_policies() if p != "mars"]
+
+
+@pytest.mark.parametrize("handling", [Handling.PRESERVE, Handling.DISCARD, Handling.SWAP, None])
+@pytest.mark.parametrize("policy", ALL)
+def test_every_policy_finishes_random_multi_api_workload_on_tight_pool(policy, handling):
+    for seed in (1, 2):
+        sched = make_scheduler(policy, num_pages=20, host_pages=6, budget=32, handling=handling, swap_tokens=8)
+        for r in random_requests(24, seed):
+            sched.add_request(r, 0.0)
+        drive(sched)
+
+
+@pytest.mark.parametrize("options", [dict(predictor="noisy:0.5"), dict(predictor="api-type-mean"),
+                                     dict(predictor="elapsed"), dict(refresh_interval=3),
+                                     dict(token_budget="dynamic")])
+@pytest.mark.parametrize("policy", ["lamps", "augserve", "sjf-total", "prophet", "infercept"])
+def test_policies_finish_with_other_predictors_and_options(policy, options):
+    if "refresh_interval" in options and policy in ("infercept",):
+        options = {}
+    sched = make_scheduler(make_policy(policy, **options), num_pages=24, host_pages=8, budget=32,
+                           swap_tokens=8)
+    for r in random_requests(30, 7):
+        sched.add_request(r, 0.0)
+    drive(sched)
+
+
+def test_staggered_arrivals_and_dynamic_budget_from_config():
+    sched = make_scheduler("fcfs", num_pages=20, host_pages=6, budget=32, token_budget="dynamic")
+    reqs = sorted(random_requests(30, 3, spread=0.5), key=lambda r: r.arrival_time)
+    now, pending = 0.0, []
+    while reqs or sched.has_unfinished():
+        while reqs and reqs[0].arrival_time <= now:
+            sched.add_request(reqs.pop(0), now)
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            sched.api_return(item[1], item[2], now)
+        plan = step(sched, now, pending)
+        assert 8 <= plan.token_budget <= 32
+        now += 0.01
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+
+
+# ----------------------------------------------------------------------- fcfs
+def test_fcfs_improved_resumes_returning_request_ahead_of_later_arrivals():
+    for policy, first in (("fcfs", "late"), ("fcfs-improved", "early")):
+        sched = make_scheduler(policy, budget=4, seqs=1)
+        early = Request("early", 0.0, prompt_len=4, max_tokens=3, segments=[Segment(1, "x", 0.5, 0), Segment(2)])
+        sched.add_request(early, 0.0)
+        step(sched, 0.0)
+        assert early.state == RequestState.PAUSED
+        sched.add_request(Request("late", 0.2, prompt_len=4, max_tokens=2), 0.2)
+        sched.api_return(early, 0, 0.5)
+        plan = sched.schedule(0.6)
+        assert [c.request.request_id for c in plan.chunks] == [first], policy
+
+
+# ----------------------------------------------------------------------- lamps
+def test_lamps_preserve_handled_request_ranks_behind_discard_handled_one_of_equal_length():
+    sched = make_scheduler("lamps", host_pages=0)      # no host room: Swap is not a candidate
+    pol = sched.policy
+    busy = view(running_tokens=5000, num_running=10, host_free=0)
+    short_api = Request("preserve", 0.0, prompt_len=80, max_tokens=40, segments=[Segment(20, "x", 0.5), Segment(20)])
+    long_api = Request("discard", 0.0, prompt_len=80, max_tokens=40, segments=[Segment(20, "x", 10.0), Segment(20)])
+    pol.on_arrival(short_api, 0.0, busy)
+    pol.on_arrival(long_api, 0.0, busy)
+    assert short_api.policy_state["lamps_handling"] == Handling.PRESERVE
+    assert long_api.policy_state["lamps_handling"] == Handling.DISCARD
+    assert pol.rank_key(short_api, 0.0, None) > pol.rank_key(long_api, 0.0, None)
+    # Same total length, same handling: the ranking is by size.
+    small = Request("small", 0.0, prompt_len=10, max_tokens=5)
+    big = Request("big", 0.0, prompt_len=100, max_tokens=50)
+    for r in (big, small):
+        sched.add_request(r, 0.0)
+    assert [r.request_id for r in sched.policy.iter_waiting(sched.waiting, 0.0, busy)] == ["small", "big"]
+
+
+def test_memory_time_integral_shapes():
+    args = dict(context_tokens=100, uncomputed_tokens=0, output_tokens=50, chunk_tokens=64)
+    none = memory_time_integral(COST, handling=None, api_duration_s=0.0, **args)
+    preserve = memory_time_integral(COST, handling=Handling.PRESERVE, api_duration_s=2.0, **args)
+    discard = memory_time_integral(COST, handling=Handling.DISCARD, api_duration_s=2.0, **args)
+    swap = memory_time_integral(COST, handling=Handling.SWAP, api_duration_s=2.0, **args)
+    assert preserve - none == pytest.approx(2.0 * 150 * COST.bytes_per_token)   # flat through the API
+    assert none < swap < discard < preserve
+    longer = memory_time_integral(COST, handling=None, api_duration_s=0.0, **{**args, "output_tokens": 60})
+    assert longer > none
+
+
+def test_lamps_applies_the_handling_it_predicted_and_reclassifies_after_each_return():
+    sched = make_scheduler("lamps", budget=64)
+    r = Request("a", 0.0, prompt_len=8, max_tokens=6,
+                segments=[Segment(2, "slow", 30.0, 2), Segment(2, "fast", 0.0, 2), Segment(2)])
+    sched.add_request(r, 0.0)
+    predicted = [r.policy_state["lamps_handling"]]
+    pending, now = [], 0.0
+    while sched.has_unfinished():
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            sched.api_return(item[1], item[2], now)
+            if r.current_segment is not None and r.current_segment.has_api_call:
+                predicted.append(r.policy_state["lamps_handling"])
+        step(sched, now, pending)
+        now += 0.01
+    applied = [c.fell_back_from or c.handling for c in r.api_calls]
+    assert applied == predicted
+    assert predicted == [Handling.SWAP, Handling.PRESERVE]   # a 30 s call is not preserved; a 0 s call is
+
+
+def test_lamps_refresh_interval_rescores_only_every_k_plus_one_steps():
+    pred = make_predictor("api-type-mean")
+    sched = make_scheduler(make_policy("lamps", predictor=pred, refresh_interval=2), seqs=1, budget=8)
+    blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=50)
+    sched.add_request(blocker, 0.0)
+    step(sched, 0.0)
+    a = Request("a", 0.0, prompt_len=4, max_tokens=2, segments=[Segment(1, "img", None), Segment(1)])
+    sched.add_request(a, 0.0)
+    before = sched.policy.queue.key(a)
+    pred.observe_api("img", 100.0)   # a preserve-worthy call becomes long: its score changes
+    keys = []
+    for i in range(3):
+        step(sched, 0.01 * (i + 1))
+        keys.append(sched.policy.queue.key(a))
+    assert keys[0] == before and keys[-1] != before
+
+
+# --------------------------------------------------------------------- sjf
+def test_sjf_picks_shortest_predicted_and_sjf_total_adds_api_time():
+    a = lambda: Request("api", 0.0, prompt_len=4, max_tokens=10, segments=[Segment(5, "x", 5.0), Segment(5)])
+    b = lambda: Request("plain", 0.1, prompt_len=4, max_tokens=30)
+    for policy, first in (("sjf", "api"), ("sjf-total", "plain")):
+        sched = make_scheduler(policy, seqs=1)
+        sched.add_request(b(), 0.0)
+        sched.add_request(a(), 0.0)
+        plan = sched.schedule(0.0)
+        assert [c.request.request_id for c in plan.chunks] == [first], policy
+
+
+# ------------------------------------------------------------------ prophet
+def test_prophet_srpt_for_prefill_and_starved_prefill_goes_first():
+    sched = make_scheduler(make_policy("prophet", prefill_starvation_limit=3), seqs=1, budget=8)
+    blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=100)
+    sched.add_request(blocker, 0.0)
+    step(sched, 0.0)
+    sched.add_request(Request("long", 0.0, prompt_len=50, max_tokens=1), 0.0)
+    sched.add_request(Request("short", 0.1, prompt_len=5, max_tokens=1), 0.1)
+    order = lambda: [r.request_id for r in sched.policy.iter_waiting(sched.waiting, 0.0, sched.view())]
+    assert order() == ["short", "long"]
+    for i in range(4):
+        step(sched, 0.01 * (i + 1))
+    assert order() == ["long", "short"]   # its estimate became 0 after 3 waiting steps
+
+
+def test_prophet_mlfq_demotes_after_quantum_and_promotes_after_starvation():
+    pol = make_policy("prophet", quanta=(2, 3, 5), starvation_limit=4)
+    sched = make_scheduler(pol, budget=64, seqs=1)
+    r = Request("a", 0.0, prompt_len=4, max_tokens=12, segments=[Segment(8, "x", 0.0, 0), Segment(4)])
+    sched.add_request(r, 0.0)
+    levels = []
+    for i in range(8):
+        step(sched, 0.01 * i)
+        levels.append(pol.level(r))
+    # step 1 is the prefill (samples the first token), then every decode step counts
+    assert levels == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert r.state == RequestState.PAUSED           # its 8th token triggered the call
+    hog = Request("hog", 0.1, prompt_len=4, max_tokens=100)
+    sched.add_request(hog, 0.1)
+    step(sched, 0.1)                                 # the hog takes the only seat
+    sched.api_return(r, 0, 0.1)
+    waiting_levels = []
+    for i in range(6):
+        step(sched, 0.2 + 0.01 * i)
+        waiting_levels.append(pol.level(r))
+    assert r in sched.waiting
+    assert waiting_levels[:4] == [2, 2, 2, 2] and waiting_levels[-1] == 0   # promoted after 4 idle steps
+
+
+def test_prophet_budget_goes_to_lower_levels_first_when_short():
+    pol = make_policy("prophet", quanta=(2, 100))
+    sched = make_scheduler(pol, budget=64)
+    old = Request("old", 0.0, prompt_len=4, max_tokens=50)
+    sched.add_request(old, 0.0)
+    for i in range(4):
+        step(sched, 0.01 * i)
+    assert pol.level(old) == 1
+    new = Request("new", 0.1, prompt_len=4, max_tokens=50)
+    sched.add_request(new, 0.1)
+    step(sched, 0.1)
+    ordered = pol.order_running(sched.running, 0.2, sched.view(), budget=1)
+    assert [r.request_id for r in ordered] == ["new", "old"]
+    capped = make_policy("prophet", decode_batch_size=1)
+    capped.attach(Scheduler(sched.config, capped, PageAllocator(8, 4), PageAllocator(8, 4, "host"), COST))
+    assert len(capped.order_running([old, new], 0.2, sched.view(), budget=64)) == 1
+
+
+# ----------------------------------------------------------------- augserve
+def test_dynamic_budget_stays_inside_bounds_as_free_memory_swings():
+    target, low, high = 512, 0.25, 1.0
+    rng = random.Random(0)
+    for _ in range(500):
+        free, paused = rng.randint(0, 400), rng.randint(0, 200)
+        v = view(free=free, paused=paused, page_size=4)
+        b = dynamic_token_budget(v, target, gamma=0.5, beta_low=low, beta_high=high)
+        assert low * target <= b <= high * target
+        raw = int((free + 0.5 * paused) * 4)
+        if low * target <= raw <= high * target:
+            assert b == raw
+    assert dynamic_token_budget(view(free=0, paused=0), target) == 128
+    assert dynamic_token_budget(view(free=10_000), target) == 512
+    assert dynamic_token_budget(view(free=10_000), target, beta_high=2.0) == 1024
+
+
+def test_augserve_budget_follows_free_memory_in_a_run():
+    sched = make_scheduler("augserve", num_pages=40, host_pages=8, budget=64, swap_tokens=8)
+    for r in random_requests(30, 5):
+        sched.add_request(r, 0.0)
+    budgets = []
+    pending, now = [], 0.0
+    while sched.has_unfinished():
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            sched.api_return(item[1], item[2], now)
+        budgets.append(step(sched, now, pending).token_budget)
+        now += 0.01
+    assert all(16 <= b <= 64 for b in budgets)
+    assert min(budgets) < 64 and max(budgets) == 64   # it moved
+
+
+def test_augserve_stage_two_uses_observed_return_length_and_aging_reorders():
+    sched = make_scheduler(make_policy("augserve", alpha=1000.0, token_budget="static"), seqs=1, budget=64)
+    pol = sched.policy
+    a = Request("a", 0.0, prompt_len=8, max_tokens=4, segments=[Segment(1, "x", 0.0, 0), Segment(3)])
+    sched.add_request(a, 0.0)
+    v1 = a.policy_state["aug_value"]
+    step(sched, 0.0)
+    assert a.state != RequestState.RUNNING   # paused at its call
+    sched.api_return(a, 30, 0.01)
+    assert a.policy_state["aug_stage"] == 2
+    v_small = pol.stage2_value(a.api_calls[-1].handling, 9, 0, 3, None, 0.0)
+    assert a.policy_state["aug_value"] > v_small > 0
+    assert a.policy_state["aug_value"] != v1
+    # Aging: an older, costlier request overtakes a cheap newcomer once it has waited long enough.
+    big_old = Request("big", 0.0, prompt_len=200, max_tokens=100)
+    cheap_new = Request("cheap", 5.0, prompt_len=4, max_tokens=2)
+    for r, t in ((big_old, 0.0), (cheap_new, 5.0)):
+        pol.on_arrival(r, t, sched.view())
+    gap = big_old.policy_state["aug_value"] - cheap_new.policy_state["aug_value"]
+    assert gap > 0
+    assert (pol.rank_key(big_old, 5.0, None) < pol.rank_key(cheap_new, 5.0, None)) == (gap < 1000.0 * 5.0)
+
+
+# ------------------------------------------------------------------ infercept
+def test_infercept_elapsed_estimate_switches_a_long_call_off_preserve():
+    pol = make_policy("infercept", predictor="elapsed")
+    sched = make_scheduler(pol, host_pages=0, budget=64)
+    a = Request("a", 0.0, prompt_len=40, max_tokens=3, segments=[Segment(1, "x"), Segment(2)])
+    b = Request("b", 0.0, prompt_len=40, max_tokens=50)
+    sched.add_request(a, 0.0)
+    sched.add_request(b, 0.0)
+    plan = sched.schedule(0.0)
+    sched.on_step_done(plan, 0.0)
+    assert sched.pause(a, 0.0, "x", None) == Handling.PRESERVE and a.device_pages
+    now = 0.0
+    while a.handling == Handling.PRESERVE:
+        now += 0.01
+        assert now < 5, "never switched"
+        step(sched, now)
+    assert a.handling == Handling.DISCARD and not a.device_pages
+    assert a.api_calls[-1].handling == Handling.DISCARD
+
+
+def test_infercept_swap_budget_goes_to_largest_waste_first():
+    pol = make_policy("infercept")
+    r1, r2 = Request("r1", 0, 4, 1), Request("r2", 0, 4, 1)
+    r1.policy_state["waste"], r2.policy_state["waste"] = 1.0, 5.0
+    assert pol.order_swap_out([r1, r2], view()) == [r2, r1]
+
+
+# ----------------------------------------------------------------- predictors
+def test_noisy_predictor_is_deterministic_per_seed_with_the_right_spread():
+    reqs = [Request(f"q{i}", 0.0, prompt_len=4, max_tokens=100, segments=[Segment(100, "x", 2.0), Segment(1)])
+            for i in range(3000)]
+    p1, p1b, p2 = make_predictor("noisy:0.3", seed=1), make_predictor("noisy:0.3", seed=1), make_predictor("noisy:0.3", seed=2)
+    lens1 = [p1.segment_output_len(r) for r in reqs]
+    assert lens1 == [p1b.segment_output_len(r) for r in reqs]
+    assert lens1 == [p1.segment_output_len(r) for r in reqs]          # same question, same answer
+    assert lens1 != [p2.segment_output_len(r) for r in reqs]
+    assert statistics.fmean(lens1) == pytest.approx(100, abs=2)
+    assert statistics.pstdev(lens1) == pytest.approx(30, rel=0.08)
+    durs = [p1.api_duration(r, 0.0, None) for r in reqs]
+    assert statistics.pstdev(durs) == pytest.approx(0.6, rel=0.08)
+    assert make_predictor("noisy:0").segment_output_len(reqs[0]) == 100
+
+
+def test_api_type_mean_learns_from_the_scheduler():
+    pred = make_predictor("api-type-mean")
+    r = Request("a", 0.0, prompt_len=4, max_tokens=4, segments=[Segment(1, "calc", 99.0), Segment(1, "calc", 99.0), Segment(2)])
+    assert pred.api_duration(r, 0.0, None) == 0.0    # nothing observed yet
+    pred.observe_api("calc", 1.0)
+    pred.observe_api("calc", 3.0)
+    pred.observe_api("tts", 10.0)
+    assert pred.api_duration(r, 0.0, None) == 2.0 and pred.version == 3
+    assert pred.total_api_duration(r, 0.0) == 4.0
+    sched = make_scheduler(make_policy("fcfs", predictor=pred))
+    sched.add_request(r, 0.0)
+    step(sched, 0.0)
+    sched.api_return(r, 0, 6.0)                       # a 6 s call observed
+    assert pred.mean("calc") == pytest.approx(10.0 / 3)
+
+
+def test_elapsed_predictor_grows_with_time():
+    pred = make_predictor("elapsed")
+    r = Request("a", 0.0, prompt_len=4, max_tokens=2, segments=[Segment(1, "x", 9.0), Segment(1)])
+    assert pred.api_duration(r, 5.0, None) == 0.0
+    assert pred.api_duration(r, 5.0, 2.0) == 3.0
+    with pytest.raises(ValueError):
+        make_predictor("nope")
+
+
+# ----------------------------------------------------------------- structures
+def test_ranked_queue_orders_keeps_ties_and_allows_removal_while_iterating():
+    q = RankedQueue()
+    reqs = [Request(f"x{i}", 0.0, 1, 1) for i in range(6)]
+    for r, k in zip(reqs, [(3,), (1,), (2,), (1,), (0,), (5,)]):
+        q.add(r, k)
+    assert [r.request_id for r in q] == ["x4", "x1", "x3", "x2", "x0", "x5"]
+    seen = []
+    for r in q:
+        seen.append(r.request_id)
+        if r.request_id in ("x4", "x3"):
+            q.remove(r)
+    assert seen == ["x4", "x1", "x3", "x2", "x0", "x5"]
+    q.add(reqs[1], (9,))
+    assert [r.request_id for r in q] == ["x2", "x0", "x5", "x1"] and len(q) == 4
+
+
+def test_make_policy_rejects_unknown_names_and_options():
+    with pytest.raises(ValueError, match="available"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="unknown options"):
+        make_policy("lamps", bogus=1)
+    with pytest.raises(ValueError):
+        make_policy("fcfs", token_budget="huge")
+    assert type(make_policy("mars")) is type(make_policy("lamps"))
