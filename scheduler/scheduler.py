@@ -404,6 +404,9 @@ class Scheduler:
                 break
             if request.state == RequestState.SWAPPED:
                 n_pages = len(request.host_pages)
+                while not self.device_pool.can_allocate(n_pages) and \
+                        self._evict_idle_holder(request, now, view):
+                    pass
                 if not self.device_pool.can_allocate(n_pages):
                     break
                 self._dequeue(request)

@@ -47,8 +47,9 @@ class InferceptPolicy(FcfsOrder):
     (a returning request keeps its arrival time); the swap-out budget goes to
     the paused requests with the largest waste first.
 
-    Unknown API duration (``api_duration_s=None`` and the predictor has no
-    answer, or the predictor is ``elapsed``): the duration is estimated as
+    The call's duration is the predictor's (``oracle``: the declared one),
+    else the ``api_duration_s`` the engine passes. Unknown duration (neither
+    has one, or the predictor is ``elapsed``): it is estimated as
     ``t_now − t_call``, which is 0 at the call, so the call starts under
     Preserve; every step the choice is re-made with the grown estimate, and
     once Discard or Swap wastes less the request is switched
@@ -61,17 +62,14 @@ class InferceptPolicy(FcfsOrder):
 
     def handling(self, request: Request, view: MemoryView, now: float,
                  api_duration_s: float | None) -> Handling:
-        duration = api_duration_s
+        duration = self.predictor.api_duration(request, now, now)
         if duration is None:
-            duration = self.predictor.api_duration(request, now, now)
-            if duration is None or self.predictor.grows_while_waiting:
-                duration = 0.0 if duration is None else duration
-                request.policy_state["elapsed_estimate"] = True
-        best, waste = min_waste_handling(request, view, duration)
+            duration = api_duration_s
+        unknown = duration is None or self.predictor.grows_while_waiting
+        best, waste = min_waste_handling(request, view, duration or 0.0)
         request.policy_state["waste"] = waste
-        if best == Handling.PRESERVE and request.policy_state.pop("elapsed_estimate", False):
+        if best == Handling.PRESERVE and unknown:
             self._watch[request.request_id] = request
-        request.policy_state.pop("elapsed_estimate", None)
         return best
 
     def on_step(self, scheduler: "Scheduler", now: float) -> None:
