@@ -73,12 +73,13 @@ class AsyncEngine:
             yield out
 
     async def resume(self, request_id: str, token_ids: list[int] | None = None,
-                     text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Return a client-side tool's result to a paused request and stream the continuation.
-        ``KeyError`` if the request is not paused on such a call."""
+                     text: str | None = None, max_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Return a client-side tool's result to a paused request and stream the continuation
+        (``max_tokens``: a fresh budget for it). ``KeyError`` if the request is not paused on such a call."""
         stream = self._open_stream(request_id)
         try:
-            await self._call(lambda: self.engine.resume(request_id, token_ids=token_ids, text=text))
+            await self._call(lambda: self.engine.resume(request_id, token_ids=token_ids, text=text,
+                                                        max_tokens=max_tokens))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -160,7 +161,8 @@ class AsyncEngine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        self._publish_snapshots()  # commands (abort, resume) change usage without a step
 
     def _run(self) -> None:
         failures = 0
@@ -187,10 +189,13 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
-            self.usage_snapshot = engine.usage()
-            self.stats_snapshot = dataclasses.replace(engine.stats, finished=dict(engine.stats.finished))
+            self._publish_snapshots()
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError(self._dead_reason or "engine stopped"))
+
+    def _publish_snapshots(self) -> None:
+        self.usage_snapshot = self.engine.usage()
+        self.stats_snapshot = dataclasses.replace(self.engine.stats, finished=dict(self.engine.stats.finished))
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine._live):

@@ -7,6 +7,7 @@ triggers -> outputs. ``LLM`` and ``AsyncEngine`` are thin drivers of it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -225,12 +226,21 @@ class LLMEngine:
         self._finish(live, "abort")
         return self._output(live, final=True)
 
-    def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | None = None) -> None:
-        """Return the result of an external (client-side) call the request is paused on."""
+    def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | None = None,
+               max_tokens: int | None = None) -> None:
+        """Return the result of an external (client-side) call the request is paused on.
+        ``max_tokens``: a fresh budget of generated tokens for the continuation (None: keep the rest)."""
         if (token_ids is None) == (text is None):
             raise ValueError("resume: give exactly one of token_ids or text")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if request_id not in self._live or not self.api.is_waiting_external(request_id):
             raise KeyError(f"request {request_id!r} is not paused on an external API call")
+        if max_tokens is not None:
+            live = self._live[request_id]
+            live.sched.max_tokens = live.sched.num_generated + max_tokens
+            live.params = dataclasses.replace(live.params, max_tokens=live.sched.max_tokens)
         self.api.resume(request_id, token_ids=token_ids, text=text)
 
     def has_unfinished(self) -> bool:
