@@ -74,15 +74,16 @@ class RequestQueue:
 class RankedQueue:
     """Requests sorted by a cached sort key, lowest first.
 
-    Keys are any totally ordered values (tuples of numbers in practice); ties
-    keep insertion order. ``add`` and ``remove`` cost a bisect plus one
+    Keys are tuples of totally ordered values (numbers in practice); ties keep
+    insertion order. Entries are stored flat, ``(*key, seq)``, which keeps
+    bisect's comparisons cheap. ``add`` and ``remove`` cost a bisect plus one
     ``list.insert``/``del`` (a memmove), so thousands of entries stay cheap.
     """
 
     __slots__ = ("_keys", "_reqs", "_key_of", "_seq")
 
     def __init__(self) -> None:
-        self._keys: list[tuple] = []      # (key, seq), sorted
+        self._keys: list[tuple] = []      # (*key, seq), sorted
         self._reqs: list[Request] = []    # parallel to _keys
         self._key_of: dict[str, tuple] = {}
         self._seq = count()
@@ -96,17 +97,17 @@ class RankedQueue:
     def key(self, request: Request):
         """The key ``request`` is filed under (``None`` if absent)."""
         entry = self._key_of.get(request.request_id)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry[:-1]
 
     def entry(self, request: Request) -> tuple | None:
-        """``(key, seq)``: the request's exact, totally ordered position (``None`` if absent)."""
+        """``(*key, seq)``: the request's exact, totally ordered position (``None`` if absent)."""
         return self._key_of.get(request.request_id)
 
-    def add(self, request: Request, key) -> None:
+    def add(self, request: Request, key: tuple) -> None:
         """File ``request`` under ``key`` (re-files it if already present)."""
         if request.request_id in self._key_of:
             self.remove(request)
-        entry = (key, next(self._seq))
+        entry = (*key, next(self._seq))
         i = bisect_right(self._keys, entry)
         self._keys.insert(i, entry)
         self._reqs.insert(i, request)

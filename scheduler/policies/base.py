@@ -200,7 +200,7 @@ class RankedPolicy(Policy):
 
     def waiting_rank(self, request: Request, now: float, view: MemoryView):
         entry = self.queue.entry(request)
-        return entry if entry is not None else (self.rank_key(request, now, view), float("inf"))
+        return entry if entry is not None else (*self.rank_key(request, now, view), float("inf"))
 
     def iter_waiting(self, waiting: Iterable[Request], now: float, view: MemoryView) -> Iterable[Request]:
         return iter(self.queue)
