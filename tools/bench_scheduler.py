@@ -60,12 +60,10 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             sched.add_request(make_request(rng, counter, now), now)
             counter += 1
 
-    # Fill the running set: admit with a huge budget until num_running run.
+    # Fill the running set: step (without finishing anyone) until num_running run.
     top_up()
     while len(sched.running) < num_running:
-        plan = sched.schedule(now)
-        for r in sched.on_step_done(plan, now):
-            pass
+        sched.on_step_done(sched.schedule(now), now)
         top_up()
     times, tokens = [], []
     for step in range(warmup + steps):
@@ -89,8 +87,6 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
                 pending.append((now + seg.api_duration_s, r, seg.num_returned_tokens))
             elif event == "length":
                 sched.finish(r, "length", now)
-        for item in [p for p in pending if sched.finished_after_return(p[1])]:
-            pass
         top_up()
     mean_tokens = statistics.fmean(tokens)
     step_s = cost.t_fwd(mean_tokens)
