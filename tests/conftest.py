@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.25, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+
+
+def build_hf_model(kind: str):
+    """A tiny random transformers model of family ``kind`` (llama, mistral, qwen2).
+
+    Weights use a wide init so greedy decoding has clear top-1 margins; Qwen2's
+    q/k/v biases are randomised so they matter.
+    """
+    import torch
+    import transformers as tf
+
+    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2}[kind])
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**TINY, tie_word_embeddings=True,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None, head_dim=16)
+        model = tf.MistralForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=False, use_sliding_window=False)
+        model = tf.Qwen2ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """``{kind: (torch model, checkpoint dir)}`` for llama, mistral and qwen2."""
+    out = {}
+    for kind in ("llama", "mistral", "qwen2"):
+        model = build_hf_model(kind)
+        path = tmp_path_factory.mktemp(f"hf-{kind}")
+        model.save_pretrained(path)
+        out[kind] = (model, path)
+    return out

@@ -1,0 +1,79 @@
+"""Token-for-token parity with Hugging Face transformers (PyTorch) on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+
+KINDS = ["llama", "mistral", "qwen2"]
+NEW_TOKENS = 24
+PROMPT_LENS = [3, 9, 16, 17, 30, 41]
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, n).tolist() for n in PROMPT_LENS]
+
+
+def hf_greedy(model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(hf_checkpoints):
+    return {kind: [hf_greedy(hf_checkpoints[kind][0], p) for p in prompts()] for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_greedy_matches_transformers(kind, pool, hf_checkpoints, references):
+    # tight: 12 pages of 8 tokens for six requests of up to 65 tokens -> preemption by recompute
+    num_pages = 256 if pool == "roomy" else 12
+    llm = LLM(str(hf_checkpoints[kind][1]), page_size=8, num_pages=num_pages, max_num_batched_tokens=64,
+              max_model_len=128, check_invariants=True, warmup=False)
+    outs = llm.generate(prompt_token_ids=prompts(), sampling_params=SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    for out, want in zip(outs, references[kind]):
+        assert out.token_ids == want, out.request_id
+        assert out.finish_reason == "length"
+    sched = llm.engine.scheduler
+    if pool == "tight":
+        assert sched.num_preemptions > 0
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_each_step(kind, hf_checkpoints):
+    model, path = hf_checkpoints[kind]
+    llm = LLM(str(path), page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=128, warmup=False)
+    engine = llm.engine
+    ids = prompts(1)[4]
+    engine.add_request("r", prompt_token_ids=ids, sampling_params=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True))
+    context = list(ids)
+    steps_compared = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        if not outs:
+            continue  # a prefill chunk that did not reach the end of the prompt
+        with torch.no_grad():
+            ref = model(torch.tensor([context])).logits[0, -1].numpy()
+        ours = np.asarray(engine.last_logits[0])
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+        context += outs[0].delta_token_ids
+        steps_compared += 1
+    assert steps_compared == 6  # the prefill (in two chunks) and five decode steps
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_greedy_matches_transformers_with_pallas_kernels_in_interpret_mode(impl, hf_checkpoints, references):
+    llm = LLM(str(hf_checkpoints["llama"][1]), page_size=16, num_pages=64, max_num_batched_tokens=64,
+              max_model_len=128, attention_impl=impl, interpret=True, check_invariants=True, warmup=False)
+    outs = llm.generate(prompt_token_ids=prompts(), sampling_params=SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == references["llama"]
