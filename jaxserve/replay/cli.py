@@ -1,0 +1,203 @@
+"""``jaxserve replay``: replay a workload trace under several scheduling
+policies and request rates, on the simulator (``--simulate``, the default) or
+the real engine (``--model``), and write ``results.json``, ``summary.md`` and
+PNG plots to ``--out``.
+
+Examples::
+
+    jaxserve replay --simulate --rates 2,5,8 --duration 1800 --out out/
+    jaxserve replay diverse_oneapi_merged_exp_uniform.json --policies fcfs,infercept,lamps \\
+        --rate 6 --num-requests 2000 --arrival gamma --cv 1.5 --predictor noisy:0.3
+    jaxserve replay --model demo --policies fcfs,infercept --rate 2 --num-requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROFILE = "gptj-6b-a100-40g"
+DEFAULT_RATES = "2,5,8"
+DEFAULT_DURATION_S = 1800.0       # the original InferCept driver's window
+DEFAULT_MODEL_REQUESTS = 32       # --model without --num-requests/--duration
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    parser.add_argument("trace", nargs="?", default=None,
+                        help="InferCept/MARS JSON or JSONL trace (default: the bundled multi-API "
+                             "merged_exp_uniform.json; the bundled single-API one is "
+                             "diverse_oneapi_merged_exp_uniform.json)")
+    ex = parser.add_argument_group("executor")
+    ex.add_argument("--simulate", action="store_true",
+                    help="run on the simulator (the default when --model is not given)")
+    ex.add_argument("--profile", default=None,
+                    help=f"cost profile: built-in name or JSON from `jaxserve profile` "
+                         f"(simulator default: {DEFAULT_PROFILE}; with --model it sets the SLO step time)")
+    ex.add_argument("--model", default=None, help="run on the real engine: checkpoint directory or 'demo'")
+    ex.add_argument("--dtype", default="float32", help="--model: weights/KV dtype")
+    ex.add_argument("--max-model-len", type=int, default=None, help="--model: context window")
+    ex.add_argument("--token-scale", type=float, default=1.0,
+                    help="multiply every token count of the trace by this (e.g. 0.05 to fit a small "
+                         "model's context; applies to --simulate too so both can be compared)")
+    wl = parser.add_argument_group("workload")
+    wl.add_argument("--policies", default=None,
+                    help="comma-separated policies (default: all registered)")
+    wl.add_argument("--rates", default=None, help=f"comma-separated request rates, req/s (default {DEFAULT_RATES})")
+    wl.add_argument("--rate", type=float, default=None, help="a single request rate, req/s")
+    wl.add_argument("--duration", type=float, default=None,
+                    help=f"arrival window in seconds (default {DEFAULT_DURATION_S:g} when simulating)")
+    wl.add_argument("--num-requests", type=int, default=None, help="a fixed number of arrivals instead of a window")
+    wl.add_argument("--arrival", choices=("poisson", "gamma", "trace"), default="poisson",
+                    help="arrival process; 'trace' uses the JSONL arrival_time fields")
+    wl.add_argument("--cv", type=float, default=1.5, help="gamma arrivals: coefficient of variation of the gaps")
+    wl.add_argument("--seed", type=int, default=0, help="workload and predictor seed")
+    wl.add_argument("--tokenizer", default=None,
+                    help="tokenizer (HF name or dir) for text-form traces (default: 4 characters per token)")
+    sch = parser.add_argument_group("scheduler")
+    sch.add_argument("--predictor", default="oracle",
+                     help="oracle | noisy:P | api-type-mean | elapsed (what policies are told)")
+    sch.add_argument("--handling", choices=("policy", "preserve", "discard", "swap"), default="policy",
+                     help="force one handling for every API call (default: the policy decides)")
+    sch.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    sch.add_argument("--num-pages", type=int, default=None,
+                     help="device KV pages (default: from the profile's device_kv_bytes / engine memory)")
+    sch.add_argument("--num-host-pages", type=int, default=None,
+                     help="host KV pages for Swap (default: from the profile's host_kv_bytes)")
+    sch.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="token budget per step (default: the profile's)")
+    sch.add_argument("--max-num-seqs", type=int, default=256, help="requests per step")
+    sch.add_argument("--swap-budget-tokens", type=int, default=None,
+                     help="KV tokens copied per step (default: what one full step hides)")
+    sch.add_argument("--horizon", type=float, default=None,
+                     help="stop the simulation at this time (s); unfinished requests count as not completed")
+    out = parser.add_argument_group("metrics and output")
+    out.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO on TTFT, seconds")
+    out.add_argument("--slo-norm-latency", type=float, default=None,
+                     help="goodput SLO on normalized latency, s/token (default: --slo-step-factor x step time)")
+    out.add_argument("--slo-step-factor", type=float, default=10.0,
+                     help="normalized-latency SLO as a multiple of the reference step time")
+    out.add_argument("--out", default="replay-out", help="output directory")
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument("--check-invariants", action="store_true",
+                     help="check page invariants after every simulated step (slow)")
+
+
+def _parse_rates(args: argparse.Namespace) -> list[float | None]:
+    if args.arrival == "trace":
+        if args.rate is not None or args.rates is not None:
+            raise ValueError("--arrival trace takes its times from the trace; drop --rate/--rates")
+        return [None]
+    if args.rate is not None and args.rates is not None:
+        raise ValueError("give --rate or --rates, not both")
+    if args.rate is not None:
+        return [args.rate]
+    text = args.rates if args.rates is not None else DEFAULT_RATES
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--rates must be positive numbers, got {text!r}")
+    return rates
+
+
+def _parse_policies(text: str | None) -> list[str]:
+    from scheduler import available_policies
+
+    known = available_policies()
+    if text is None:
+        return known
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown policy {', '.join(unknown) or text!r}; available: {', '.join(known)}")
+    return names
+
+
+def _tokenizer(name: str | None):
+    if name is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    return lambda text: tok.encode(text, add_special_tokens=False)
+
+
+def build_config(args: argparse.Namespace):
+    """``ReplayConfig`` from parsed arguments (``ValueError`` on bad combinations)."""
+    from jaxserve.replay.runner import ReplayConfig
+    from jaxserve.replay.sim import SimConfig
+    from scheduler import Handling, make_predictor
+
+    rates = _parse_rates(args)
+    policies = _parse_policies(args.policies)
+    make_predictor(args.predictor)   # validate the spec early
+    if args.num_requests is not None and args.duration is not None and args.arrival != "trace":
+        raise ValueError("give --num-requests or --duration, not both")
+    duration, num = args.duration, args.num_requests
+    if args.arrival != "trace" and duration is None and num is None:
+        if args.model is not None:
+            num = DEFAULT_MODEL_REQUESTS
+        else:
+            duration = DEFAULT_DURATION_S
+    if args.page_size <= 0:
+        raise ValueError("--page-size must be > 0")
+    sim = SimConfig(page_size=args.page_size, num_device_pages=args.num_pages,
+                    num_host_pages=args.num_host_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_num_seqs=args.max_num_seqs, swap_budget_tokens=args.swap_budget_tokens,
+                    handling=None if args.handling == "policy" else Handling.parse(args.handling),
+                    check_invariants=args.check_invariants)
+    return ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
+                        duration_s=duration, seed=args.seed, predictor=args.predictor,
+                        handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
+                        slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor)
+
+
+def main(args: argparse.Namespace) -> int:
+    from jaxserve.replay.runner import simulate, write_outputs
+    from jaxserve.replay.trace import load_trace, resolve_trace_path, scale_entries
+    from scheduler import load_profile
+
+    if args.model is not None and args.simulate:
+        print("jaxserve replay: give --simulate or --model, not both", file=sys.stderr)
+        return 2
+    try:
+        config = build_config(args)
+        trace_path = resolve_trace_path(args.trace)
+        entries = load_trace(trace_path, _tokenizer(args.tokenizer))
+        if args.token_scale != 1.0:
+            entries = scale_entries(entries, args.token_scale)
+        profile = args.profile or (DEFAULT_PROFILE if args.model is None else None)
+        cost = load_profile(profile) if profile else None
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxserve replay: {e}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    title = f"{trace_path.name}, " + (f"simulated on {cost.name}" if args.model is None else f"model {args.model}")
+    try:
+        if args.model is None:
+            runs = simulate(entries, cost, config, progress=not args.quiet)
+        else:
+            from jaxserve.replay.engine_runner import EngineOptions, run_engine
+            runs = run_engine(entries, config, EngineOptions(model=args.model, dtype=args.dtype,
+                                                             max_model_len=args.max_model_len),
+                              cost=cost, progress=not args.quiet)
+    except ValueError as e:
+        print(f"jaxserve replay: {e}", file=sys.stderr)
+        return 2
+    paths = write_outputs(runs, args.out, title=title, plots=not args.no_plots)
+    wall = time.perf_counter() - start
+    print(paths["summary"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {wall:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":   # python -m jaxserve.replay.cli ... (same as `jaxserve replay ...`)
+    _parser = argparse.ArgumentParser(prog="jaxserve replay", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

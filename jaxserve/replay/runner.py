@@ -1,0 +1,185 @@
+"""Replay a workload under several policies and rates; collect and write results.
+
+``simulate`` runs the ``SimExecutor``; ``jaxserve.replay.engine_runner``
+runs the real engine (imported lazily: it needs JAX). Both produce
+``RunCurves`` whose ``row`` is one ``results.json`` object, and
+``write_outputs`` writes ``results.json``, ``summary.md`` and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
+from jaxserve.replay.plots import RunCurves, write_plots
+from jaxserve.replay.sim import SimConfig, SimExecutor, build_scheduler
+from jaxserve.replay.trace import TraceEntry
+from jaxserve.replay.workload import WorkloadItem, WorkloadSpec, make_workload
+from scheduler import CostModel, Handling, make_policy, make_predictor
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One replay: the cross product ``policies × rates`` over one trace.
+
+    ``rates`` holds ``None`` for ``arrival="trace"``. SLOs: TTFT < ``slo_ttft_s``
+    and normalized latency < ``slo_norm_latency_s`` (default: ``slo_step_factor``
+    × the reference step time, ``T_fwd(max_num_batched_tokens)`` of the profile).
+    """
+
+    policies: Sequence[str]
+    rates: Sequence[float | None]
+    arrival: str = "poisson"
+    cv: float = 1.0
+    num_requests: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+    predictor: str = "oracle"
+    handling: Handling | None = None
+    policy_options: dict = field(default_factory=dict)
+    sim: SimConfig = SimConfig()
+    horizon_s: float | None = None
+    slo_ttft_s: float = 1.0
+    slo_norm_latency_s: float | None = None
+    slo_step_factor: float = 10.0
+
+    def spec(self, rate: float | None) -> WorkloadSpec:
+        return WorkloadSpec(self.arrival, rate, self.cv, self.num_requests, self.duration_s, self.seed)
+
+    def slo(self, reference_step_s: float) -> Slo:
+        if self.slo_norm_latency_s is not None:
+            return Slo(self.slo_ttft_s, self.slo_norm_latency_s)
+        return Slo.from_step_time(reference_step_s, self.slo_ttft_s, self.slo_step_factor)
+
+
+def measurement_window(workload: Sequence[WorkloadItem], spec: WorkloadSpec, makespan_s: float) -> float:
+    """Seconds over which throughput and goodput count completions: the arrival
+    window (``duration_s``, else the last arrival), as the LAMPS/AugServe runs
+    count requests completed within their 30-minute window."""
+    if spec.duration_s is not None:
+        return spec.duration_s
+    last = max((w.arrival_time for w in workload), default=0.0)
+    return last if last > 0 else makespan_s
+
+
+def summarize_run(policy: str, rate: float | None, config: ReplayConfig, requests, kinds: dict[str, str],
+                  window_s: float, makespan_s: float, slo: Slo) -> tuple[dict, list]:
+    """The results.json row of one run and its per-request metrics."""
+    per_request = [request_metrics(r, kinds.get(r.request_id)) for r in requests]
+    in_window = [m for m in per_request if not m.completed or m.arrival_s + m.e2e_s <= window_s]
+    row: dict = {"policy": policy, "rate": rate, "arrival": config.arrival,
+                 "cv": config.cv if config.arrival == "gamma" else None,
+                 "seed": config.seed, "predictor": config.predictor,
+                 "handling": config.handling.value if config.handling else "policy"}
+    row.update(aggregate(per_request, window_s, slo))
+    # Throughput and goodput count only completions inside the measurement window.
+    windowed = aggregate([m for m in in_window if m.completed], window_s, slo)
+    for key in ("throughput_req_s", "throughput_tok_s", "goodput_req_s"):
+        row[key] = windowed[key]
+    row["completed_in_window"] = windowed["completed"]
+    row["window_s"] = window_s
+    row["makespan_s"] = makespan_s
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for m in per_request:
+        if m.completed and m.kind:
+            by_kind[m.kind].append(m.e2e_s)
+    row["mean_e2e_s_by_kind"] = {k: sum(v) / len(v) for k, v in sorted(by_kind.items())}
+    return row, per_request
+
+
+def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfig,
+             progress: bool = True) -> list[RunCurves]:
+    """Every (rate, policy) run on the simulator; the same workload per rate for every policy."""
+    from tqdm import tqdm
+
+    sim = config.sim.resolve(cost)
+    reference_step = cost.t_fwd(sim.max_num_batched_tokens)
+    slo = config.slo(reference_step)
+    runs: list[RunCurves] = []
+    total_runs = len(config.rates) * len(config.policies)
+    for rate in config.rates:
+        spec = config.spec(rate)
+        workload = make_workload(entries, spec)
+        kinds = {w.request_id: w.entry.kind for w in workload}
+        for policy_name in config.policies:
+            requests = [w.to_request() for w in workload]
+            predictor = make_predictor(config.predictor, seed=config.seed)
+            policy = make_policy(policy_name, predictor=predictor, **config.policy_options)
+            sched = build_scheduler(cost, policy, sim)
+            executor = SimExecutor(sched, cost, sample_interval_s=sim.sample_interval_s,
+                                   check_invariants=sim.check_invariants)
+            label = f"[{len(runs) + 1}/{total_runs}] {policy_name} @ {'trace' if rate is None else format(rate, 'g')}"
+            with tqdm(total=len(requests), desc=label, unit="req", disable=not progress,
+                      leave=False, dynamic_ncols=True) as bar:
+                def tick(n: int, now: float, bar=bar) -> None:
+                    bar.update(n)
+                    bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
+                result = executor.run(requests, horizon_s=config.horizon_s, progress=tick)
+            makespan = result.end_time_s
+            window = measurement_window(workload, spec, makespan)
+            if config.horizon_s is not None:
+                window = min(window, config.horizon_s)
+            row, per_request = summarize_run(policy_name, rate, config, result.requests, kinds,
+                                             window, makespan, slo)
+            row.update({
+                "executor": "sim", "profile": cost.name, "steps": result.num_steps,
+                "mean_step_s": result.mean_step_s,
+                "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
+                "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,
+                "device_pages": result.total_device_pages, "host_pages": result.total_host_pages,
+                "page_size": sim.page_size, "max_num_batched_tokens": sim.max_num_batched_tokens,
+                "swap_budget_tokens": sim.swap_budget_tokens,
+            })
+            occ = result.occupancy
+            runs.append(RunCurves(
+                policy_name, rate, row, e2e_values(per_request), occ.time_s,
+                [u / result.total_device_pages for u in occ.device_used],
+                [u / result.total_host_pages if result.total_host_pages else 0.0 for u in occ.host_used]))
+            if progress:
+                tqdm.write(_one_line(row))
+    return runs
+
+
+def _one_line(row: dict) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    rate = "trace" if row["rate"] is None else f"{row['rate']:g}"
+    return (f"{row['policy']:>14} @ {rate:>5}: done {row['completed']}/{row['requests']}  "
+            f"E2E mean {f(row['mean_e2e_s'], '.2f')} s  TTFT mean {f(row['mean_ttft_s'], '.3f')} s  "
+            f"goodput {f(row['goodput_req_s'], '.3f')} req/s")
+
+
+def _clean(value):
+    """JSON-safe: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_outputs(runs: Sequence[RunCurves], out_dir: str | Path, title: str = "",
+                  plots: bool = True) -> dict[str, Path]:
+    """``results.json`` (one object per run), ``summary.md`` (the side-by-side
+    table) and the PNG plots; returns the paths written by name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [_clean(r.row) for r in runs]
+    paths = {"results": out / "results.json", "summary": out / "summary.md"}
+    paths["results"].write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+    table = summary_table(rows)
+    head = f"# Replay summary{': ' + title if title else ''}\n\n"
+    notes = ("\nE2E/TTFT/normalized latency over completed requests; throughput and goodput count "
+             "completions inside the arrival window. P/D/S: API calls handled by Preserve/Discard/Swap.\n")
+    paths["summary"].write_text(head + table + "\n" + notes)
+    if plots:
+        for p in write_plots(runs, out):
+            paths[p.stem] = p
+    return paths
