@@ -1,0 +1,362 @@
+"""Trace replay: trace loading and validation, workloads, the simulator, metrics, CLI (CPU, no JAX)."""
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.replay import cli as replay_cli
+from jaxserve.replay.metrics import Slo, aggregate, request_metrics
+from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs
+from jaxserve.replay.sim import SimConfig, SimExecutor, SimulationStalled, build_scheduler
+from jaxserve.replay.trace import (TraceError, bundled_trace_path, entries_to_jsonl, load_trace,
+                                   parse_infercept, parse_jsonl, scale_entries)
+from jaxserve.replay.workload import WorkloadSpec, arrival_times, make_workload
+from scheduler import (BUILTIN_PROFILES, ApiCallRecord, Handling, Request, StepPlan, SwapOp,
+                       available_policies, make_policy, make_predictor)
+
+COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
+
+
+@pytest.fixture(scope="module")
+def multi():
+    return load_trace()
+
+
+@pytest.fixture(scope="module")
+def single():
+    return load_trace("diverse_oneapi_merged_exp_uniform.json")
+
+
+# ------------------------------------------------------------------ traces
+def test_bundled_multi_api_trace(multi):
+    assert len(multi) == 397
+    assert sum(e.num_api_calls for e in multi) == 1841
+    assert sum(1 for e in multi if e.segments[-1].has_api_call) == 184
+    kinds = {e.kind for e in multi}
+    assert kinds == {"math", "qa", "ve", "chat", "tts", "image"}
+    call_types = {s.api_type for e in multi for s in e.segments if s.has_api_call}
+    assert call_types == {"math", "qa", "ve", "chat", "tts", "image"}
+    first = next(e for e in multi if e.request_id == "0a84bcdff8434b23971032489f44b90a")
+    assert first.prompt_len == 392 and first.kind == "math"
+    assert [s.num_tokens for s in first.segments] == [127, 47, 48, 82, 76]
+    assert [s.num_returned_tokens for s in first.segments] == [21, 23, 23, 22, 0]
+    assert first.segments[-1].api_type is None
+    assert first.max_tokens == min(2048, 127 + 47 + 48 + 82 + 76 + 21 + 23 + 23 + 22)
+    # api_token_length == -2 (a cap artefact) is read as 0 returned tokens
+    capped = next(e for e in multi if e.request_id == "7_2")
+    assert capped.segments[5].num_returned_tokens == 0
+    # VE: exact 1,973-token prompt; text form with the TTS canned return
+    assert all(e.prompt_len == 1973 for e in multi if e.kind == "ve")
+    tts = next(e for e in multi if e.request_id == "0_1")
+    assert tts.segments[0].api_type == "tts" and tts.segments[1].api_type == "chat"
+
+
+def test_bundled_single_api_trace(single, multi):
+    assert len(single) == 397
+    assert all(e.num_api_calls == 1 and not e.segments[-1].has_api_call for e in single)
+    assert {e.request_id for e in single} == {e.request_id for e in multi}
+    assert bundled_trace_path("diverse_oneapi_merged_exp_uniform.json").is_file()
+    with pytest.raises(ValueError, match="no bundled trace"):
+        bundled_trace_path("nope.json")
+
+
+def test_text_form_uses_tokenizer_or_four_chars_per_token():
+    data = {"c": [{"prompt": "a b c d e", "completion": "x y", "api_token": "Generate an image about this. ",
+                   "api_time": 2.0},
+                  {"prompt": "ignored", "completion": "done now"}]}
+    by_chars = parse_infercept(data)[0]
+    assert by_chars.prompt_len == math.ceil(9 / 4)
+    assert [s.num_tokens for s in by_chars.segments] == [1, 2]
+    assert by_chars.segments[0].num_returned_tokens == math.ceil(len("Generate an image about this. ") / 4)
+    by_words = parse_infercept(data, tokenizer=str.split)[0]
+    assert by_words.prompt_len == 5
+    assert [s.num_tokens for s in by_words.segments] == [2, 2]
+    assert by_words.segments[0].num_returned_tokens == 5
+    assert by_words.segments[0].api_type == "image" and by_words.kind == "image"
+
+
+def test_jsonl_round_trip_and_fields(tmp_path, multi):
+    path = tmp_path / "t.jsonl"
+    path.write_text(entries_to_jsonl(multi[:20]))
+    back = load_trace(path)
+    assert [(e.request_id, e.prompt_len, e.segments) for e in back] == \
+           [(e.request_id, e.prompt_len, e.segments) for e in multi[:20]]
+    line = {"id": "r1", "arrival_time": 1.5, "api_type": "search", "predictions": {"output_len": 9},
+            "segments": [{"prompt_tokens": 10, "completion_tokens": 3, "api_time": 0.5, "api_token_length": 4},
+                         {"completion_tokens": 6}]}
+    (e,) = parse_jsonl(json.dumps(line) + "\n\n")
+    assert e.arrival_time == 1.5 and e.kind == "search" and e.predictions == {"output_len": 9}
+    assert e.segments[0].api_type == "search" and e.segments[0].api_duration_s == 0.5
+    req = e.to_request("x", 2.0)
+    assert req.ignore_eos and req.predictions == {"output_len": 9} and req.max_tokens == 13
+
+
+def _seg(**kw):
+    base = {"prompt_tokens": 10, "completion_tokens": 3, "api_time": 0.5, "api_token_length": 2}
+    base.update(kw)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+BAD_JSON = [
+    ({"r": []}, "'r'.*non-empty list"),
+    ({"r": "x"}, "'r'.*non-empty list"),
+    ({"r": [3]}, "'r' segment 0.*expected an object"),
+    ({"r": [_seg(completion_tokens=None)]}, "'r' segment 0.*missing field 'completion_tokens'"),
+    ({"r": [_seg(prompt_tokens=None)]}, "'r' segment 0.*missing field 'prompt_tokens'"),
+    ({"r": [_seg(completion_tokens=-1)]}, "'r' segment 0.*'completion_tokens' must be a non-negative"),
+    ({"r": [_seg(completion_tokens=2.5)]}, "'r' segment 0.*'completion_tokens'"),
+    ({"r": [_seg(completion_tokens=True)]}, "'r' segment 0.*'completion_tokens'"),
+    ({"r": [_seg(api_token_length=-3)]}, "'r' segment 0.*'api_token_length'"),
+    ({"r": [_seg(api_time=-0.1)]}, "'r' segment 0.*'api_time' must be a non-negative"),
+    ({"r": [_seg(api_time="1")]}, "'r' segment 0.*'api_time'"),
+    ({"r": [_seg(api_token_length=None)]}, "'r' segment 0.*missing field 'api_token_length'"),
+    ({"r": [_seg(api_time=None)]}, "'r' segment 0.*missing field 'api_time'"),
+    ({"r": [_seg(colour=1)]}, "'r' segment 0.*unknown field.*colour"),
+    ({"r": [_seg(api_time=None, api_token_length=None), _seg()]}, "'r' segment 0.*only the last segment"),
+    ({"r": [_seg(prompt_tokens=0)]}, "'r' segment 0.*at least one token"),
+    ({"r": [_seg(api_type=3)]}, "'r' segment 0.*'api_type' must be a string"),
+    ({"t": [{"prompt": "hi", "completion": 5}]}, "'t' segment 0.*'completion' must be a string"),
+    ({"t": [{"prompt": "hi", "completion": "x", "api_time": 1.0}]}, "'t' segment 0.*missing field 'api_token'"),
+    ({"t": [{"prompt": "hi", "completion": "x", "prompt_tokens": 3}]}, "'t' segment 0.*unknown field"),
+    ({}, "non-empty JSON object"),
+    ([1, 2], "non-empty JSON object"),
+]
+
+
+@pytest.mark.parametrize("data,match", BAD_JSON)
+def test_bad_infercept_trace_names_request_and_field(tmp_path, data, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
+
+
+GOOD_LINE = {"id": "q", "segments": [_seg(), {"completion_tokens": 2}]}
+BAD_JSONL = [
+    ('{"segments": []}', "line 1: missing field 'id'"),
+    ('{"id": "q"}', "'q': missing field 'segments'"),
+    ('{"id": "q", "segments": [], "extra": 1}', "'q': unknown field.*extra"),
+    ('{"id": "q", "arrival_time": -1, "segments": []}', "'q': field 'arrival_time'"),
+    ('{"id": "q", "predictions": [1], "segments": []}', "'q': field 'predictions'"),
+    ('{"id": "q", "api_type": 7, "segments": []}', "'q': field 'api_type'"),
+    (json.dumps(GOOD_LINE) + "\n" + json.dumps(GOOD_LINE), "line 2: request 'q': duplicate id"),
+    (json.dumps(GOOD_LINE) + "\n{not json", "line 2: not valid JSON"),
+    (json.dumps({"id": "q", "segments": [_seg(completion_tokens=-5)]}), "'q' segment 0.*completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("text,match", BAD_JSONL)
+def test_bad_jsonl_trace_names_request_and_field(tmp_path, text, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
+
+
+def test_unreadable_traces(tmp_path):
+    (tmp_path / "empty.json").write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        load_trace(tmp_path / "empty.json")
+    (tmp_path / "broken.json").write_text("{\n  \"a\": [")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_trace(tmp_path / "broken.json")
+    with pytest.raises(FileNotFoundError):
+        load_trace(tmp_path / "missing.json")
+    with pytest.raises(TraceError):  # TraceError is the ValueError raised above
+        parse_jsonl("\n\n")
+
+
+# ---------------------------------------------------------------- workloads
+def test_workload_same_seed_identical_other_seed_differs(multi):
+    spec = WorkloadSpec("poisson", rate=4.0, duration_s=300.0, seed=7)
+    a, b = make_workload(multi, spec), make_workload(multi, spec)
+    assert a == b
+    c = make_workload(multi, WorkloadSpec("poisson", rate=4.0, duration_s=300.0, seed=8))
+    assert [w.request_id for w in a] != [w.request_id for w in c]
+    assert len({w.request_id for w in a}) == len(a)            # sampled with replacement, unique ids
+    assert all(0 <= w.arrival_time < 300 for w in a)
+    assert abs(len(a) - 1200) < 5 * math.sqrt(1200)
+    # the entry sequence does not depend on the rate (same seed)
+    d = make_workload(multi, WorkloadSpec("poisson", rate=8.0, num_requests=50, seed=7))
+    assert [w.entry.request_id for w in d] == [w.entry.request_id for w in a[:50]]
+
+
+def test_gamma_arrivals_have_the_requested_rate_and_burstiness():
+    spec = WorkloadSpec("gamma", rate=5.0, cv=2.0, num_requests=40_000, seed=1)
+    gaps = np.diff(arrival_times(spec), prepend=0.0)
+    assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.05)
+    poisson = np.diff(arrival_times(WorkloadSpec("poisson", rate=5.0, num_requests=40_000, seed=1)))
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+
+
+def test_trace_arrivals_and_bad_specs(multi):
+    entries = parse_jsonl("\n".join(json.dumps({"id": f"r{i}", "arrival_time": t, "segments": [_seg(),
+                                                {"completion_tokens": 1}]})
+                                    for i, t in enumerate([3.0, 1.0, 2.0])))
+    wl = make_workload(entries, WorkloadSpec("trace", num_requests=2))
+    assert [(w.request_id, w.arrival_time) for w in wl] == [("r1", 1.0), ("r2", 2.0)]
+    with pytest.raises(ValueError, match="arrival_time"):
+        make_workload(multi, WorkloadSpec("trace"))
+    for kwargs in ({"rate": None, "num_requests": 3}, {"rate": 1.0}, {"rate": 1.0, "num_requests": 3,
+                   "duration_s": 3.0}, {"rate": -1.0, "num_requests": 3}):
+        with pytest.raises(ValueError):
+            WorkloadSpec("poisson", **kwargs)
+    with pytest.raises(ValueError, match="arrival"):
+        WorkloadSpec("uniform", rate=1.0, num_requests=1)
+
+
+# --------------------------------------------------------------- simulator
+def _small_entries(multi, n=40, scale=0.1):
+    return scale_entries(multi[:: max(1, len(multi) // n)][:n], scale)
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_sim_completes_every_request_with_all_pages_free(multi, policy):
+    entries = _small_entries(multi)
+    workload = make_workload(entries, WorkloadSpec("poisson", rate=20.0, num_requests=60, seed=3))
+    requests = [w.to_request() for w in workload]
+    # A small pool (~6 requests' worth) forces preemption, eviction and host-pool fallback.
+    sched = build_scheduler(COST, make_policy(policy, make_predictor("oracle")),
+                            SimConfig(page_size=8, num_device_pages=160, num_host_pages=40,
+                                      max_num_batched_tokens=64, check_invariants=True))
+    result = SimExecutor(sched, COST, check_invariants=True).run(requests)
+    assert all(r.finish_time is not None and r.finish_reason in ("length", "stop") for r in requests)
+    assert not sched.has_unfinished()
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    for w, r in zip(sorted(workload, key=lambda w: w.arrival_time), result.requests):
+        assert r.num_generated == w.entry.output_len
+        assert len(r.api_calls) == w.entry.num_api_calls
+        assert r.first_token_time >= r.arrival_time and r.finish_time >= r.first_token_time
+    assert result.busy_time_s <= result.end_time_s
+
+
+@pytest.mark.parametrize("handling", [Handling.PRESERVE, Handling.DISCARD, Handling.SWAP])
+def test_sim_forced_handling(multi, handling):
+    requests = [w.to_request() for w in make_workload(_small_entries(multi, 20),
+                                                       WorkloadSpec("poisson", rate=10.0, num_requests=30))]
+    sched = build_scheduler(COST, make_policy("infercept"),
+                            SimConfig(page_size=8, num_device_pages=400, num_host_pages=400, handling=handling))
+    result = SimExecutor(sched, COST, check_invariants=True).run(requests)
+    used = {c.handling for r in requests for c in r.api_calls}
+    assert used == {handling}
+    assert (result.swapped_tokens > 0) == (handling == Handling.SWAP)
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+
+
+def test_sim_step_time_hides_swap_behind_the_forward():
+    sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16))
+    ex = SimExecutor(sched, COST)
+    r = Request("r", 0.0, prompt_len=4, max_tokens=1)
+    plan = StepPlan()
+    plan.chunks = []
+    assert ex.step_time(plan) == (0.0, 0.0, 0)
+    small = StepPlan(swap_out=[SwapOp(r, [0], [0])])            # 16 tokens, no forward
+    dt, stall, tokens = ex.step_time(small)
+    assert tokens == 16 and dt == pytest.approx(COST.t_swap(16)) and stall == pytest.approx(dt)
+    from scheduler import ScheduledChunk
+    fwd = StepPlan(chunks=[ScheduledChunk(r, 0, 300, True)], swap_in=[SwapOp(r, [1], [1])])
+    dt, stall, _ = ex.step_time(fwd)                             # copy hidden by a 300-token forward
+    assert dt == pytest.approx(COST.t_fwd(300)) and stall == 0.0
+    big = StepPlan(chunks=[ScheduledChunk(r, 0, 1, True)], swap_in=[SwapOp(r, list(range(200)), list(range(200)))])
+    dt, stall, _ = ex.step_time(big)
+    assert dt == pytest.approx(COST.t_swap(3200)) and stall == pytest.approx(COST.t_swap(3200) - COST.t_fwd(1))
+
+
+def test_sim_pool_sized_from_profile():
+    c = SimConfig().resolve(COST)
+    assert c.num_device_pages == COST.device_kv_bytes // (COST.bytes_per_token * 16)
+    assert c.num_host_pages == COST.host_kv_bytes // (COST.bytes_per_token * 16)
+    assert c.max_num_batched_tokens == COST.max_num_batched_tokens
+    assert c.swap_budget_tokens % 16 == 0
+    assert COST.t_swap(c.swap_budget_tokens) <= COST.t_fwd(c.max_num_batched_tokens)
+
+
+def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
+    req = Request("a", 5.0, prompt_len=10, max_tokens=3,
+                  segments=[__import__("scheduler").Segment(1, "chat", 100.0, 4),
+                            __import__("scheduler").Segment(2)])
+    sched = build_scheduler(COST, make_policy("infercept"), SimConfig(page_size=16))
+    result = SimExecutor(sched, COST).run([req])
+    assert req.first_token_time == pytest.approx(5.0 + COST.t_fwd(10))
+    call = req.api_calls[0]
+    assert call.return_time - call.call_time == pytest.approx(100.0)
+    assert req.finish_time > 105.0 and result.num_steps <= 6
+    big = Request("big", 0.0, prompt_len=10_000, max_tokens=1)
+    sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16, num_device_pages=10))
+    with pytest.raises(SimulationStalled, match="nothing can run"):
+        SimExecutor(sched, COST).run([big])
+
+
+# ------------------------------------------------------------------ metrics
+def test_request_metrics_and_goodput():
+    r = Request("m", 10.0, prompt_len=5, max_tokens=5)
+    r.first_scheduled_time, r.first_token_time, r.finish_time = 10.5, 11.0, 30.0
+    r.finish_reason, r.num_generated = "length", 5
+    r.api_calls.append(ApiCallRecord("qa", Handling.SWAP, call_time=12.0, return_time=20.0))
+    m = request_metrics(r, "qa")
+    assert m.e2e_s == 20.0 and m.ttft_s == 1.0 and m.queueing_s == 0.5 and m.api_s == 8.0
+    assert m.norm_latency_s == pytest.approx((20.0 - 8.0) / 5)
+    assert m.tpot_s == pytest.approx((20.0 - 1.0 - 8.0) / 4)
+    agg = aggregate([m], duration_s=10.0, slo=Slo(ttft_s=1.5, norm_latency_s=3.0))
+    assert agg["goodput_req_s"] == pytest.approx(0.1) and agg["handling_counts"]["swap"] == 1
+    assert aggregate([m], 10.0, Slo(ttft_s=0.5))["goodput_req_s"] == 0.0
+    assert Slo.from_step_time(0.02).norm_latency_s == pytest.approx(0.2)
+
+
+# --------------------------------------------------------- runner and CLI
+def _config(**kw):
+    base = dict(policies=["fcfs", "infercept"], rates=[4.0], num_requests=40, seed=5,
+                sim=SimConfig(page_size=16, num_device_pages=300))
+    base.update(kw)
+    return ReplayConfig(**base)
+
+
+def test_same_seed_gives_byte_identical_results(tmp_path, multi):
+    entries = scale_entries(multi, 0.2)
+    for name in ("a", "b"):
+        write_outputs(simulate(entries, COST, _config(), progress=False), tmp_path / name, plots=False)
+    a = (tmp_path / "a" / "results.json").read_bytes()
+    assert a == (tmp_path / "b" / "results.json").read_bytes()
+    assert (tmp_path / "a" / "summary.md").read_bytes() == (tmp_path / "b" / "summary.md").read_bytes()
+    write_outputs(simulate(entries, COST, _config(seed=6), progress=False), tmp_path / "c", plots=False)
+    assert a != (tmp_path / "c" / "results.json").read_bytes()
+
+
+def _cli_args(argv):
+    parser = argparse.ArgumentParser()
+    replay_cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_end_to_end_writes_results_summary_and_plots(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = replay_cli.main(_cli_args(["--policies", "fcfs,infercept,lamps" if "lamps" in available_policies()
+                                    else "fcfs,infercept", "--rates", "2,6", "--num-requests", "50",
+                                    "--token-scale", "0.5", "--seed", "1", "--out", str(out), "--quiet"]))
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert len(rows) == 2 * (3 if "lamps" in available_policies() else 2)
+    for row in rows:
+        for key in ("policy", "rate", "requests", "completed", "mean_e2e_s", "p50_e2e_s", "p99_e2e_s",
+                    "mean_ttft_s", "p99_ttft_s", "mean_norm_latency_s", "throughput_req_s", "goodput_req_s",
+                    "preemptions", "handling_counts", "mean_tpot_s", "mean_queueing_s"):
+            assert key in row, key
+        assert row["requests"] == row["completed"] == 50
+    assert "| policy" in (out / "summary.md").read_text()
+    for png in ("latency_vs_rate.png", "e2e_cdf.png", "kv_occupancy.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "E2E mean" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_arguments(tmp_path, capsys):
+    for argv in (["--policies", "nope"], ["--rate", "1", "--rates", "1,2"], ["--rates", "0"],
+                 ["--predictor", "psychic"], ["--num-requests", "3", "--duration", "3"],
+                 [str(tmp_path / "missing.json")], ["--arrival", "trace"]):
+        assert replay_cli.main(_cli_args(argv + ["--out", str(tmp_path), "--quiet", "--no-plots"])) == 2, argv
+    assert "jaxserve replay:" in capsys.readouterr().err
