@@ -81,6 +81,8 @@ class ModelRunner:
         self._gather = jax.jit(_gather_pages)
         self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
         self.device = jax.devices()[0]
+        self.device_sharding = jax.sharding.SingleDeviceSharding(self.device).with_memory_kind(
+            self.device.default_memory().kind)
         self.host_sharding = _host_sharding(self.device)
         self._host_store: dict[int, tuple[jax.Array, int]] = {}  # host page -> (host chunk, row in it)
 
@@ -184,7 +186,7 @@ class ModelRunner:
                 host, row = self._host_store.pop(hp)
                 key = id(host)
                 if key not in cache:
-                    cache[key] = jax.device_put(host, self.device)
+                    cache[key] = jax.device_put(host, self.device_sharding)
                 parts.append(cache[key][:, :, row])
             size = next_power_of_two(n)
             data = jnp.stack(parts, axis=2)

@@ -1,0 +1,124 @@
+"""API-augmented requests: pausing under Preserve / Discard / Swap is exact,
+swap really moves KV to host memory, tight pools never deadlock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, ApiCall, SamplingParams
+from scheduler import RequestState
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+ONE_CALL = [ApiCall(after_tokens=8, duration_s=0.02, returned_token_ids=[5, 6, 7], api_type="math")]
+THREE_CALLS = [ApiCall(5, 0.01, ids(4, 11), "math"), ApiCall(12, 0.03, ids(19, 12), "qa"),
+               ApiCall(20, 0.0, [9], "ve")]
+
+
+def spliced_reference(llm: LLM, prompt: list[int], generated: list[int], calls: list[ApiCall],
+                      max_tokens: int) -> list[int]:
+    """What an uninterrupted greedy run produces after each call, given the context with
+    the returned tokens spliced in at the same places; returns the full generated list."""
+    out: list[int] = []
+    context = list(prompt)
+    bounds = [c.after_tokens for c in calls] + [max_tokens]
+    for i, end in enumerate(bounds):
+        if i > 0:
+            context += list(calls[i - 1].returned_token_ids)
+        if i == 0:
+            piece = llm.generate(prompt_token_ids=[context], sampling_params=SamplingParams(max_tokens=end, **GREEDY))
+        else:
+            piece = llm.generate(prompt_token_ids=[context], sampling_params=SamplingParams(
+                max_tokens=end - bounds[i - 1], **GREEDY))
+        seg = piece[0].token_ids
+        # feed the paused run's own tokens forward so each segment is checked independently
+        own = generated[len(out):len(out) + len(seg)]
+        assert seg == own, f"segment {i} differs"
+        out += own
+        context += own
+    return out
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+@pytest.mark.parametrize("handling", ["preserve", "discard", "swap"])
+def test_paused_output_equals_spliced_uninterrupted_run(handling, pool):
+    num_pages = 128 if pool == "roomy" else 16
+    llm = LLM("demo", handling=handling, page_size=8, num_pages=num_pages, host_num_pages=64,
+              max_num_batched_tokens=32, max_model_len=256, check_invariants=True, warmup=False,
+              swap_budget_tokens=16)
+    prompts = [ids(13, 1), ids(30, 2)] + [ids(5 + 7 * k, 20 + k) for k in range(4)]
+    calls = [ONE_CALL, THREE_CALLS] + [[ApiCall(3 + k, 0.01, [4] * k, "x")] for k in range(4)]
+    params = SamplingParams(max_tokens=28, **GREEDY)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, api_calls=calls)
+    for prompt, call_list, out in zip(prompts, calls, outs):
+        assert len(out.token_ids) == 28 and out.finish_reason == "length"
+        assert [c.handling for c in out.api_calls] and len(out.api_calls) == len(call_list)
+        spliced_reference(llm, prompt, out.token_ids, call_list, 28)
+    used = {c.handling for o in outs for c in o.api_calls}
+    if pool == "roomy":
+        assert used == {handling}
+    else:
+        assert llm.engine.scheduler.num_preemptions > 0 or used != {handling}
+    if handling == "swap":
+        assert llm.engine.stats.swapped_out_pages > 0 and llm.engine.stats.swapped_in_pages > 0
+    sched = llm.engine.scheduler
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.host_pool.num_free == sched.host_pool.num_pages
+
+
+def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
+    llm = LLM("demo", handling="swap", page_size=8, num_pages=12, host_num_pages=16,
+              max_num_batched_tokens=64, max_model_len=96, check_invariants=True, warmup=False)
+    engine = llm.engine
+    engine.add_request("a", prompt_token_ids=ids(40, 3), sampling_params=SamplingParams(max_tokens=8, **GREEDY),
+                       api_calls=[ApiCall(2, 0.5, [5, 6], "slow")])
+    req = engine.scheduler.requests["a"]
+    while req.state not in (RequestState.SWAPPED,):
+        engine.step()
+    assert not req.device_pages and len(req.host_pages) == 6
+    assert engine.scheduler.device_pool.num_free == 12
+    kinds = {engine.runner.host_memory_kind(p) for p in req.host_pages}
+    assert kinds == {"pinned_host"}
+    # another request now uses the freed device pages (it needs 11 of the 12)
+    engine.add_request("b", prompt_token_ids=ids(80, 4), sampling_params=SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    engine.step()  # 80 prompt tokens take two steps of 64
+    assert req.state == RequestState.SWAPPED and len(engine.scheduler.requests["b"].device_pages) == 10
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.device_pool.num_free == 12 and engine.scheduler.host_pool.num_free == 16
+
+
+def test_many_paused_requests_in_a_tight_pool_all_finish():
+    llm = LLM("demo", policy="infercept", page_size=8, num_pages=10, host_num_pages=6,
+              max_num_batched_tokens=32, max_model_len=128, check_invariants=True, warmup=False)
+    prompts = [ids(4 + 3 * k, 50 + k) for k in range(12)]
+    calls = [[ApiCall(2, 0.05 * (k % 3), [7] * (k % 4), "t"), ApiCall(6, 0.0, [8], "u")] for k in range(12)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=10, **GREEDY),
+                        api_calls=calls)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
+    sched = llm.engine.scheduler
+    assert sched.device_pool.num_free == 10 and sched.host_pool.num_free == 6
+
+
+def test_resume_errors_and_bad_api_calls_leave_engine_serving():
+    llm = LLM("demo", page_size=8, num_pages=32, max_num_batched_tokens=32, max_model_len=128, warmup=False)
+    engine = llm.engine
+    with pytest.raises(KeyError):
+        engine.resume("nope", token_ids=[1])
+    with pytest.raises(ValueError, match="after_tokens"):
+        ApiCall(after_tokens=0)
+    with pytest.raises(ValueError, match="after_tokens"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=4),
+                     api_calls=[[ApiCall(after_tokens=4)]])
+    done = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=3, **GREEDY))
+    with pytest.raises(KeyError):
+        engine.resume(done[0].request_id, text="late")
+    assert llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0].token_ids \
+        == done[0].token_ids
