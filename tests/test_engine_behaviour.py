@@ -1,0 +1,136 @@
+"""Engine behaviour on the demo model: validation, seeds, stops, sampling, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, AsyncEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("demo", page_size=8, num_pages=96, max_num_batched_tokens=64, max_model_len=128,
+               check_invariants=True, warmup=False)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(seed=-1), "seed"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm):
+    ok = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompts=[""], sampling_params=ok)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompt_token_ids=[[]], sampling_params=ok)
+    with pytest.raises(ValueError, match="prompt.*max_model_len"):
+        llm.generate(prompt_token_ids=[prompt(200, 1)], sampling_params=ok)
+    with pytest.raises(ValueError, match="max_tokens.*max_model_len"):
+        llm.generate(prompt_token_ids=[prompt(100, 1)], sampling_params=SamplingParams(max_tokens=64))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=[[1, 2, 10**6]], sampling_params=ok)
+    # a batch with one bad prompt queues nothing
+    with pytest.raises(ValueError):
+        llm.generate(prompt_token_ids=[prompt(5, 2), []], sampling_params=ok)
+    assert not llm.engine.has_unfinished()
+    out = llm.generate(prompts=["Hello, world!"], sampling_params=ok)
+    assert len(out[0].token_ids) == 4 and out[0].text
+
+
+def test_same_seed_same_tokens_alone_or_in_a_batch_of_16(llm):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    target = prompt(11, 3)
+    alone = llm.generate(prompt_token_ids=[target], sampling_params=params)[0].token_ids
+    others = [SamplingParams(max_tokens=12, temperature=1.0, seed=k, ignore_eos=True) for k in range(15)]
+    batch = llm.generate(prompt_token_ids=[prompt(3 + k, 100 + k) for k in range(7)] + [target]
+                         + [prompt(20 - k, 200 + k) for k in range(8)],
+                         sampling_params=others[:7] + [params] + others[7:])
+    assert batch[7].token_ids == alone
+    again = llm.generate(prompt_token_ids=[target], sampling_params=params)[0].token_ids
+    assert again == alone
+    different = llm.generate(prompt_token_ids=[target], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=99, ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy(llm):
+    p = prompt(9, 4)
+    greedy = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                ignore_eos=True))[0].token_ids
+    for extra in (dict(top_k=1), dict(top_p=1e-6)):
+        out = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+            max_tokens=8, temperature=1.5, seed=7, ignore_eos=True, **extra))[0].token_ids
+        assert out == greedy, extra
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    p = prompt(9, 5)
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
+    text = free.text
+    needle = text[len(text) // 2:len(text) // 2 + 2]
+    if needle.strip():
+        out = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+            max_tokens=10, temperature=0.0, ignore_eos=True, stop=[needle]))[0]
+        assert out.finish_reason == "stop" and needle not in out.text and text.startswith(out.text)
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = llm.tokenizer.eos_token_id
+    p = prompt(9, 6)
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    # treat the 3rd generated token as EOS through stop_token_ids' sibling: the engine's eos set
+    llm.engine.eos_token_ids.add(free.token_ids[2])
+    try:
+        out = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=10, temperature=0.0))[0]
+        kept = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+            max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        llm.engine.eos_token_ids.discard(free.token_ids[2])
+        llm.engine.eos_token_ids.add(eos)
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 3
+    assert kept.token_ids == free.token_ids
+
+
+def test_async_engine_streams_deltas_and_abort_frees_pages(llm):
+    engine = AsyncEngine(engine=llm.engine)
+
+    async def main():
+        pieces = []
+        async for out in engine.generate(None, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                         request_id="s", prompt_token_ids=prompt(7, 8)):
+            pieces.append(out.delta_token_ids)
+        full = out.token_ids
+        stream = engine.generate(None, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+                                 request_id="long", prompt_token_ids=prompt(7, 9))
+        await stream.__anext__()
+        assert await engine.abort("long")
+        assert not await engine.abort("long")
+        return pieces, full
+
+    try:
+        pieces, full = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [t for p in pieces for t in p] == full and len(full) == 6
+    sched = llm.engine.scheduler
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
