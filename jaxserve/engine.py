@@ -56,6 +56,8 @@ class EngineStats:
     swapped_in_pages: int = 0
     finished: dict = field(default_factory=dict)   # finish reason -> count
     steps: int = 0
+    step_time_s: float = 0.0       # wall time inside step()
+    device_wait_s: float = 0.0     # of which: waiting for the device to return sampled tokens
 
 
 @dataclass
@@ -253,6 +255,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for each request that changed."""
         touched: dict[str, _Live] = {}
+        step_start = time.perf_counter()
         now = self.clock()
         for result in self.api.poll(now):
             self._on_api_result(result, now, touched)
@@ -270,7 +273,9 @@ class LLMEngine:
                           l.seed, l.sched.num_generated) for rid, l in live.items()}
             inputs = self.runner.prepare(plan.chunks, {rid: l.token_ids for rid, l in live.items()}, rows)
             device_tokens, self.last_logits = self.runner.execute(inputs)
+            wait_start = time.perf_counter()
             tokens = np.asarray(device_tokens)
+            self.stats.device_wait_s += time.perf_counter() - wait_start
             for c in plan.chunks:
                 l = live[c.request.request_id]
                 self.stats.recomputed_tokens += max(0, min(c.start + c.num_tokens, l.max_computed) - c.start)
@@ -284,6 +289,7 @@ class LLMEngine:
                 self._on_token(self._live[rid], int(tokens[i]), now, touched)
         if self.check_invariants_each_step:
             self.scheduler.check_invariants()
+        self.stats.step_time_s += time.perf_counter() - step_start
         return [self._output(l, final=l.sched.is_finished or l.tool_call is not None) for l in touched.values()]
 
     def _on_token(self, live: _Live, token: int, now: float, touched: dict) -> None:

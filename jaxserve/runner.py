@@ -178,23 +178,23 @@ class ModelRunner:
                 self._host_store[hp] = (host, row)
 
     def swap_in(self, ops: list[SwapOp]) -> None:
-        """Copy each op's host pages back into its (newly allocated) device pages."""
+        """Copy each op's host pages back into its (newly allocated) device pages:
+        one host->device copy and one donated scatter per host chunk involved."""
         for op in ops:
-            n = len(op.device_pages)
-            parts, cache = [], {}
-            for hp in op.host_pages:
+            groups: dict[int, tuple[jax.Array, list[int], list[int]]] = {}
+            for hp, dp in zip(op.host_pages, op.device_pages):
                 host, row = self._host_store.pop(hp)
-                key = id(host)
-                if key not in cache:
-                    cache[key] = jax.device_put(host, self.device_sharding)
-                parts.append(cache[key][:, :, row])
-            size = next_power_of_two(n)
-            data = jnp.stack(parts, axis=2)
-            if size > n:
-                data = jnp.pad(data, [(0, 0), (0, 0), (0, size - n)] + [(0, 0)] * 3)
-            ids = np.full(size, self.config.num_pages, np.int32)  # out of range -> dropped
-            ids[:n] = op.device_pages
-            self.kv = self._scatter(self.kv, jnp.asarray(ids), data)
+                _, rows, pages = groups.setdefault(id(host), (host, [], []))
+                rows.append(row)
+                pages.append(dp)
+            for host, rows, pages in groups.values():
+                size = next_power_of_two(len(rows))
+                row_ids = np.zeros(size, np.int32)
+                row_ids[:len(rows)] = rows
+                page_ids = np.full(size, self.config.num_pages, np.int32)  # out of range -> dropped
+                page_ids[:len(pages)] = pages
+                chunk = jax.device_put(host, self.device_sharding)
+                self.kv = self._scatter(self.kv, chunk, jnp.asarray(row_ids), jnp.asarray(page_ids))
 
     def release_host_pages(self, host_pages: list[int]) -> None:
         """Forget host copies of pages whose request ended while swapped."""
@@ -226,8 +226,10 @@ def _gather_pages(kv: list, page_ids: jax.Array) -> jax.Array:
     return jnp.stack([jnp.stack([k[page_ids], v[page_ids]]) for k, v in kv])
 
 
-def _scatter_pages(kv: list, page_ids: jax.Array, data: jax.Array) -> list:
-    """Write ``data [L, 2, n, ...]`` into ``page_ids`` of every layer (out-of-range ids dropped)."""
+def _scatter_pages(kv: list, chunk: jax.Array, rows: jax.Array, page_ids: jax.Array) -> list:
+    """Write ``chunk[:, :, rows]`` (a swapped-out ``[L, 2, n, ...]`` chunk) into
+    ``page_ids`` of every layer; out-of-range page ids are dropped."""
+    data = chunk[:, :, rows]
     return [(k.at[page_ids].set(data[l, 0], mode="drop"), v.at[page_ids].set(data[l, 1], mode="drop"))
             for l, (k, v) in enumerate(kv)]
 

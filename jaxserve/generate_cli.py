@@ -1,0 +1,83 @@
+"""``jaxserve generate``: run prompts through the engine and print the results,
+including how each declared API call was handled."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt with the chat template")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--api-call", action="append", default=[], metavar="AFTER:SECONDS:TEXT",
+                        help="declare an API call after AFTER generated tokens, taking SECONDS, returning TEXT "
+                             "(applies to every prompt; repeatable)")
+    parser.add_argument("--policy", default="infercept")
+    parser.add_argument("--handling", default=None, choices=["preserve", "discard", "swap"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per output")
+
+
+DEFAULT_PROMPTS = ["Hello, world! How are you today?", "What is 2 + 3 * (4 - 1)?",
+                   "The quick brown fox", "Once upon a time there was a small model"]
+
+
+def parse_api_calls(specs: list[str], tokenizer) -> list:
+    from jaxserve import ApiCall
+    calls = []
+    for spec in specs:
+        parts = spec.split(":", 2)
+        if len(parts) != 3:
+            raise SystemExit(f"--api-call must look like AFTER:SECONDS:TEXT, got {spec!r}")
+        after, seconds, text = parts
+        ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
+        calls.append(ApiCall(after_tokens=int(after), duration_s=float(seconds), returned_token_ids=ids,
+                             api_type="cli"))
+    return calls
+
+
+def main(args: argparse.Namespace) -> int:
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              policy=args.policy, handling=args.handling, seed=args.seed)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                     add_generation_prompt=True) for p in prompts]
+    calls = parse_api_calls(args.api_call, llm.tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    outs = llm.generate(prompts=prompts, sampling_params=params, api_calls=[calls] * len(prompts) if calls else None)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason,
+                              "api_calls": [vars(c) for c in out.api_calls]}))
+            continue
+        print(f"--- {prompt!r}")
+        print(f"    {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+        for c in out.api_calls:
+            waited = (c.return_time or c.call_time) - c.call_time
+            print(f"    api call {c.api_type}: {c.handling}{f' (fell back from {c.fell_back_from})' if c.fell_back_from else ''}"
+                  f", context {c.context_tokens} tokens, waited {waited * 1e3:.1f} ms, returned {c.returned_tokens} tokens")
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"{len(outs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)")
+    llm.engine.shutdown()
+    return 0

@@ -1,0 +1,139 @@
+"""``jaxserve profile``: measure this device's cost model and write it as JSON.
+
+Measures ``T_fwd(n)`` (the jitted step over ``n`` batched tokens, every token
+bucket), fits ``T_fwd(n) = base + per_token · n``, finds the saturation point
+(the smallest bucket reaching 90 % of peak tokens/s), and measures host<->device
+copy bandwidth with ``jax.device_put`` to and from ``pinned_host`` memory, plus
+the engine's own swap path (gather + copy out, copy in + scatter) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--copy-mib", type=int, default=64, help="size of the host<->device copy test")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None, help="JSON path (default: ~/.cache/jaxserve/profiles/<backend>.json)")
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_step_times(runner, repeats: int) -> dict[int, float]:
+    """Seconds per jitted step at each token bucket (padding inputs cost the same dense compute)."""
+    from jaxserve.runner import StepInputs
+    out = {}
+    cfg = runner.config
+    for t_b in cfg.token_buckets:
+        s_b = cfg.seq_bucket(t_b)
+        pages = np.arange(cfg.pages_per_seq, dtype=np.int32) % cfg.num_pages
+        meta = dict(positions=np.arange(t_b, dtype=np.int32) % cfg.max_model_len,
+                    slot_mapping=np.full(t_b, -1, np.int32),
+                    page_table=np.tile(pages, (s_b, 1)), kv_lens=np.full(s_b, min(t_b, cfg.max_model_len), np.int32),
+                    cu_q_lens=np.minimum(np.arange(s_b + 1, dtype=np.int32), t_b), num_seqs=np.array([s_b], np.int32))
+        sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
+                        top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
+        inputs = StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.arange(s_b, dtype=np.int32), sampling, s_b)
+        out[t_b] = _median_time(lambda: runner.execute(inputs)[0].block_until_ready(), repeats)
+    return out
+
+
+def fit_t_fwd(times: dict[int, float]) -> tuple[float, float, int]:
+    """Least-squares ``(base_s, per_token_s)`` and the saturation bucket."""
+    n = np.array(sorted(times), dtype=np.float64)
+    t = np.array([times[int(k)] for k in n])
+    per_token, base = np.polyfit(n, t, 1)
+    throughput = n / t
+    saturation = int(n[np.argmax(throughput >= 0.9 * throughput.max())])
+    return max(0.0, float(base)), max(1e-9, float(per_token)), saturation
+
+
+def measure_copy_bandwidth(runner, mib: int, repeats: int) -> tuple[float, float]:
+    """Bytes/s of device->host and host->device ``jax.device_put`` of ``mib`` MiB."""
+    x = jnp.ones((mib * 1024 * 1024 // 4,), jnp.float32)
+    x.block_until_ready()
+    nbytes = x.size * 4
+    d2h = _median_time(lambda: jax.device_put(x, runner.host_sharding).block_until_ready(), repeats)
+    host = jax.device_put(x, runner.host_sharding)
+    h2d = _median_time(lambda: jax.device_put(host, runner.device_sharding).block_until_ready(), repeats)
+    return nbytes / d2h, nbytes / h2d
+
+
+def measure_swap_path(runner, repeats: int) -> float:
+    """Bytes/s of the engine's swap path: swap out then in of half the page pool, round trip."""
+    from scheduler import Request, SwapOp
+    n = max(1, runner.config.num_pages // 2)
+    req = Request("profile", 0.0, prompt_len=1, max_tokens=1)
+    pages = list(range(n))
+    op = SwapOp(req, pages, pages)
+
+    def round_trip():
+        runner.swap_out([op])
+        runner.swap_in([op])
+        jax.block_until_ready(runner.kv)
+
+    seconds = _median_time(round_trip, repeats)
+    return 2 * n * runner.config.page_size * runner.kv_bytes_per_token / seconds
+
+
+def main(args: argparse.Namespace) -> int:
+    from jaxserve.engine import LLMEngine
+    from scheduler import CostModel
+
+    engine = LLMEngine(args.model, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
+                       num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, warmup=True)
+    runner = engine.runner
+    times = measure_step_times(runner, args.repeats)
+    base, per_token, saturation = fit_t_fwd(times)
+    d2h, h2d = measure_copy_bandwidth(runner, args.copy_mib, args.repeats)
+    swap_bw = measure_swap_path(runner, args.repeats)
+    copy_bw = min(d2h, h2d)
+    device = jax.devices()[0]
+    cost = CostModel(
+        fwd_base_s=base, fwd_per_token_s=per_token, saturation_tokens=saturation,
+        bytes_per_token=runner.kv_bytes_per_token, swap_bandwidth_bytes_s=copy_bw,
+        device_kv_bytes=runner.config.num_pages * runner.config.page_size * runner.kv_bytes_per_token,
+        host_kv_bytes=engine.scheduler.host_pool.num_pages * runner.config.page_size * runner.kv_bytes_per_token,
+        max_num_batched_tokens=args.max_num_batched_tokens, name=f"{jax.default_backend()}-{engine.model_dir.name}",
+        meta={"device": str(device.device_kind), "backend": jax.default_backend(), "model": str(args.model),
+              "dtype": args.dtype, "step_times_s": {str(k): v for k, v in times.items()},
+              "d2h_bytes_s": d2h, "h2d_bytes_s": h2d, "swap_path_bytes_s": swap_bw,
+              "swap_path_vs_copy": swap_bw / copy_bw, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    out = Path(args.out) if args.out else Path.home() / ".cache" / "jaxserve" / "profiles" / f"{jax.default_backend()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cost.save(out)
+    print(f"device: {device.device_kind} ({jax.default_backend()})")
+    print("tokens  step_ms   tokens/s")
+    for n, t in times.items():
+        print(f"{n:6d}  {t * 1e3:7.2f}  {n / t:9.0f}")
+    print(f"T_fwd(n) = {base * 1e3:.3f} ms + {per_token * 1e6:.3f} us * n; saturation ~{saturation} tokens")
+    print(f"host<->device copy: d2h {d2h / 1e9:.2f} GB/s, h2d {h2d / 1e9:.2f} GB/s")
+    print(f"engine swap path (gather+copy out, copy in+scatter): {swap_bw / 1e9:.2f} GB/s "
+          f"= {100 * swap_bw / copy_bw:.0f}% of copy bandwidth")
+    print(f"wrote {out}")
+    engine.shutdown()
+    return 0
