@@ -58,6 +58,7 @@ class EngineStats:
     steps: int = 0
     step_time_s: float = 0.0       # wall time inside step()
     device_wait_s: float = 0.0     # of which: waiting for the device to return sampled tokens
+    dispatch_s: float = 0.0        # of which: inside the jitted call (on CPU this includes the compute)
 
 
 @dataclass
@@ -272,8 +273,10 @@ class LLMEngine:
             rows = {rid: (l.params.temperature, l.params.top_k if l.params.top_k > 0 else 0, l.params.top_p,
                           l.seed, l.sched.num_generated) for rid, l in live.items()}
             inputs = self.runner.prepare(plan.chunks, {rid: l.token_ids for rid, l in live.items()}, rows)
+            dispatch_start = time.perf_counter()
             device_tokens, self.last_logits = self.runner.execute(inputs)
             wait_start = time.perf_counter()
+            self.stats.dispatch_s += wait_start - dispatch_start
             tokens = np.asarray(device_tokens)
             self.stats.device_wait_s += time.perf_counter() - wait_start
             for c in plan.chunks:
@@ -387,14 +390,14 @@ class LLMEngine:
         live.last_reported_tokens, live.last_reported_text = len(live.generated), len(live.detok.text)
         reason = req.finish_reason if req.is_finished else ("tool_calls" if live.tool_call else None)
         calls = []
-        for rec, info in zip(req.api_calls, live.call_info):
+        for rec, info in zip(req.api_calls if final or live.call_info else (), live.call_info):
             calls.append(ApiCallOutput(
                 api_type=rec.api_type, handling=rec.handling.value, call_time=rec.call_time,
                 return_time=rec.return_time, resume_time=rec.resume_time, context_tokens=rec.context_tokens,
                 returned_tokens=rec.num_returned_tokens,
                 fell_back_from=rec.fell_back_from.value if rec.fell_back_from else None,
                 name=info.get("name"), arguments=info.get("arguments"), error=info.get("error")))
-        metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
+        metrics = {} if not final else {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
                    "first_token_time": req.first_token_time, "finish_time": req.finish_time,
                    "num_preemptions": req.num_preemptions, "prompt_tokens": len(live.prompt_token_ids),
                    "generated_tokens": len(live.generated), "api_time_s": req.api_time_total}
