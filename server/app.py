@@ -1,0 +1,417 @@
+"""The OpenAI-compatible FastAPI app over a ``jaxserve.AsyncEngine``.
+
+``create_app(engine, served_model_name=...)`` builds it; the engine is owned
+by the caller (``server.cli`` builds one and shuts it down). Server-side
+tools are registered in the engine (``AsyncEngine(..., tools=...)``, which
+always includes ``calculator``); the app advertises them to the model in the
+chat template of every chat request (unless ``tool_choice`` is ``"none"``)
+and the engine runs them when the model calls them. Tools a request declares
+itself are client-side: the response stops with ``finish_reason:
+"tool_calls"`` and the paused context is kept for the follow-up
+(``server.parked``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxserve.async_engine import EngineDeadError
+from jaxserve.sampling import SamplingParams
+from jaxserve.tools import Tool, normalize_tools
+from server.errors import APIError, from_value_error, install_handlers, sse_error_event
+from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
+                               wait_or_disconnect)
+from server.metrics import ServerMetrics
+from server.middleware import GuardMiddleware
+from server.parked import ParkedContexts
+from server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
+                             Usage)
+
+log = logging.getLogger("jaxserve.server")
+
+MAX_BODY_BYTES = 2 * 1024 * 1024
+ARGUMENT_FRAGMENT_CHARS = 16   # streamed tool-call arguments arrive in pieces of this size
+
+
+class ConcurrencyLimit:
+    """Counts HTTP generation requests in flight; over the limit is a 429."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+
+    def acquire(self) -> "_Slot":
+        if self.in_flight >= self.limit:
+            raise APIError(429, f"too many concurrent requests (limit {self.limit}); retry later",
+                           code="too_many_requests", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        return _Slot(self)
+
+
+class _Slot:
+    def __init__(self, owner: ConcurrencyLimit) -> None:
+        self.owner = owner
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.owner.in_flight -= 1
+
+
+class _ManagedStream(StreamingResponse):
+    """A streaming response that always closes its body iterator and runs
+    ``on_close`` however the stream ends (finished, error, disconnect)."""
+
+    def __init__(self, content, on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
+
+
+class ServerState:
+    """Everything the routes share."""
+
+    def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
+                 tools: dict[str, Tool], paused_context_ttl_s: float) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.limit = ConcurrencyLimit(max_concurrent_requests)
+        self.tools = tools
+        self.parked = ParkedContexts(engine, paused_context_ttl_s)
+        self.metrics = ServerMetrics(engine, lambda: len(self.parked))
+        # A private tokenizer: the engine thread uses its own for detokenization,
+        # and a fast tokenizer must not be used from two threads at once.
+        self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        self._tokenizer_lock = threading.Lock()
+
+    async def tokenize(self, fn):
+        """Run a tokenizer call off the event loop, one at a time."""
+        def locked():
+            with self._tokenizer_lock:
+                return fn(self.tokenizer)
+        return await asyncio.to_thread(locked)
+
+
+def create_app(engine, *, served_model_name: str, api_key: str | None = None, max_concurrent_requests: int = 256,
+               tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
+               max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """Build the app.
+
+    ``tools``: the server-side tools to advertise; each must already be
+    registered in the engine (``AsyncEngine(..., tools=...)``). ``None``
+    advertises every tool the engine has. ``max_model_len``: the context window
+    in tokens (prompt + generated); required.
+    """
+    if max_model_len is None or max_model_len < 2:
+        raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")
+    registered = getattr(getattr(engine, "engine", None), "tools", None)
+    if tools is None:
+        advertised = dict(registered) if registered is not None else normalize_tools(None)
+    else:
+        advertised = normalize_tools(tools)
+        if registered is not None:
+            missing = sorted(set(advertised) - set(registered))
+            if missing:
+                raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
+                                 f"AsyncEngine(..., tools=...) so the engine can run them")
+    state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
+                        paused_context_ttl_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.parked.start()
+        yield
+        await state.parked.close()
+
+    app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return JSONResponse({"status": "dead"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)]).dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(state, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _serve(state, request, body, chat=True)
+
+    return app
+
+
+# ---------------------------------------------------------------- requests
+async def _serve(state: ServerState, request: Request, body, chat: bool):
+    if body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    if not state.engine.is_alive:
+        raise APIError(503, "the engine is not running", code="engine_dead")
+    if state.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; only token-id prompts to /v1/completions work"
+                       if chat else "this model has no tokenizer: send prompt as token ids", param="prompt")
+    start = time.monotonic()
+    slot = state.limit.acquire()
+    try:
+        jobs = await (_chat_jobs(state, body) if chat else _completion_jobs(state, body))
+        merger = ChoiceMerger(state.engine, jobs)
+        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat)
+                   for i, job in enumerate(jobs)]
+        try:
+            await wait_or_disconnect(request, merger.prime())
+        except BaseException as e:
+            await merger.aclose()
+            if isinstance(e, ValueError):
+                raise from_value_error(e, "messages" if chat else "prompt") from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, "the engine is not running", code="engine_dead") from None
+            if isinstance(e, ClientDisconnected):
+                return Response(status_code=499)
+            raise
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            stream = _stream(state, request, body, chat, merger, choices, response_id)
+            response = _ManagedStream(stream, on_close=slot.release, media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            slot = None   # released by the stream
+            return response
+        try:
+            await wait_or_disconnect(request, _collect(merger, choices))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            await merger.aclose()
+        await _park_paused(state, choices)
+        return _full_response(state, body, chat, choices, response_id)
+    finally:
+        if slot is not None:
+            slot.release()
+
+
+async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], bool]:
+    """Chat template -> token ids; and whether to parse tool calls."""
+    use_tools = body.tool_choice != "none"
+    tools = None
+    if use_tools:
+        declared = [t.schema_dict() for t in body.tools or []]
+        names = {t["function"]["name"] for t in declared}
+        tools = declared + [t.openai_schema() for name, t in state.tools.items() if name not in names]
+    messages = [m.template_dict() for m in body.messages]
+
+    def render(tok):
+        text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    try:
+        ids = await state.tokenize(render)
+    except Exception as e:  # jinja errors (e.g. the template rejects the roles' order)
+        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+    return ids, use_tools
+
+
+def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None, seed_offset: int = 0,
+              prompt_param: str = "prompt") -> SamplingParams:
+    if prompt_len >= state.max_model_len:
+        raise APIError(400, f"{prompt_param}: the prompt has {prompt_len} tokens; the context window is "
+                       f"{state.max_model_len} tokens", param=prompt_param, code="context_length_exceeded")
+    limit = body.token_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    room = state.max_model_len - prompt_len
+    if limit is None:
+        limit = room if default_max is None else min(default_max, room)
+    elif limit > room:
+        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise APIError(400, f"{field}: prompt ({prompt_len} tokens) + {field} ({limit}) exceeds the context "
+                       f"window of {state.max_model_len} tokens", param=field, code="context_length_exceeded")
+    try:
+        return SamplingParams(max_tokens=limit, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                              seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
+                              stop=list(body.stop or []), ignore_eos=body.ignore_eos)
+    except ValueError as e:
+        raise from_value_error(e, prompt_param) from None
+
+
+async def _chat_jobs(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+    ids, parse = await _render_chat(state, body)
+    base = f"chatcmpl-{uuid.uuid4().hex}"
+    jobs = []
+    for i in range(body.n):
+        params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages")
+        job = Job(f"{base}-{i}", ids, params, parse)
+        if body.n == 1 and parse:
+            job.resume_from = await state.parked.take(ids, sampling_key(params))
+            if job.resume_from is not None:
+                job.request_id = job.resume_from.request_id
+                state.metrics.resumed.inc()
+                state.metrics.resumed_context_tokens.inc(job.cached_tokens)
+                state.metrics.resume_appended_tokens.inc(len(ids) - job.cached_tokens)
+        jobs.append(job)
+    return jobs
+
+
+async def _completion_jobs(state: ServerState, body: CompletionRequest) -> list[Job]:
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    texts = [p for p in prompt if isinstance(p, str)]
+    encoded = await state.tokenize(lambda tok: [tok.encode(t, add_special_tokens=True) for t in texts])
+    base = f"cmpl-{uuid.uuid4().hex}"
+    jobs = []
+    for p in prompt:
+        ids = encoded.pop(0) if isinstance(p, str) else list(p)
+        for i in range(body.n):
+            params = _sampling(state, body, len(ids), 16, seed_offset=i)
+            jobs.append(Job(f"{base}-{len(jobs)}", ids, params, parse_tool_calls=False))
+    return jobs
+
+
+async def _collect(merger: ChoiceMerger, choices: list[ChoiceState]) -> None:
+    while (item := await merger.next()) is not None:
+        index, out = item
+        choices[index].on_output(out)
+
+
+async def _park_paused(state: ServerState, choices: list[ChoiceState]) -> None:
+    """Keep the contexts of choices that paused on a client-side tool call."""
+    for c in choices:
+        if c.tool_call is None:
+            continue
+        context = c.parkable_context()
+        if context is None:
+            await state.engine.abort(c.job.request_id)
+        else:
+            await state.parked.park(c.job.request_id, context, sampling_key(c.job.params),
+                                    calls_seen=len(c.last.api_calls) - 1)
+
+
+def _usage(choices: list[ChoiceState]) -> Usage:
+    prompts = {id(c.job.prompt_ids): c.job for c in choices}
+    prompt_tokens = sum(len(j.prompt_ids) for j in prompts.values())
+    cached = sum(j.cached_tokens for j in prompts.values())
+    completion = sum(c.completion_tokens for c in choices)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
+
+
+def _tool_call_dict(c: ChoiceState) -> dict:
+    call = c.tool_call
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _full_response(state: ServerState, body, chat: bool, choices: list[ChoiceState], response_id: str) -> dict:
+    out = {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+           "created": int(time.time()), "model": state.model_name, "choices": []}
+    for c in choices:
+        reason = c.finish_reason or "abort"
+        if chat:
+            message: dict = {"role": "assistant"}
+            if c.text or c.tool_call is None:
+                message["content"] = c.text
+            if c.tool_call is not None:
+                message["tool_calls"] = [_tool_call_dict(c)]
+            out["choices"].append({"index": c.index, "message": message, "finish_reason": reason})
+        else:
+            out["choices"].append({"index": c.index, "text": c.text, "finish_reason": reason})
+    out["usage"] = _usage(choices).dump()
+    return out
+
+
+# --------------------------------------------------------------- streaming
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(state: ServerState, request: Request, body, chat: bool, merger: ChoiceMerger,
+                  choices: list[ChoiceState], response_id: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict) -> str:
+        return _sse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
+                     "choices": [choice]})
+
+    finished = False
+    try:
+        if chat:
+            for c in choices:
+                yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}})
+        while True:
+            try:
+                item = await merger.next(timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if item is None:
+                break
+            if await request.is_disconnected():
+                return
+            index, out = item
+            c = choices[index]
+            text = c.on_output(out)
+            if text:
+                yield chunk({"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text})
+            if c.finish_reason is None:
+                continue
+            if chat and c.tool_call is not None:
+                call = c.tool_call
+                yield chunk({"index": index, "delta": {"tool_calls": [
+                    {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
+                args = call.arguments
+                for at in range(0, len(args), ARGUMENT_FRAGMENT_CHARS):
+                    yield chunk({"index": index, "delta": {"tool_calls": [
+                        {"index": 0, "function": {"arguments": args[at:at + ARGUMENT_FRAGMENT_CHARS]}}]}})
+            final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
+            final["finish_reason"] = c.finish_reason
+            yield chunk(final)
+        finished = True
+        await _park_paused(state, choices)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
+                        "choices": [], "usage": _usage(choices).dump()})
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
+        log.warning("stream %s failed: %s", response_id, e)
+        error = from_value_error(e) if isinstance(e, ValueError) else e
+        yield sse_error_event(error)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            await merger.aclose()

@@ -1,0 +1,217 @@
+"""Runs the engine requests behind one HTTP request and turns their outputs
+into per-choice events, independent of the response format.
+
+One HTTP request has ``n`` choices (times prompts, for batched completions);
+each is one engine request (``Job``). ``ChoiceMerger`` runs them
+concurrently and interleaves their outputs; closing it aborts whatever is
+still running in the engine. ``ChoiceState`` follows one choice: visible
+text (tool markup hidden for chat), token counts, the tool call it paused on,
+and its latency metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling import SamplingParams
+from server.metrics import ResponseTimer, ServerMetrics
+from server.parked import ParkedContext
+from server.tool_text import ToolMarkupFilter
+
+
+def sampling_key(params: SamplingParams) -> tuple:
+    """The sampling settings a resumed continuation must share with the paused request."""
+    return (params.temperature, params.top_k, params.top_p, params.seed, tuple(params.stop),
+            tuple(params.stop_token_ids), params.ignore_eos, params.skip_special_tokens)
+
+
+@dataclass
+class Job:
+    """One engine request: fresh from ``prompt_ids``, or a resumption of ``resume_from``
+    whose context is a prefix of ``prompt_ids``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    parse_tool_calls: bool
+    resume_from: ParkedContext | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.resume_from.context_ids) if self.resume_from else 0
+
+
+async def job_outputs(engine, job: Job) -> AsyncIterator[RequestOutput]:
+    """Stream a job's outputs. A resumption whose paused request is gone (expired,
+    aborted) falls back to computing the prompt from scratch."""
+    agen = None
+    try:
+        if job.resume_from is not None:
+            agen = engine.resume(job.request_id, token_ids=job.prompt_ids[job.cached_tokens:],
+                                 max_tokens=job.params.max_tokens)
+            try:
+                first = await agen.__anext__()
+            except KeyError:
+                await agen.aclose()
+                job.resume_from = None
+                job.request_id = f"{job.request_id}-r"
+            else:
+                yield first
+        if job.resume_from is None:
+            agen = engine.generate(sampling_params=job.params, request_id=job.request_id,
+                                   prompt_token_ids=job.prompt_ids, parse_tool_calls=job.parse_tool_calls)
+        async for out in agen:
+            yield out
+    finally:
+        if agen is not None:
+            await agen.aclose()   # aborts the engine request if it has not finished
+
+
+_END = object()
+
+
+class ChoiceMerger:
+    """Runs jobs concurrently; ``prime()`` waits for every job's first output (so
+    input errors raise before a response starts), iteration yields
+    ``(choice index, RequestOutput)`` in arrival order, ``aclose()`` aborts the rest."""
+
+    def __init__(self, engine, jobs: list[Job]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._pump(i, engine, job)) for i, job in enumerate(jobs)]
+        self._buffer: list = []
+        self._open = len(jobs)
+
+    async def _pump(self, index: int, engine, job: Job) -> None:
+        try:
+            async for out in job_outputs(engine, job):
+                self._queue.put_nowait((index, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait((index, e))
+        finally:
+            self._queue.put_nowait((index, _END))
+
+    async def prime(self) -> None:
+        started: set[int] = set()
+        while len(started) < len(self._tasks):
+            index, item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            started.add(index)
+            self._buffer.append((index, item))
+
+    async def next(self, timeout: float | None = None):
+        """The next ``(index, output)``; ``None`` when all jobs ended; raises a job's
+        exception; ``asyncio.TimeoutError`` after ``timeout`` seconds without output."""
+        while True:
+            if self._buffer:
+                index, item = self._buffer.pop(0)
+            elif self._open == 0:
+                return None
+            else:
+                index, item = await asyncio.wait_for(self._queue.get(), timeout)
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return index, item
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass
+class ToolCallOut:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    job: Job
+    timer: ResponseTimer
+    hide_tool_markup: bool
+    text_parts: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    tool_call: ToolCallOut | None = None
+    server_calls: int = 0        # server-side tool calls completed in this response
+    last: RequestOutput | None = None
+    _filter: ToolMarkupFilter | None = None
+
+    def __post_init__(self) -> None:
+        if self.hide_tool_markup:
+            self._filter = ToolMarkupFilter()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def on_output(self, out: RequestOutput) -> str:
+        """Account for an output; returns the new visible text."""
+        self.last = out
+        self.timer.on_output(out, time.monotonic())
+        self.completion_tokens += len(out.delta_token_ids)
+        text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
+        if out.finished:
+            if self._filter:
+                text += self._filter.flush()
+            self.finish_reason = out.finish_reason
+            if out.finish_reason == "tool_calls" and out.tool_call:
+                self.tool_call = ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", out.tool_call["name"],
+                                             out.tool_call.get("arguments") or "{}")
+            self.timer.on_end(self.finish_reason, time.monotonic())
+        if text:
+            self.text_parts.append(text)
+        return text
+
+    def parkable_context(self) -> list[int] | None:
+        """The paused request's context ids when it can be resumed by a follow-up,
+        else ``None``: server-side tool results inside this response put tokens in
+        the context that the client never sees, so no follow-up could match it."""
+        out = self.last
+        if out is None or self.tool_call is None:
+            return None
+        earlier = self.job.resume_from.calls_seen + 1 if self.job.resume_from else 0
+        if len(out.api_calls) != earlier + 1:
+            return None
+        generated_here = out.token_ids[len(out.token_ids) - self.completion_tokens:]
+        return self.job.prompt_ids + generated_here
+
+
+async def wait_or_disconnect(request, awaitable, poll_s: float = 0.25):
+    """Await ``awaitable`` unless the client goes away first (then cancel it and
+    raise ``ClientDisconnected``)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed the connection."""
+
+
+def new_timer(metrics: ServerMetrics, job: Job, start: float) -> ResponseTimer:
+    resumed = job.resume_from is not None
+    return ResponseTimer(metrics, start, resumed=resumed,
+                         calls_seen=job.resume_from.calls_seen if resumed else 0)

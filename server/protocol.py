@@ -1,0 +1,205 @@
+"""Request and response bodies of the OpenAI-compatible routes (pydantic v2).
+
+Requests ignore unknown fields (clients send many); fields we know but do
+not implement are rejected when set to a non-default value, so a client is
+never silently given something other than what it asked for. Responses are
+serialized with ``exclude_none`` so no ``null`` fields reach the client.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported; use 0")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 8 or any(not s for s in stops):
+            raise ValueError("at most 8 non-empty stop strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, str) and not v:
+            raise ValueError("must not be empty")
+        if isinstance(v, list) and (not v or any(isinstance(p, (str, list)) and not p for p in v)):
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCall(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+    def schema_dict(self) -> dict:
+        fn = {"name": self.function.name}
+        if self.function.description is not None:
+            fn["description"] = self.function.description
+        fn["parameters"] = self.function.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    logprobs: bool = False
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ------------------------------------------------------------------ responses
+class _Response(BaseModel):
+    def dump(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
