@@ -14,7 +14,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         # The Rust tokenizer's decode is ~4x cheaper per call than the Python wrapper's.
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode_fn = backend.decode if backend is not None else tokenizer.decode
+        self._decode_fn = backend.decode if backend is not None else getattr(tokenizer, "decode", None)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
         self.ids: list[int] = []
