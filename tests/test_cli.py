@@ -1,0 +1,43 @@
+"""The ``jaxserve`` command: env-var defaults, ``profile`` and ``generate`` on the demo model."""
+
+from __future__ import annotations
+
+import json
+
+from jaxserve import cli
+from scheduler import CostModel
+
+
+def test_env_vars_set_flag_defaults_and_the_command_line_wins():
+    parser = cli.build_parser()
+    cli.apply_env_defaults(parser, {"JAXSERVE_MAX_TOKENS": "7", "JAXSERVE_IGNORE_EOS": "true",
+                                    "JAXSERVE_POLICY": "lamps"})
+    args = parser.parse_args(["generate", "demo"])
+    assert args.max_tokens == 7 and args.ignore_eos is True and args.policy == "lamps"
+    assert parser.parse_args(["generate", "demo", "--max-tokens", "3"]).max_tokens == 3
+    assert cli.env_var_for("--max-model-len") == "JAXSERVE_MAX_MODEL_LEN"
+
+
+def test_profile_writes_a_cost_model_the_engine_can_load(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    rc = cli.main(["profile", "--num-pages", "64", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+                   "--copy-mib", "2", "--repeats", "2", "--out", str(out)])
+    assert rc == 0
+    cost = CostModel.load(out)
+    assert cost.fwd_per_token_s > 0 and cost.swap_bandwidth_bytes_s > 0 and cost.saturation_tokens in (8, 16, 32)
+    assert cost.bytes_per_token == 2 * 2 * 2 * 32 * 4  # K+V, 2 layers, 2 KV heads, head_dim 32, float32
+    assert set(cost.meta["step_times_s"]) == {"8", "16", "32"}
+    assert "T_fwd(n)" in capsys.readouterr().out
+    from jaxserve import LLM
+    llm = LLM("demo", cost_profile=str(out), page_size=8, num_pages=16, max_num_batched_tokens=16,
+              max_model_len=64, warmup=False)
+    assert llm.engine.cost.fwd_per_token_s == cost.fwd_per_token_s
+
+
+def test_generate_prints_outputs_and_api_call_handling(capsys):
+    rc = cli.main(["generate", "demo", "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos",
+                   "--api-call", "3:0.01:forty two", "--handling", "swap", "--max-num-batched-tokens", "32",
+                   "--max-model-len", "128", "--num-pages", "32", "--json"])
+    assert rc == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert len(line["token_ids"]) == 6 and line["api_calls"][0]["handling"] == "swap"
