@@ -1,0 +1,209 @@
+"""Replay a workload on the real engine (``jaxserve.LLMEngine``), in wall-clock time.
+
+Each workload item becomes an engine request at its arrival time: a prompt
+of ``prompt_len`` synthetic token ids (seeded), ``ignore_eos``, and one
+declared ``jaxserve.ApiCall`` per API segment (after the cumulative number
+of generated tokens, taking the recorded duration and returning synthetic
+tokens). The engine's ``Scheduler`` requests carry the same timing marks as
+the simulator's, so the same metrics code reports both.
+
+The engine finishes a request on its last generated token; a trace request
+whose last segment ends in an API call (the request ends when it returns)
+is replayed with one more generated token after that call
+(``engine_compatible``). Compare with the simulator on the same transformed
+entries.
+
+Importing this module imports JAX (through the engine).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.replay.plots import RunCurves
+from jaxserve.replay.runner import ReplayConfig, measurement_window, summarize_run
+from jaxserve.replay.metrics import e2e_values
+from jaxserve.replay.trace import TraceEntry
+from jaxserve.replay.workload import WorkloadItem, make_workload
+from scheduler import CostModel, Segment
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine construction for a replay (``None`` sizes come from the engine's defaults
+    or the ``ReplayConfig.sim`` limits)."""
+
+    model: str = "demo"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    warmup: bool = True
+    sample_interval_s: float = 0.25     # occupancy sampling period, wall seconds
+
+
+def engine_compatible(entries: Sequence[TraceEntry]) -> list[TraceEntry]:
+    """Entries whose last segment ends in an API call get one more generated
+    token after it (the engine ends requests on a generated token)."""
+    out = []
+    for e in entries:
+        if e.segments and e.segments[-1].has_api_call:
+            e = TraceEntry(e.request_id, e.prompt_len, e.segments + (Segment(1),), e.arrival_time, e.kind,
+                           dict(e.predictions))
+        out.append(e)
+    return out
+
+
+def _engine_request(item: WorkloadItem, vocab: int, seed: int):
+    """(prompt ids, SamplingParams, ApiCalls) for one workload item."""
+    from jaxserve import ApiCall, SamplingParams
+
+    rng = np.random.default_rng([seed, zlib.crc32(item.request_id.encode())])
+    low = min(4, vocab - 1)   # stay clear of the special ids at the start of small vocabularies
+    ids = rng.integers(low, vocab, size=item.entry.prompt_len).tolist()
+    calls, done = [], 0
+    for seg in item.entry.segments:
+        done += seg.num_tokens
+        if seg.has_api_call:
+            returned = tuple(rng.integers(low, vocab, size=seg.num_returned_tokens).tolist())
+            calls.append(ApiCall(after_tokens=done, duration_s=float(seg.api_duration_s),
+                                 returned_token_ids=returned, api_type=seg.api_type))
+    params = SamplingParams(max_tokens=done, temperature=0.0, ignore_eos=True)
+    return ids, params, calls
+
+
+def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: EngineOptions,
+               cost: CostModel | None = None, progress: bool = True) -> list[RunCurves]:
+    """Every (rate, policy) run on a fresh engine; arrivals in wall-clock time.
+
+    ``cost`` (a profile) only sets the SLO's reference step time
+    (``T_fwd(max_num_batched_tokens)``); without it the run's own mean step
+    time is used.
+    """
+    from tqdm import tqdm
+
+    from jaxserve import LLMEngine
+
+    entries = engine_compatible(entries)
+    sim = config.sim
+    runs: list[RunCurves] = []
+    total_runs = len(config.rates) * len(config.policies)
+    for rate in config.rates:
+        spec = config.spec(rate)
+        workload = make_workload(entries, spec)
+        kinds = {w.request_id: w.entry.kind for w in workload}
+        for policy_name in config.policies:
+            engine = LLMEngine(
+                options.model, dtype=options.dtype, page_size=sim.page_size, num_pages=sim.num_device_pages,
+                host_num_pages=sim.num_host_pages,
+                max_num_batched_tokens=sim.max_num_batched_tokens or 512, max_num_seqs=sim.max_num_seqs,
+                max_model_len=options.max_model_len, policy=policy_name, handling=config.handling,
+                predictor=config.predictor, policy_options=dict(config.policy_options) or None,
+                seed=config.seed, swap_budget_tokens=sim.swap_budget_tokens, warmup=options.warmup,
+                check_invariants=sim.check_invariants)
+            try:
+                label = f"[{len(runs) + 1}/{total_runs}] {policy_name} @ " \
+                        f"{'trace' if rate is None else format(rate, 'g')} (engine)"
+                with tqdm(total=len(workload), desc=label, unit="req", disable=not progress, leave=False,
+                          dynamic_ncols=True) as bar:
+                    result = _drive(engine, workload, config.seed, options, bar)
+            finally:
+                engine.shutdown()
+            requests, t0, end, busy, steps, occupancy = result
+            makespan = end - t0
+            # Metrics are relative to arrival; shift to the run's own zero for the window.
+            for r in requests:
+                _shift(r, -t0)
+            window = measurement_window(workload, spec, makespan)
+            step_s = busy / steps if steps else 0.0
+            batched = engine.scheduler.config.max_num_batched_tokens
+            reference = cost.t_fwd(batched) if cost else step_s
+            row, per_request = summarize_run(policy_name, rate, config, requests, kinds, window, makespan,
+                                             config.slo(reference))
+            row.update({"executor": "engine", "model": options.model, "steps": steps, "mean_step_s": step_s,
+                        "busy_fraction": busy / makespan if makespan > 0 else 0.0,
+                        "device_pages": engine.scheduler.device_pool.num_pages,
+                        "host_pages": engine.scheduler.host_pool.num_pages, "page_size": sim.page_size,
+                        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+                        "swap_budget_tokens": engine.scheduler.config.swap_budget_tokens})
+            times, dev, host = occupancy
+            runs.append(RunCurves(policy_name, rate, row, e2e_values(per_request), [t - t0 for t in times],
+                                  [d / engine.scheduler.device_pool.num_pages for d in dev],
+                                  [h / max(1, engine.scheduler.host_pool.num_pages) for h in host]))
+            if progress:
+                from jaxserve.replay.runner import _one_line
+                tqdm.write(_one_line(row))
+    return runs
+
+
+def _shift(r, dt: float) -> None:
+    r.arrival_time += dt
+    for name in ("first_scheduled_time", "first_token_time", "finish_time", "last_scheduled_time"):
+        v = getattr(r, name)
+        if v is not None:
+            setattr(r, name, v + dt)
+    for c in r.api_calls:
+        c.call_time += dt
+        if c.return_time is not None:
+            c.return_time += dt
+        if c.resume_time is not None:
+            c.resume_time += dt
+
+
+def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineOptions, bar):
+    """Feed arrivals in wall-clock time and step until every request ends."""
+    sched = engine.scheduler
+    vocab = engine.model_config.vocab_size
+    prepared = [(w, *_engine_request(w, vocab, seed)) for w in workload]
+    limit = engine.max_model_len
+    for w, ids, params, calls in prepared:
+        total = len(ids) + params.max_tokens + sum(len(c.returned_token_ids) for c in calls)
+        if total > limit:
+            raise ValueError(f"request {w.entry.request_id!r} needs {total} tokens of context but the model "
+                             f"allows {limit}; scale the trace down with --token-scale")
+    requests = []
+    clock = engine.clock
+    t0 = clock()
+    i = 0
+    busy = 0.0
+    steps = 0
+    times, dev, host = [], [], []
+    next_sample = t0
+    finished = 0
+    while i < len(prepared) or engine.has_unfinished():
+        now = clock()
+        while i < len(prepared) and t0 + prepared[i][0].arrival_time <= now:
+            w, ids, params, calls = prepared[i]
+            engine.add_request(w.request_id, prompt_token_ids=ids, sampling_params=params, api_calls=calls,
+                               parse_tool_calls=False, arrival_time=t0 + w.arrival_time,
+                               predictions=dict(w.entry.predictions) or None)
+            requests.append(sched.requests[w.request_id])
+            i += 1
+        if now >= next_sample:
+            times.append(now)
+            dev.append(sched.device_pool.num_used)
+            host.append(sched.host_pool.num_used)
+            next_sample = now + options.sample_interval_s
+        if sched.has_work() or engine.api.poll_ready(now):
+            start = clock()
+            had_work = sched.has_work()
+            outputs = engine.step()
+            if had_work:
+                busy += clock() - start
+                steps += 1
+            done = sum(1 for o in outputs if o.finished)
+            if done:
+                finished += done
+                bar.update(done)
+            continue
+        wake = [t0 + prepared[i][0].arrival_time] if i < len(prepared) else []
+        due = engine.next_wakeup()
+        if due is not None:
+            wake.append(due)
+        if wake:
+            time.sleep(max(0.0, min(min(wake), next_sample) - clock()))
+    end = max((r.finish_time for r in requests if r.finish_time is not None), default=clock())
+    return requests, t0, end, busy, steps, (times, dev, host)
