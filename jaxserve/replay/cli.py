@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--token-scale", type=float, default=1.0,
                     help="multiply every token count of the trace by this (e.g. 0.05 to fit a small "
                          "model's context; applies to --simulate too so both can be compared)")
+    ex.add_argument("--api-time-scale", type=float, default=1.0,
+                    help="multiply every API duration by this (shorter wall-clock runs with --model)")
     wl = parser.add_argument_group("workload")
     wl.add_argument("--policies", default=None,
                     help="comma-separated policies (default: all registered)")
@@ -170,8 +172,8 @@ def main(args: argparse.Namespace) -> int:
         config = build_config(args)
         trace_path = resolve_trace_path(args.trace)
         entries = load_trace(trace_path, _tokenizer(args.tokenizer))
-        if args.token_scale != 1.0:
-            entries = scale_entries(entries, args.token_scale)
+        if args.token_scale != 1.0 or args.api_time_scale != 1.0:
+            entries = scale_entries(entries, args.token_scale, args.api_time_scale)
         profile = args.profile or (DEFAULT_PROFILE if args.model is None else None)
         cost = load_profile(profile) if profile else None
     except (ValueError, FileNotFoundError) as e:

@@ -360,18 +360,25 @@ def entries_to_jsonl(entries: Iterable[TraceEntry]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scale_entries(entries: Iterable[TraceEntry], factor: float) -> list[TraceEntry]:
+def scale_entries(entries: Iterable[TraceEntry], factor: float = 1.0,
+                  api_time_factor: float = 1.0) -> list[TraceEntry]:
     """Entries with every token count multiplied by ``factor`` (rounded; prompts and
-    segments keep at least one token). API durations are unchanged. Used to fit a
-    trace into a small model's context window."""
+    segments keep at least one token) and every API duration by ``api_time_factor``.
+    Used to fit a trace into a small model's context window, or to shorten
+    wall-clock replays on the real engine."""
     if not factor > 0:
         raise ValueError(f"token scale must be > 0, got {factor}")
+    if not api_time_factor >= 0:
+        raise ValueError(f"API time scale must be >= 0, got {api_time_factor}")
 
     def scale(n: int, least: int) -> int:
         return max(least, round(n * factor))
 
+    def seconds(t: float | None) -> float | None:
+        return None if t is None else t * api_time_factor
+
     return [TraceEntry(e.request_id, scale(e.prompt_len, 1),
-                       tuple(Segment(scale(s.num_tokens, 1), s.api_type, s.api_duration_s,
+                       tuple(Segment(scale(s.num_tokens, 1), s.api_type, seconds(s.api_duration_s),
                                      scale(s.num_returned_tokens, 0)) for s in e.segments),
                        e.arrival_time, e.kind, dict(e.predictions))
             for e in entries]
