@@ -1,0 +1,493 @@
+"""The HTTP server end to end: real ``uvicorn`` processes on 127.0.0.1 driven with httpx.
+
+Two servers for the whole module, started once:
+
+- ``demo``: the built-in demo model, configured only through ``JAXSERVE_*``
+  environment variables, no API key, at most 16 concurrent requests.
+- ``tools``: a tiny checkpoint trained in the fixture to call tools
+  (``conftest_server``), with an API key, ``--handling preserve`` (paused
+  contexts stay on device, so a resumption never recomputes), a 5 s paused
+  context TTL and the Python tool ``record_note`` registered with ``--tools``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import AsyncExitStack
+
+import httpx
+import pytest
+
+from conftest_server import (CALC_ANSWER, CALC_USER, NOTE_ANSWER, NOTE_GATE_ENV, NOTE_LOG_ENV, NOTE_USER, WEATHER_ANSWER,
+                             WEATHER_CALL, WEATHER_RESULT, WEATHER_TOOL, WEATHER_USER, ServerProcess,
+                             check_with_engine, parse_metrics, train_tool_checkpoint)
+
+API_KEY = "test-key-123"
+# The tool model's prompts carry three tool schemas (~280-470 tokens), hence a longer context window.
+TOOL_SIZES = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "640", "--max-num-seqs", "32"]
+
+
+class Servers:
+    def __init__(self, demo, tools, convs, note_log, note_gate):
+        self.demo, self.tools, self.convs, self.note_log, self.note_gate = demo, tools, convs, note_log, note_gate
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    env = {"JAXSERVE_MAX_NUM_BATCHED_TOKENS": "64", "JAXSERVE_NUM_PAGES": "128", "JAXSERVE_MAX_MODEL_LEN": "512",
+           "JAXSERVE_MAX_NUM_SEQS": "32", "JAXSERVE_MAX_CONCURRENT_REQUESTS": "16", "JAXSERVE_POLICY": "fcfs"}
+    demo = ServerProcess("demo", [], env=env, log_path=tmp / "demo.log").start()
+    tools = None
+    try:
+        ckpt = tmp / "tool-model"
+        convs = train_tool_checkpoint(ckpt)
+        note_log = tmp / "notes.txt"
+        note_log.touch()
+        import os
+        os.environ[NOTE_LOG_ENV] = str(note_log)
+        check_with_engine(ckpt, convs, max_num_batched_tokens=64, num_pages=128, max_model_len=640,
+                          handling="preserve")
+        note_log.write_text("")
+        note_gate = tmp / "note-gate"
+        note_gate.touch()
+        tools = ServerProcess(str(ckpt), [*TOOL_SIZES, "--api-key", API_KEY, "--handling", "preserve",
+                                          "--paused-context-ttl", "5", "--served-model-name", "tool-model",
+                                          "--max-concurrent-requests", "4",
+                                          "--tools", "record_note=tests.conftest_server:record_note"],
+                              env={NOTE_LOG_ENV: str(note_log), NOTE_GATE_ENV: str(note_gate)},
+                              log_path=tmp / "tools.log").start()
+        demo.wait_ready()
+        tools.wait_ready()
+        yield Servers(demo, tools, convs, note_log, note_gate)
+    finally:
+        demo.stop()
+        if tools is not None:
+            tools.stop()
+
+
+@pytest.fixture(scope="module")
+def demo(servers):
+    with httpx.Client(base_url=servers.demo.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tools(servers):
+    with httpx.Client(base_url=servers.tools.url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+# ----------------------------------------------------------------- helpers
+def sse_events(response: httpx.Response) -> list:
+    """``data:`` payloads of an SSE response, JSON-decoded except ``[DONE]``."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", line
+    return events
+
+
+def stream(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+def assert_no_nulls(obj, where="") -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            assert v is not None, f"null at {where}.{k}"
+            assert_no_nulls(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            assert_no_nulls(v, f"{where}[{i}]")
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    return parse_metrics(r.text)
+
+
+def wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no device KV page is used."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(client)
+        idle = (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+                and m['jaxserve:kv_pages_used{memory="device"}'] == 0)
+        if idle or time.monotonic() > deadline:
+            assert idle, {k: v for k, v in m.items() if "num_requests" in k or "kv_pages" in k}
+            return m
+        time.sleep(0.1)
+
+
+def assert_error(r: httpx.Response, status: int, param=..., code=...) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert "/work" not in err["message"] and ".py" not in err["message"] and "Traceback" not in err["message"]
+    if param is not ...:
+        assert err["param"] == param, err
+    if code is not ...:
+        assert err["code"] == code, err
+    return err
+
+
+def chat(content: str, **kw) -> dict:
+    return {"model": "tool-model", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 64, **kw}
+
+
+# ------------------------------------------------------------- demo server
+def test_models_health_and_env_configuration(demo):
+    assert demo.get("/health").json() == {"status": "ok"}
+    models = demo.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["demo"]
+    assert models["data"][0]["max_model_len"] == 512          # from JAXSERVE_MAX_MODEL_LEN
+    m = metrics(demo)
+    assert m['jaxserve:kv_pages_total{memory="device"}'] == 128  # from JAXSERVE_NUM_PAGES
+
+
+def test_completions_non_streaming_and_streaming_agree(demo):
+    body = {"model": "demo", "prompt": "Hello, world!", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = demo.post("/v1/completions", json=body).json()
+    assert full["object"] == "text_completion" and full["id"].startswith("cmpl-")
+    choice = full["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    assert full["usage"]["completion_tokens"] == 12
+    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + 12
+    events = stream(demo, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    chunks = events[:-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    for c in events[:-1]:
+        assert_no_nulls(c)
+
+
+def test_completions_token_ids_batches_and_n(demo):
+    body = {"model": "demo", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    ids = demo.post("/v1/completions", json={**body, "prompt": [72, 101, 108]}).json()
+    assert ids["usage"]["prompt_tokens"] == 3
+    batch = demo.post("/v1/completions", json={**body, "prompt": ["Hello", "The quick"], "n": 2}).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert batch["choices"][0]["text"] == batch["choices"][1]["text"]   # greedy: n copies agree
+    single = demo.post("/v1/completions", json={**body, "prompt": "The quick"}).json()
+    assert batch["choices"][2]["text"] == single["choices"][0]["text"]
+    assert batch["usage"]["completion_tokens"] == 16
+
+
+def test_chat_streaming_role_content_usage_done(demo):
+    body = {"model": "demo", "messages": [{"role": "system", "content": "you are terse"},
+                                          {"role": "user", "content": "hi"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    full = demo.post("/v1/chat/completions", json=body).json()
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"]["role"] == "assistant"
+    assert full["choices"][0]["finish_reason"] == "length"
+    events = stream(demo, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert content == full["choices"][0]["message"]["content"]
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == full["usage"]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    without_usage = stream(demo, "/v1/chat/completions", body)
+    assert all("usage" not in e for e in without_usage[:-1]) and without_usage[-1] == "[DONE]"
+
+
+def test_greedy_and_seeded_output_same_alone_and_among_16_concurrent(servers, demo):
+    prompts = [f"Request {i}: the quick brown fox" for i in range(16)]
+
+    def body(i):
+        sampled = i % 2 == 1
+        return {"model": "demo", "prompt": prompts[i], "max_tokens": 20, "ignore_eos": True,
+                "temperature": 0.8 if sampled else 0, **({"seed": 1000 + i} if sampled else {})}
+
+    alone = [demo.post("/v1/completions", json=body(i)).json()["choices"][0]["text"] for i in range(16)]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=servers.demo.url, timeout=60) as client:
+            rs = await asyncio.gather(*[client.post("/v1/completions", json=body(i)) for i in range(16)])
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(together()) == alone
+    wait_idle(demo)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(demo):
+    before = metrics(demo).get('jaxserve:request_finished_total{finish_reason="abort"}', 0)
+    body = {"model": "demo", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 300,
+            "ignore_eos": True, "stream": True}
+    with demo.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in seen)
+        assert metrics(demo)["jaxserve:num_requests_running"] == 1
+    m = wait_idle(demo, timeout=10)
+    assert m['jaxserve:request_finished_total{finish_reason="abort"}'] == before + 1
+
+
+def test_latency_histograms_are_exported(demo):
+    m = metrics(demo)
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert m[f"jaxserve:{name}_count"] > 0, name
+    for name in ("prompt_tokens_total", "generation_tokens_total", "recomputed_tokens_total",
+                 "num_preemptions_total", 'num_requests_paused{handling="swap"}', 'kv_pages_used{memory="host"}'):
+        assert f"jaxserve:{name}" in m, name
+
+
+# ------------------------------------------------------------------ errors
+def test_malformed_json_and_schema_errors_are_400_naming_the_field(demo):
+    bad = demo.post("/v1/chat/completions", content=b'{"model": "demo", "messages": [',
+                    headers={"content-type": "application/json"})
+    assert_error(bad, 400, param=None)
+    cases = [
+        ({"model": "demo"}, "messages"),
+        ({"model": "demo", "messages": "hi"}, "messages"),
+        ({"model": "demo", "messages": []}, "messages"),
+        ({"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+        ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ]
+    for body, param in cases:
+        assert_error(demo.post("/v1/chat/completions", json=body), 400, param=param)
+    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": ""}), 400, param="prompt")
+    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": "x", "logprobs": 2}), 400,
+                 param="logprobs")
+    # token ids outside the vocabulary: the engine's ValueError, mapped to the field
+    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": [10**6]}), 400, param="prompt")
+
+
+def test_context_window_errors(demo):
+    long_text = "The quick brown fox jumps over the lazy dog. " * 60
+    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": long_text}), 400,
+                 param="prompt", code="context_length_exceeded")
+    assert_error(demo.post("/v1/chat/completions", json={
+        "model": "demo", "messages": [{"role": "user", "content": long_text}]}), 400,
+        param="messages", code="context_length_exceeded")
+    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 511}), 400,
+                 param="max_tokens", code="context_length_exceeded")
+    assert_error(demo.post("/v1/chat/completions", json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500, "stream": True}),
+        400, param="max_tokens")
+
+
+def test_unknown_model_route_and_oversized_body(demo):
+    assert_error(demo.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
+                 param="model", code="model_not_found")
+    assert_error(demo.get("/v1/nothing"), 404)
+    assert_error(demo.get("/v1/completions"), 405)
+    huge = {"model": "demo", "prompt": "x" * (2 * 1024 * 1024 + 10)}
+    assert_error(demo.post("/v1/completions", json=huge), 413)
+    chunked = demo.post("/v1/completions", content=iter([b'{"prompt": "', b"y" * (2 * 1024 * 1024), b'"}']),
+                        headers={"content-type": "application/json"})
+    assert_error(chunked, 413)
+
+
+# -------------------------------------------------------------- tool server
+def test_api_key_guards_every_route_but_health_and_metrics(servers, tools):
+    url = servers.tools.url
+    requests = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": "tool-model", "prompt": "hi"}),
+                ("POST", "/v1/chat/completions", chat("hi")), ("GET", "/v1/unknown", None)]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path, body in requests:
+            r = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+            err = assert_error(r, 401, code="invalid_api_key")
+            assert err["type"] == "authentication_error"
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    assert tools.get("/v1/models").json()["data"][0]["id"] == "tool-model"
+    assert tools.post("/v1/completions", json={"model": "tool-model", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_server_side_calculator_runs_inside_one_response(tools):
+    before = metrics(tools)
+    r = tools.post("/v1/chat/completions", json=chat(CALC_USER))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": CALC_ANSWER}
+    assert choice["finish_reason"] == "stop"
+    after = metrics(tools)
+    assert after["jaxserve:request_api_pause_time_seconds_count"] == \
+        before["jaxserve:request_api_pause_time_seconds_count"] + 1
+    assert after["jaxserve:recomputed_tokens_total"] == before["jaxserve:recomputed_tokens_total"]
+
+
+def test_server_side_python_tool_streams_one_response(servers, tools):
+    events = stream(tools, "/v1/chat/completions", chat(NOTE_USER))
+    assert events[-1] == "[DONE]"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert content == NOTE_ANSWER
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert all("tool_calls" not in e["choices"][0]["delta"] for e in events[:-1])
+    assert servers.note_log.read_text() == "the sky is blue\n"    # the server ran the Python tool
+
+
+def test_over_concurrency_limit_is_429_and_disconnect_while_paused_in_a_tool_frees_pages(servers, tools):
+    """Four requests held paused inside ``record_note`` fill the limit of 4; a fifth is
+    refused; dropping the four connections aborts them although no token flows."""
+    servers.note_gate.unlink()
+    try:
+        async def run():
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            async with httpx.AsyncClient(base_url=servers.tools.url, timeout=60, headers=headers) as client:
+                async with AsyncExitStack() as streams:
+                    for _ in range(4):
+                        r = await streams.enter_async_context(
+                            client.stream("POST", "/v1/chat/completions", json={**chat(NOTE_USER), "stream": True}))
+                        assert r.status_code == 200
+                    deadline = time.monotonic() + 20
+                    while True:
+                        m = parse_metrics((await client.get("/metrics")).text)
+                        if m['jaxserve:num_requests_paused{handling="preserve"}'] == 4 or time.monotonic() > deadline:
+                            break
+                        await asyncio.sleep(0.05)
+                    over = await client.post("/v1/chat/completions", json=chat("hi"))
+                # leaving the stack drops all four connections
+            return m, over
+
+        paused, over = asyncio.run(run())
+        assert paused['jaxserve:num_requests_paused{handling="preserve"}'] == 4
+        assert paused['jaxserve:kv_pages_used{memory="device"}'] > 0
+        err = assert_error(over, 429, code="too_many_requests")
+        assert over.headers["retry-after"] == "1" and err["type"] == "rate_limit_error"
+        m = wait_idle(tools, timeout=10)
+        assert m['jaxserve:num_requests_paused{handling="preserve"}'] == 0
+        assert m['jaxserve:request_finished_total{finish_reason="abort"}'] >= 4
+    finally:
+        servers.note_gate.touch()
+
+
+def _follow_up(first_request: dict, assistant_message: dict) -> dict:
+    call = assistant_message["tool_calls"][0]
+    return {**first_request, "messages": first_request["messages"] + [
+        assistant_message, {"role": "tool", "tool_call_id": call["id"], "content": WEATHER_RESULT}]}
+
+
+def _weather_conv(servers):
+    return next(c for c in servers.convs if c.call == WEATHER_CALL)
+
+
+def test_client_side_tool_round_trip_resumes_the_paused_context(servers, tools):
+    conv = _weather_conv(servers)
+    first_request = chat(WEATHER_USER, tools=[WEATHER_TOOL])
+    r = tools.post("/v1/chat/completions", json=first_request)
+    assert r.status_code == 200, r.text
+    first = r.json()
+    assert_no_nulls(first)
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert set(message) == {"role", "tool_calls"}
+    [call] = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": json.dumps(WEATHER_CALL["arguments"])}
+    paused = metrics(tools)
+    assert paused["jaxserve:num_parked_tool_contexts"] == 1
+    assert paused['jaxserve:num_requests_paused{handling="preserve"}'] == 1
+    assert paused['jaxserve:kv_pages_used{memory="device"}'] > 0
+
+    r = tools.post("/v1/chat/completions", json=_follow_up(first_request, message))
+    assert r.status_code == 200, r.text
+    second = r.json()
+    assert second["choices"][0]["message"] == {"role": "assistant", "content": WEATHER_ANSWER}
+    assert second["choices"][0]["finish_reason"] == "stop"
+    assert first["usage"]["prompt_tokens"] == len(conv.prompt_ids)
+    context = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert second["usage"]["prompt_tokens"] == context + len(conv.tool_turn_ids)
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": context}
+    resumed = wait_idle(tools)
+    # No recompute of the paused context, and no new engine request: only the tool turn was processed.
+    assert resumed["jaxserve:recomputed_tokens_total"] == paused["jaxserve:recomputed_tokens_total"]
+    assert resumed["jaxserve:prompt_tokens_total"] == paused["jaxserve:prompt_tokens_total"]
+    assert resumed["jaxserve:resume_appended_tokens_total"] == \
+        paused["jaxserve:resume_appended_tokens_total"] + len(conv.tool_turn_ids)
+    assert resumed["jaxserve:resumed_requests_total"] == paused["jaxserve:resumed_requests_total"] + 1
+    assert resumed["jaxserve:num_parked_tool_contexts"] == 0
+    assert resumed['jaxserve:num_requests_paused{handling="preserve"}'] == 0
+    assert resumed["jaxserve:request_api_pause_time_seconds_count"] == \
+        paused["jaxserve:request_api_pause_time_seconds_count"] + 1
+
+
+def test_client_side_tool_call_streams_then_resumes_streaming(servers, tools):
+    first_request = chat(WEATHER_USER, tools=[WEATHER_TOOL])
+    events = stream(tools, "/v1/chat/completions", {**first_request, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        assert_no_nulls(e)
+    deltas = [e["choices"][0]["delta"] for e in events[:-2]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all("<tool_call>" not in d.get("content", "") for d in deltas)
+    call_deltas = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    head, fragments = call_deltas[0], call_deltas[1:]
+    assert head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(fragments) >= 2 and all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"}
+                                       for f in fragments)
+    arguments = "".join(f["function"]["arguments"] for f in fragments)
+    assert json.loads(arguments) == WEATHER_CALL["arguments"]
+    assert events[-3]["choices"][0]["finish_reason"] == "tool_calls"
+    usage = events[-2]["usage"]
+    paused = metrics(tools)
+    assert paused["jaxserve:num_parked_tool_contexts"] == 1
+
+    assistant = {"role": "assistant", "tool_calls": [{"id": head["id"], "type": "function",
+                                                      "function": {"name": "get_weather", "arguments": arguments}}]}
+    events = stream(tools, "/v1/chat/completions", {**_follow_up(first_request, assistant),
+                                                    "stream_options": {"include_usage": True}})
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert content == WEATHER_ANSWER
+    assert events[-2]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+    resumed = wait_idle(tools)
+    assert resumed["jaxserve:recomputed_tokens_total"] == paused["jaxserve:recomputed_tokens_total"]
+    assert resumed["jaxserve:prompt_tokens_total"] == paused["jaxserve:prompt_tokens_total"]
+    assert resumed["jaxserve:resumed_requests_total"] == paused["jaxserve:resumed_requests_total"] + 1
+
+
+def test_follow_up_that_does_not_match_is_computed_fresh_and_stale_context_expires(servers, tools):
+    first_request = chat(WEATHER_USER, tools=[WEATHER_TOOL])
+    first = tools.post("/v1/chat/completions", json=first_request).json()
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
+    before = metrics(tools)
+    assert before["jaxserve:num_parked_tool_contexts"] == 1
+    # a different conversation: no prefix match, so a new engine request computes it from scratch
+    other = tools.post("/v1/chat/completions", json=chat(CALC_USER)).json()
+    assert other["choices"][0]["message"]["content"] == CALC_ANSWER
+    m = metrics(tools)
+    assert m["jaxserve:resumed_requests_total"] == before["jaxserve:resumed_requests_total"]
+    assert m["jaxserve:prompt_tokens_total"] == before["jaxserve:prompt_tokens_total"] + \
+        other["usage"]["prompt_tokens"]
+    assert m["jaxserve:num_parked_tool_contexts"] == 1
+    # nobody comes back for the paused weather request: after the 5 s TTL it is aborted and its pages freed
+    deadline = time.monotonic() + 15
+    while metrics(tools)["jaxserve:num_parked_tool_contexts"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    m = wait_idle(tools)
+    assert m["jaxserve:num_parked_tool_contexts"] == 0
+    assert m['jaxserve:num_requests_paused{handling="preserve"}'] == 0
+    # the follow-up to the expired context still works: computed from scratch
+    late = tools.post("/v1/chat/completions", json=_follow_up(first_request, first["choices"][0]["message"]))
+    assert late.status_code == 200
+    assert late.json()["choices"][0]["message"]["content"] == WEATHER_ANSWER
+    assert "prompt_tokens_details" not in late.json()["usage"]
+    wait_idle(tools)
