@@ -17,8 +17,6 @@ from pathlib import Path
 
 log = logging.getLogger("jaxserve.server")
 
-POLICIES = ["fcfs", "fcfs-improved", "infercept", "lamps", "mars", "augserve", "sjf", "sjf-total", "prophet"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a Hugging Face checkpoint directory, or 'demo' for the built-in tiny model")
@@ -39,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine")
     eng.add_argument("--max-model-len", type=int, default=None, help="context window in tokens "
                      "(default: the model's, capped by the KV pool)")
-    eng.add_argument("--policy", default="infercept", choices=POLICIES, help="scheduling policy")
+    eng.add_argument("--policy", default="infercept",
+                     help="scheduling policy: fcfs, fcfs-improved, infercept, lamps (mars), augserve, sjf, "
+                     "sjf-total, prophet")
     eng.add_argument("--handling", default=None, choices=["preserve", "discard", "swap"],
                      help="force one handling for every API pause (default: the policy decides)")
     eng.add_argument("--predictor", default="oracle", help="predictor spec for ranking policies")

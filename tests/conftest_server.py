@@ -258,13 +258,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m server.cli MODEL ...`` (the same entry point as ``jaxserve serve``)
-    on 127.0.0.1 and a free port. ``start()`` returns at once; ``wait_ready()`` polls /health."""
+    """``jaxserve serve MODEL ...`` (as ``python -m jaxserve.cli``) on 127.0.0.1 and a free
+    port. ``start()`` returns at once; ``wait_ready()`` polls /health."""
 
     def __init__(self, model: str, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "server.cli", model, "--host", "127.0.0.1", "--port", str(self.port),
+        self.cmd = [sys.executable, "-m", "jaxserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "--log-level", "warning", *args]
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.log_path = log_path

@@ -1,0 +1,112 @@
+"""Server pieces that need no running server: tool-markup filtering, error
+mapping, paused-context matching, CLI flags and environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from jaxserve.cli import apply_env_defaults
+from server.cli import add_arguments, load_tools
+from server.errors import from_value_error
+from server.parked import ParkedContexts
+from server.tool_text import ToolMarkupFilter
+
+
+def _feed_all(pieces: list[str]) -> str:
+    f = ToolMarkupFilter()
+    return "".join(f.feed(p) for p in pieces) + f.flush()
+
+
+@pytest.mark.parametrize("pieces, visible", [
+    (["Hello ", "world"], "Hello world"),
+    (["Sure.", "<tool_call>", '{"name": "x"}', "</tool_call>"], "Sure."),
+    (["a <tool", "_call>{}</tool", "_call> b"], "a  b"),
+    (["x <tool", "box"], "x <toolbox"),                       # a held-back partial tag that never completes
+    (["1 < 2 and <", "b>"], "1 < 2 and <b>"),
+    (["<tool_call>{unterminated"], ""),
+    (["p<tool_call>1</tool_call>q<tool_call>2</tool_call>r"], "pqr"),
+])
+def test_tool_markup_filter(pieces, visible):
+    assert _feed_all(pieces) == visible
+
+
+def test_tool_markup_filter_holds_back_only_possible_tag_prefixes():
+    f = ToolMarkupFilter()
+    assert f.feed("abc <to") == "abc "
+    assert f.feed("day") == "<today"
+
+
+@pytest.mark.parametrize("message, param", [
+    ("prompt: prompt (600 tokens) + max_tokens (16) = 616 exceeds the context window", "messages"),
+    ("max_tokens: prompt (10 tokens) + max_tokens (600) exceeds the context window", "max_tokens"),
+    ("temperature must be >= 0, got -1", "temperature"),
+    ("prompt_token_ids must be integers in [0, 512)", "messages"),
+    ("something unexpected", None),
+])
+def test_engine_value_errors_map_to_400_with_param(message, param):
+    err = from_value_error(ValueError(message), prompt_param="messages")
+    assert err.status == 400 and err.param == param
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+class _FakeEngine:
+    def __init__(self):
+        self.aborted = []
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+        return True
+
+
+def test_parked_contexts_match_longest_prefix_check_sampling_and_expire():
+    async def run():
+        now = [0.0]
+        engine = _FakeEngine()
+        parked = ParkedContexts(engine, ttl_s=10, clock=lambda: now[0])
+        await parked.park("a", [1, 2, 3], ("greedy",), calls_seen=0)
+        await parked.park("b", [1, 2, 3, 4, 5], ("greedy",), calls_seen=0)
+        await parked.park("c", [9, 9], ("greedy",), calls_seen=0)
+        assert await parked.take([1, 2, 3], ("greedy",)) is None          # must leave something to append
+        assert (await parked.take([1, 2, 3, 4, 5, 6], ("greedy",))).request_id == "b"
+        assert await parked.take([1, 2, 3, 7], ("sampled",)) is None       # other sampling: aborted, not resumed
+        assert engine.aborted == ["a"]
+        now[0] = 11.0
+        assert await parked.expire() == 1 and engine.aborted == ["a", "c"] and len(parked) == 0
+    asyncio.run(run())
+
+
+def test_zero_ttl_aborts_at_once():
+    async def run():
+        engine = _FakeEngine()
+        parked = ParkedContexts(engine, ttl_s=0)
+        await parked.park("a", [1], (), calls_seen=0)
+        assert len(parked) == 0 and engine.aborted == ["a"]
+    asyncio.run(run())
+
+
+def _parse(argv, environ):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    apply_env_defaults(parser, environ)
+    return parser.parse_args(argv)
+
+
+def test_cli_defaults_flags_and_env_vars():
+    args = _parse(["demo"], {})
+    assert (args.host, args.port, args.api_key, args.paused_context_ttl) == ("127.0.0.1", 8000, None, 60.0)
+    env = {"JAXSERVE_PORT": "9001", "JAXSERVE_API_KEY": "k", "JAXSERVE_MAX_MODEL_LEN": "256",
+           "JAXSERVE_HANDLING": "swap", "JAXSERVE_PAUSED_CONTEXT_TTL": "2.5", "JAXSERVE_MAX_CONCURRENT_REQUESTS": "3"}
+    args = _parse(["demo"], env)
+    assert (args.port, args.api_key, args.max_model_len, args.handling, args.paused_context_ttl,
+            args.max_concurrent_requests) == (9001, "k", 256, "swap", 2.5, 3)
+    assert _parse(["demo", "--port", "9002"], env).port == 9002        # the command line wins
+
+
+def test_load_tools_spec():
+    tools = load_tools("upper=builtins:str, mx=builtins:max")
+    assert tools == {"upper": str, "mx": max}
+    with pytest.raises(ValueError, match="name=module:function"):
+        load_tools("nonsense")
