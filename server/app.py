@@ -215,6 +215,13 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
             await wait_or_disconnect(request, _collect(merger, choices))
         except ClientDisconnected:
             return Response(status_code=499)
+        except EngineDeadError:
+            raise APIError(503, "the engine stopped while generating", code="engine_dead") from None
+        except ValueError as e:
+            raise from_value_error(e, "messages" if chat else "prompt") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a failed engine step: report it, keep serving
+            log.warning("request %s failed: %s", response_id, e)
+            raise APIError(500, f"generation failed: {type(e).__name__}: {e}") from None
         finally:
             await merger.aclose()
         await _park_paused(state, choices)

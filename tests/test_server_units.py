@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import pytest
 
@@ -110,3 +111,55 @@ def test_load_tools_spec():
     assert tools == {"upper": str, "mx": max}
     with pytest.raises(ValueError, match="name=module:function"):
         load_tools("nonsense")
+
+
+class _ScriptedEngine:
+    """Stands in for ``AsyncEngine``: yields one token then fails (or is dead)."""
+
+    def __init__(self, alive=True):
+        from jaxserve.engine import EngineStats
+        from transformers import AutoTokenizer
+
+        from jaxserve.demo import demo_dir
+        self.is_alive = alive
+        self.tokenizer = AutoTokenizer.from_pretrained(str(demo_dir()))
+        self.usage_snapshot = {"running": 0, "waiting": 0, "swapping": 0, "paused": {"preserve": 0},
+                               "device_pages_used": 0, "device_pages_total": 8, "host_pages_used": 0,
+                               "host_pages_total": 8, "preemptions": 0}
+        self.stats_snapshot = EngineStats()
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65],
+                            text="b", delta_token_ids=[65], delta_text="b")
+        raise RuntimeError("engine step failed: boom")
+
+    async def abort(self, request_id):
+        return False
+
+
+def _client(engine):
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+    return TestClient(create_app(engine, served_model_name="m", max_model_len=64))
+
+
+def test_health_is_503_and_requests_refused_when_the_engine_is_dead():
+    with _client(_ScriptedEngine(alive=False)) as client:
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_error_after_the_stream_started_is_an_error_event_then_done():
+    with _client(_ScriptedEngine()) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "stream": True})
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "boom" in error["message"]
+        assert json.loads(events[0])["choices"][0]["text"] == "b"
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]})
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
