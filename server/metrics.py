@@ -127,12 +127,12 @@ class ResponseTimer:
             self.metrics.api_pause.observe(max(0.0, call.return_time - call.call_time))
             self.calls_seen += 1
             new_pause = True
+        if self.observe_queue and out.metrics.get("first_scheduled_time") is not None:  # on final outputs
+            self.metrics.queue.observe(max(0.0, out.metrics["first_scheduled_time"] - out.metrics["arrival_time"]))
+            self.observe_queue = False
         if out.delta_token_ids:
             if self.last_token is None:
                 self.metrics.ttft.observe(now - self.start)
-                if self.observe_queue and out.metrics.get("first_scheduled_time") is not None:
-                    self.metrics.queue.observe(max(0.0, out.metrics["first_scheduled_time"]
-                                                   - out.metrics["arrival_time"]))
             elif not new_pause:
                 self.metrics.itl.observe((now - self.last_token) / len(out.delta_token_ids))
             self.last_token = now

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from contextlib import AsyncExitStack
 
@@ -46,10 +47,12 @@ def servers(tmp_path_factory):
         convs = train_tool_checkpoint(ckpt)
         note_log = tmp / "notes.txt"
         note_log.touch()
-        import os
-        os.environ[NOTE_LOG_ENV] = str(note_log)
-        check_with_engine(ckpt, convs, max_num_batched_tokens=64, num_pages=128, max_model_len=640,
-                          handling="preserve")
+        os.environ[NOTE_LOG_ENV] = str(note_log)   # for record_note run by the in-process check
+        try:
+            check_with_engine(ckpt, convs, max_num_batched_tokens=64, num_pages=128, max_model_len=640,
+                              handling="preserve")
+        finally:
+            del os.environ[NOTE_LOG_ENV]
         note_log.write_text("")
         note_gate = tmp / "note-gate"
         note_gate.touch()
