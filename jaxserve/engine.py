@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,7 +195,7 @@ class LLMEngine:
                       max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,
                       predictions=dict(predictions or {}))
         parse = bool(self.tools) if parse_tool_calls is None else parse_tool_calls
-        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + hash(request_id)) % 2**32
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**32
         self._live[request_id] = _Live(
             sched=req, token_ids=list(ids), prompt_token_ids=list(ids), params=params, seed=seed,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),

@@ -32,6 +32,9 @@ class LLM:
                  api_calls: list[list[ApiCall]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; returns final outputs in input order.
 
+        A request whose model calls a tool that is not registered ends with
+        ``finish_reason == "tool_calls"`` and the call in ``tool_call``.
+
         All inputs are validated before any request is queued, so a bad one
         raises ``ValueError`` and leaves the engine as it was.
         """
@@ -61,7 +64,11 @@ class LLM:
                 wake = self.engine.next_wakeup()
                 time.sleep(0.001 if wake is None else max(0.0, min(0.05, wake - self.engine.clock())))
             for out in self.engine.step():
-                if out.finished and out.request_id in ids and out.finish_reason != "tool_calls":
+                if out.finished and out.request_id in ids and out.request_id not in final:
+                    if out.finish_reason == "tool_calls":
+                        # A call to a tool nobody registered: offline there is no one to resume
+                        # it, so it ends here with the call in ``out.tool_call``; free its pages.
+                        self.engine.abort(out.request_id)
                     final[out.request_id] = out
                     bar.update(1)
         bar.close()

@@ -55,3 +55,11 @@ def hf_checkpoints(tmp_path_factory):
         model.save_pretrained(path)
         out[kind] = (model, path)
     return out
+
+
+@pytest.fixture(scope="session")
+def tool_checkpoint(tmp_path_factory):
+    """``(checkpoint dir, conversations)``: a tiny model trained to call tools (see conftest_server)."""
+    from conftest_server import train_tool_checkpoint
+    path = tmp_path_factory.mktemp("tool-model")
+    return path, train_tool_checkpoint(path)

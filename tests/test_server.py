@@ -23,7 +23,7 @@ import pytest
 
 from conftest_server import (CALC_ANSWER, CALC_USER, NOTE_ANSWER, NOTE_GATE_ENV, NOTE_LOG_ENV, NOTE_USER, WEATHER_ANSWER,
                              WEATHER_CALL, WEATHER_RESULT, WEATHER_TOOL, WEATHER_USER, ServerProcess,
-                             check_with_engine, parse_metrics, train_tool_checkpoint)
+                             check_with_engine, parse_metrics)
 
 API_KEY = "test-key-123"
 # The tool model's prompts carry three tool schemas (~280-470 tokens), hence a longer context window.
@@ -36,15 +36,14 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, tool_checkpoint):
     tmp = tmp_path_factory.mktemp("server")
     env = {"JAXSERVE_MAX_NUM_BATCHED_TOKENS": "64", "JAXSERVE_NUM_PAGES": "128", "JAXSERVE_MAX_MODEL_LEN": "512",
            "JAXSERVE_MAX_NUM_SEQS": "32", "JAXSERVE_MAX_CONCURRENT_REQUESTS": "16", "JAXSERVE_POLICY": "fcfs"}
     demo = ServerProcess("demo", [], env=env, log_path=tmp / "demo.log").start()
     tools = None
     try:
-        ckpt = tmp / "tool-model"
-        convs = train_tool_checkpoint(ckpt)
+        ckpt, convs = tool_checkpoint
         note_log = tmp / "notes.txt"
         note_log.touch()
         os.environ[NOTE_LOG_ENV] = str(note_log)   # for record_note run by the in-process check

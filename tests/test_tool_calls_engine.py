@@ -1,0 +1,93 @@
+"""Parsed tool calls inside the engine, on a tiny model trained to call tools:
+server-side tools under every handling, failing and timing-out tools, and
+calls to tools nobody registered."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from jaxserve import LLM, SamplingParams, Tool
+
+SIZES = dict(max_num_batched_tokens=64, num_pages=128, max_model_len=640, warmup=False, check_invariants=True)
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0)
+
+
+def conversation(convs, tool_name):
+    return next(c for c in convs if c.call["name"] == tool_name)
+
+
+def expected_generated(conv) -> list[int]:
+    return [t for t, m in zip(conv.full_ids, conv.generated_mask) if m]
+
+
+@pytest.mark.parametrize("handling", ["preserve", "discard", "swap"])
+def test_calculator_call_pauses_runs_and_continues_exactly(handling, tool_checkpoint):
+    path, convs = tool_checkpoint
+    calc = conversation(convs, "calculator")
+    llm = LLM(str(path), handling=handling, **SIZES)
+    out = llm.generate(prompt_token_ids=[calc.prompt_ids], sampling_params=GREEDY)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == expected_generated(calc)
+    [call] = out.api_calls
+    assert (call.name, call.handling, call.error) == ("calculator", handling, None)
+    assert call.returned_tokens == len(calc.tool_turn_ids)
+    pool = llm.engine.scheduler.device_pool
+    assert pool.num_free == pool.num_pages
+
+
+def test_failing_and_timing_out_tools_resume_with_an_error_and_engine_keeps_serving(tool_checkpoint):
+    path, convs = tool_checkpoint
+    note, calc = conversation(convs, "record_note"), conversation(convs, "calculator")
+
+    def failing(text):
+        raise RuntimeError("disk full")
+
+    def slow(text):
+        time.sleep(2)
+        return "saved"
+
+    for tools, expect in (({"record_note": failing}, "disk full"),
+                          ([Tool("record_note", slow, timeout_s=0.2)], "timed out")):
+        llm = LLM(str(path), tools=tools, **SIZES)
+        start = time.monotonic()
+        out, ok = llm.generate(prompt_token_ids=[note.prompt_ids, calc.prompt_ids], sampling_params=GREEDY)
+        assert time.monotonic() - start < 30
+        assert out.api_calls[0].name == "record_note" and expect in out.api_calls[0].error
+        assert out.finish_reason in ("stop", "length")       # it continued after the error text
+        assert ok.token_ids == expected_generated(calc)      # the other request was unaffected
+        llm.engine.shutdown()
+
+
+def test_unregistered_tool_ends_offline_generate_with_the_call(tool_checkpoint):
+    path, convs = tool_checkpoint
+    weather = conversation(convs, "get_weather")
+    llm = LLM(str(path), **SIZES)
+    out = llm.generate(prompt_token_ids=[weather.prompt_ids], sampling_params=GREEDY)[0]
+    assert out.finish_reason == "tool_calls"
+    assert out.tool_call["name"] == "get_weather" and '"Paris"' in out.tool_call["arguments"]
+    assert not llm.engine.has_unfinished()
+    pool = llm.engine.scheduler.device_pool
+    assert pool.num_free == pool.num_pages
+
+
+def test_engine_resume_continues_a_client_side_call(tool_checkpoint):
+    path, convs = tool_checkpoint
+    weather = conversation(convs, "get_weather")
+    llm = LLM(str(path), handling="swap", **SIZES)
+    engine = llm.engine
+    engine.add_request("w", prompt_token_ids=weather.prompt_ids, sampling_params=GREEDY)
+    paused = None
+    while paused is None:
+        paused = next((o for o in engine.step() if o.finish_reason == "tool_calls"), None)
+    recomputed = engine.stats.recomputed_tokens
+    engine.resume("w", token_ids=weather.tool_turn_ids)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+        if not engine.scheduler.has_work():
+            time.sleep(0.001)
+    assert final.finish_reason == "stop" and final.token_ids == expected_generated(weather)
+    assert engine.stats.recomputed_tokens == recomputed   # swapped out and back in, not recomputed
+    assert engine.stats.swapped_in_pages > 0
