@@ -360,3 +360,20 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
                  [str(tmp_path / "missing.json")], ["--arrival", "trace"]):
         assert replay_cli.main(_cli_args(argv + ["--out", str(tmp_path), "--quiet", "--no-plots"])) == 2, argv
     assert "jaxserve replay:" in capsys.readouterr().err
+
+
+def test_step_timer_linear_and_measured_buckets():
+    from dataclasses import replace
+
+    from jaxserve.replay.sim import StepTimer
+    assert StepTimer(COST)(100) == pytest.approx(COST.t_fwd(100))
+    assert StepTimer(COST, "auto").model == "linear"            # no measured table
+    with pytest.raises(ValueError, match="no measured step times"):
+        StepTimer(COST, "buckets")
+    measured = replace(COST, meta={"step_times_s": {"8": 0.002, "16": 0.004, "32": 0.01}})
+    timer = StepTimer(measured, "auto")
+    assert timer.model == "buckets"
+    assert [timer(n) for n in (0, 1, 8, 9, 16, 32)] == [0.0, 0.002, 0.002, 0.004, 0.004, 0.01]
+    assert timer(40) == pytest.approx(0.01 + 8 * COST.fwd_per_token_s)
+    with pytest.raises(ValueError, match="step model"):
+        StepTimer(COST, "cubic")

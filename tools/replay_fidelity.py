@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve.replay.engine_runner import EngineOptions, engine_compatible, run_engine  # noqa: E402
+from jaxserve.replay.plots import RunCurves  # noqa: E402
 from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs  # noqa: E402
 from jaxserve.replay.sim import SimConfig  # noqa: E402
 from jaxserve.replay.trace import load_trace, scale_entries  # noqa: E402
@@ -54,23 +55,32 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--swap-budget-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-model", default="linear", choices=("linear", "buckets", "auto"))
+    ap.add_argument("--reuse-engine", action="store_true",
+                    help="take the engine side from <out>/engine/results.json of an earlier run")
     args = ap.parse_args()
 
     profile = args.profile or default_profile()
     cost = load_profile(profile)
     entries = engine_compatible(scale_entries(load_trace(args.trace), args.token_scale, args.api_time_scale))
     sim = SimConfig(page_size=16, num_device_pages=args.num_pages, num_host_pages=args.num_pages,
-                    max_num_batched_tokens=args.max_num_batched_tokens, swap_budget_tokens=args.swap_budget_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens, swap_budget_tokens=args.swap_budget_tokens,
+                    step_model=args.step_model)
     config = ReplayConfig(policies=args.policies.split(","), rates=[args.rate], num_requests=args.num_requests,
                           seed=args.seed, sim=sim)
     out = Path(args.out)
-    engine_runs = run_engine(entries, config, EngineOptions(model=args.model), cost=cost)
-    write_outputs(engine_runs, out / "engine", title=f"engine, model {args.model}", plots=False)
+    if args.reuse_engine:
+        saved = json.loads((out / "engine" / "results.json").read_text())
+        engine_runs = [RunCurves(r["policy"], r["rate"], r) for r in saved]
+    else:
+        engine_runs = run_engine(entries, config, EngineOptions(model=args.model), cost=cost)
+        write_outputs(engine_runs, out / "engine", title=f"engine, model {args.model}", plots=False)
     sim_runs = simulate(entries, cost, config, progress=False)
     write_outputs(sim_runs, out / "sim", title=f"simulator, profile {cost.name}", plots=False)
 
     rows = []
-    print(f"\nworkload: {args.trace} x{args.token_scale:g} tokens, x{args.api_time_scale:g} API time, "
+    print(f"\nsimulator step model: {sim_runs[0].row['step_model']}")
+    print(f"workload: {args.trace} x{args.token_scale:g} tokens, x{args.api_time_scale:g} API time, "
           f"{args.num_requests} requests at {args.rate:g} req/s, {args.num_pages} pages; profile {cost.name}\n")
     print("| policy | engine E2E s | sim E2E s | sim/engine | engine TTFT s | sim TTFT s | "
           "engine step ms | sim step ms |")

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sch.add_argument("--max-num-seqs", type=int, default=256, help="requests per step")
     sch.add_argument("--swap-budget-tokens", type=int, default=None,
                      help="KV tokens copied per step (default: what one full step hides)")
+    sch.add_argument("--step-model", choices=("linear", "buckets", "auto"), default="linear",
+                     help="simulated step time: linear T_fwd(n) (default), or the profile's measured time "
+                          "of the padded token bucket (auto: buckets when the profile has them)")
     sch.add_argument("--horizon", type=float, default=None,
                      help="stop the simulation at this time (s); unfinished requests count as not completed")
     out = parser.add_argument_group("metrics and output")
@@ -153,7 +156,7 @@ def build_config(args: argparse.Namespace):
                     num_host_pages=args.num_host_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, swap_budget_tokens=args.swap_budget_tokens,
                     handling=None if args.handling == "policy" else Handling.parse(args.handling),
-                    check_invariants=args.check_invariants)
+                    check_invariants=args.check_invariants, step_model=args.step_model)
     return ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=args.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
 from jaxserve.replay.plots import RunCurves, write_plots
-from jaxserve.replay.sim import SimConfig, SimExecutor, build_scheduler
+from jaxserve.replay.sim import SimConfig, SimExecutor, StepTimer, build_scheduler
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadItem, WorkloadSpec, make_workload
 from scheduler import CostModel, Handling, make_policy, make_predictor
@@ -29,7 +29,8 @@ class ReplayConfig:
 
     ``rates`` holds ``None`` for ``arrival="trace"``. SLOs: TTFT < ``slo_ttft_s``
     and normalized latency < ``slo_norm_latency_s`` (default: ``slo_step_factor``
-    × the reference step time, ``T_fwd(max_num_batched_tokens)`` of the profile).
+    × the reference step time, the simulated time of a full step of
+    ``max_num_batched_tokens``).
     """
 
     policies: Sequence[str]
@@ -98,7 +99,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
     from tqdm import tqdm
 
     sim = config.sim.resolve(cost)
-    reference_step = cost.t_fwd(sim.max_num_batched_tokens)
+    reference_step = StepTimer(cost, sim.step_model)(sim.max_num_batched_tokens)
     slo = config.slo(reference_step)
     runs: list[RunCurves] = []
     total_runs = len(config.rates) * len(config.policies)
@@ -112,7 +113,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
             policy = make_policy(policy_name, predictor=predictor, **config.policy_options)
             sched = build_scheduler(cost, policy, sim)
             executor = SimExecutor(sched, cost, sample_interval_s=sim.sample_interval_s,
-                                   check_invariants=sim.check_invariants)
+                                   check_invariants=sim.check_invariants, step_model=sim.step_model)
             label = f"[{len(runs) + 1}/{total_runs}] {policy_name} @ {'trace' if rate is None else format(rate, 'g')}"
             with tqdm(total=len(requests), desc=label, unit="req", disable=not progress,
                       leave=False, dynamic_ncols=True) as bar:
@@ -127,7 +128,8 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
             row, per_request = summarize_run(policy_name, rate, config, result.requests, kinds,
                                              window, makespan, slo)
             row.update({
-                "executor": "sim", "profile": cost.name, "steps": result.num_steps,
+                "executor": "sim", "profile": cost.name, "step_model": executor.t_fwd.model,
+                "steps": result.num_steps,
                 "mean_step_s": result.mean_step_s,
                 "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
                 "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,

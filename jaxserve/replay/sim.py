@@ -9,7 +9,14 @@ only replaces "run the forward" with "advance a simulated clock".
 The simulator's model (see ``docs/replay.md``):
 
 * A step over ``n`` batched query tokens takes ``T_fwd(n)`` from the profile
-  (prefill chunks, recompute chunks and decode tokens cost the same per token).
+  (prefill chunks, recompute chunks and decode tokens cost the same per token)
+  — the ``linear`` step model. A profile measured by ``jaxserve profile``
+  also carries the time of each padded token bucket (``meta.step_times_s``);
+  with the ``buckets`` step model a step costs the measured time of the
+  power-of-two bucket its ``n`` tokens are padded to, as the engine pads them.
+  ``linear`` is the default: the bucket table is measured at a context of one
+  bucket per sequence, so it misses the attention-over-context cost of real
+  decode steps (``docs/benchmarks.md``, "Simulator fidelity").
 * Swaps run on the host link, layer-pipelined behind the forward (InferCept
   §4.1): a step that copies ``k`` tokens' KV (out and in together) takes
   ``max(T_fwd(n), T_swap(k))`` — only the part of the copy that the forward
@@ -30,6 +37,56 @@ from typing import Callable, Sequence
 
 from scheduler import (CostModel, Handling, PageAllocator, Policy, Request, Scheduler,
                        SchedulerConfig, StepPlan)
+
+STEP_MODELS = ("linear", "buckets", "auto")
+
+
+def bucket_step_times(cost: CostModel) -> list[tuple[int, float]] | None:
+    """``[(bucket tokens, step seconds), ...]`` ascending, from a measured
+    profile's ``meta["step_times_s"]``; ``None`` when the profile has none."""
+    table = (cost.meta or {}).get("step_times_s")
+    if not table:
+        return None
+    return sorted((int(k), float(v)) for k, v in table.items())
+
+
+class StepTimer:
+    """Forward time of a step over ``n`` batched tokens, memoised per ``n``.
+
+    ``linear``: ``T_fwd(n)``. ``buckets``: the measured time of the smallest
+    bucket ``>= n`` (beyond the largest, that bucket's time plus
+    ``fwd_per_token_s`` per extra token). ``auto``: buckets when the profile
+    has them, else linear.
+    """
+
+    def __init__(self, cost: CostModel, model: str = "linear") -> None:
+        if model not in STEP_MODELS:
+            raise ValueError(f"step model must be one of {', '.join(STEP_MODELS)}, got {model!r}")
+        table = bucket_step_times(cost)
+        if model == "buckets" and table is None:
+            raise ValueError(f"profile {cost.name!r} has no measured step times (meta.step_times_s); "
+                             "use the linear step model")
+        self.model = "buckets" if (model == "auto" and table) or model == "buckets" else "linear"
+        self.cost = cost
+        self._table = table if self.model == "buckets" else None
+        self._cache: dict[int, float] = {}
+
+    def __call__(self, n: int) -> float:
+        t = self._cache.get(n)
+        if t is None:
+            t = self._cache[n] = self._compute(n)
+        return t
+
+    def _compute(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        if self._table is None:
+            return self.cost.t_fwd(n)
+        for bucket, seconds in self._table:
+            if bucket >= n:
+                return seconds
+        bucket, seconds = self._table[-1]
+        return seconds + self.cost.fwd_per_token_s * (n - bucket)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +109,7 @@ class SimConfig:
     handling: Handling | None = None
     sample_interval_s: float = 1.0       # memory occupancy sampling period (simulated s)
     check_invariants: bool = False       # page invariants after every step (tests; slow)
+    step_model: str = "linear"           # "linear" T_fwd(n), "buckets" measured per padded bucket, "auto"
 
     def resolve(self, cost: CostModel) -> "SimConfig":
         """A copy with every ``None`` sized from ``cost``."""
@@ -71,7 +129,8 @@ class SimConfig:
         if device <= 0:
             raise ValueError(f"the device pool must have pages, got {device}")
         return SimConfig(self.page_size, int(device), int(host), int(batched), self.max_num_seqs,
-                         int(swap), self.handling, self.sample_interval_s, self.check_invariants)
+                         int(swap), self.handling, self.sample_interval_s, self.check_invariants,
+                         self.step_model)
 
 
 def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Scheduler:
@@ -126,17 +185,17 @@ class SimExecutor:
     """Discrete-event executor: runs ``scheduler`` over a list of requests."""
 
     def __init__(self, scheduler: Scheduler, cost: CostModel, *, sample_interval_s: float = 1.0,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False, step_model: str = "linear") -> None:
         self.scheduler = scheduler
         self.cost = cost
         self.sample_interval_s = sample_interval_s
         self.check_invariants = check_invariants
+        self.t_fwd = StepTimer(cost, step_model)
 
     def step_time(self, plan: StepPlan) -> tuple[float, float, int]:
         """(step seconds, un-hidden swap seconds, tokens swapped) for ``plan``."""
         cost = self.cost
-        n = plan.num_batched_tokens
-        fwd = cost.fwd_base_s + cost.fwd_per_token_s * n if n else 0.0
+        fwd = self.t_fwd(plan.num_batched_tokens)
         swapped = 0
         if plan.swap_out or plan.swap_in:
             pages = sum(len(op.device_pages) for op in plan.swap_out)
@@ -156,7 +215,6 @@ class SimExecutor:
         called every few hundred steps and at the end.
         """
         sched = self.scheduler
-        cost = self.cost
         arrivals = sorted(requests, key=lambda r: r.arrival_time)
         num_arrivals = len(arrivals)
         returns: list[tuple[float, int, Request, int]] = []   # (time, seq, request, returned tokens)
@@ -172,7 +230,7 @@ class SimExecutor:
         next_sample = 0.0
         interval = self.sample_interval_s
         device_pool, host_pool = sched.device_pool, sched.host_pool
-        fwd_base, fwd_per_token = cost.fwd_base_s, cost.fwd_per_token_s
+        t_fwd = self.t_fwd
         add_request, api_return, schedule = sched.add_request, sched.api_return, sched.schedule
         on_step_done, declared_event = sched.on_step_done, sched.declared_event
         heappush, heappop = heapq.heappush, heapq.heappop
@@ -225,7 +283,7 @@ class SimExecutor:
                 swapped_total += swapped
                 fwd_total += dt - stall
             else:
-                dt = fwd_base + fwd_per_token * n
+                dt = t_fwd(n)
                 fwd_total += dt
             batched_total += n
             busy += dt
