@@ -49,12 +49,14 @@ def main() -> int:
     ap.add_argument("--policies", default="fcfs,infercept,lamps")
     ap.add_argument("--rate", type=float, default=3.0)
     ap.add_argument("--num-requests", type=int, default=150)
-    ap.add_argument("--token-scale", type=float, default=0.5)
+    ap.add_argument("--token-scale", type=float, default=0.4)
     ap.add_argument("--api-time-scale", type=float, default=0.25)
     ap.add_argument("--num-pages", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--swap-budget-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="engine context window (the shipped CPU profile was measured at 1024)")
     ap.add_argument("--step-model", default="linear", choices=("linear", "buckets", "auto"))
     ap.add_argument("--reuse-engine", action="store_true",
                     help="take the engine side from <out>/engine/results.json of an earlier run")
@@ -73,7 +75,7 @@ def main() -> int:
         saved = json.loads((out / "engine" / "results.json").read_text())
         engine_runs = [RunCurves(r["policy"], r["rate"], r) for r in saved]
     else:
-        engine_runs = run_engine(entries, config, EngineOptions(model=args.model), cost=cost)
+        engine_runs = run_engine(entries, config, EngineOptions(model=args.model, max_model_len=args.max_model_len), cost=cost)
         write_outputs(engine_runs, out / "engine", title=f"engine, model {args.model}", plots=False)
     sim_runs = simulate(entries, cost, config, progress=False)
     write_outputs(sim_runs, out / "sim", title=f"simulator, profile {cost.name}", plots=False)

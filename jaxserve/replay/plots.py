@@ -66,8 +66,12 @@ def plot_vs_rate(runs: Sequence[RunCurves], path: Path) -> None:
 def plot_e2e_cdf(runs: Sequence[RunCurves], path: Path) -> None:
     """CDF of E2E latency per policy, one panel per rate."""
     rates = sorted({r.rate for r in runs}, key=lambda x: (x is None, x or 0.0))
-    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.5), squeeze=False)
-    for ax, rate in zip(axes[0], rates):
+    ncols = min(3, len(rates))
+    nrows = -(-len(rates) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(rates):]:
+        ax.set_visible(False)
+    for ax, rate in zip(axes.flat, rates):
         for run in runs:
             if run.rate != rate or not run.e2e_s:
                 continue
