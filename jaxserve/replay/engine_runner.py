@@ -117,7 +117,7 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
             # Metrics are relative to arrival; shift to the run's own zero for the window.
             for r in requests:
                 _shift(r, -t0)
-            window = measurement_window(workload, spec, makespan)
+            window = measurement_window(spec, makespan)
             step_s = busy / steps if steps else 0.0
             batched = engine.scheduler.config.max_num_batched_tokens
             reference = cost.t_fwd(batched) if cost else step_s

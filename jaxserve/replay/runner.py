@@ -19,7 +19,7 @@ from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics,
 from jaxserve.replay.plots import RunCurves, write_plots
 from jaxserve.replay.sim import SimConfig, SimExecutor, StepTimer, build_scheduler
 from jaxserve.replay.trace import TraceEntry
-from jaxserve.replay.workload import WorkloadItem, WorkloadSpec, make_workload
+from jaxserve.replay.workload import WorkloadSpec, make_workload
 from scheduler import CostModel, Handling, make_policy, make_predictor
 
 
@@ -58,28 +58,28 @@ class ReplayConfig:
         return Slo.from_step_time(reference_step_s, self.slo_ttft_s, self.slo_step_factor)
 
 
-def measurement_window(workload: Sequence[WorkloadItem], spec: WorkloadSpec, makespan_s: float) -> float:
+def measurement_window(spec: WorkloadSpec, makespan_s: float) -> float:
     """Seconds over which throughput and goodput count completions: the arrival
-    window (``duration_s``, else the last arrival), as the LAMPS/AugServe runs
-    count requests completed within their 30-minute window."""
+    window ``duration_s`` when the workload has one (LAMPS and AugServe count
+    the requests completed within their 30-minute runs), else the makespan —
+    the time to serve a fixed number of requests (AugServe's 2k-request runs)."""
     if spec.duration_s is not None:
         return spec.duration_s
-    last = max((w.arrival_time for w in workload), default=0.0)
-    return last if last > 0 else makespan_s
+    return makespan_s
 
 
 def summarize_run(policy: str, rate: float | None, config: ReplayConfig, requests, kinds: dict[str, str],
                   window_s: float, makespan_s: float, slo: Slo) -> tuple[dict, list]:
     """The results.json row of one run and its per-request metrics."""
     per_request = [request_metrics(r, kinds.get(r.request_id)) for r in requests]
-    in_window = [m for m in per_request if not m.completed or m.arrival_s + m.e2e_s <= window_s]
+    in_window = [m for m in per_request if m.completed and m.arrival_s + m.e2e_s <= window_s + 1e-9]
     row: dict = {"policy": policy, "rate": rate, "arrival": config.arrival,
                  "cv": config.cv if config.arrival == "gamma" else None,
                  "seed": config.seed, "predictor": config.predictor,
                  "handling": config.handling.value if config.handling else "policy"}
     row.update(aggregate(per_request, window_s, slo))
     # Throughput and goodput count only completions inside the measurement window.
-    windowed = aggregate([m for m in in_window if m.completed], window_s, slo)
+    windowed = aggregate(in_window, window_s, slo)
     for key in ("throughput_req_s", "throughput_tok_s", "goodput_req_s"):
         row[key] = windowed[key]
     row["completed_in_window"] = windowed["completed"]
@@ -122,7 +122,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
                     bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
                 result = executor.run(requests, horizon_s=config.horizon_s, progress=tick)
             makespan = result.end_time_s
-            window = measurement_window(workload, spec, makespan)
+            window = measurement_window(spec, makespan)
             if config.horizon_s is not None:
                 window = min(window, config.horizon_s)
             row, per_request = summarize_run(policy_name, rate, config, result.requests, kinds,
