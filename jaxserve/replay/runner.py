@@ -179,7 +179,8 @@ def write_outputs(runs: Sequence[RunCurves], out_dir: str | Path, title: str = "
     table = summary_table(rows)
     head = f"# Replay summary{': ' + title if title else ''}\n\n"
     notes = ("\nE2E/TTFT/normalized latency over completed requests; throughput and goodput count "
-             "completions inside the arrival window (--duration; else the makespan). P/D/S: API calls handled by Preserve/Discard/Swap.\n")
+             "completions inside the arrival window (--duration; else the makespan). "
+             "P/D/S: API calls handled by Preserve/Discard/Swap.\n")
     paths["summary"].write_text(head + table + "\n" + notes)
     if plots:
         for p in write_plots(runs, out):
