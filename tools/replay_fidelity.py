@@ -75,7 +75,8 @@ def main() -> int:
         saved = json.loads((out / "engine" / "results.json").read_text())
         engine_runs = [RunCurves(r["policy"], r["rate"], r) for r in saved]
     else:
-        engine_runs = run_engine(entries, config, EngineOptions(model=args.model, max_model_len=args.max_model_len), cost=cost)
+        options = EngineOptions(model=args.model, max_model_len=args.max_model_len)
+        engine_runs = run_engine(entries, config, options, cost=cost)
         write_outputs(engine_runs, out / "engine", title=f"engine, model {args.model}", plots=False)
     sim_runs = simulate(entries, cost, config, progress=False)
     write_outputs(sim_runs, out / "sim", title=f"simulator, profile {cost.name}", plots=False)
