@@ -47,13 +47,18 @@ class ApiExecutor:
         try:
             kwargs = call_arguments(arguments)
         except ValueError as e:
-            self._ready.append(ApiResult(request_id, error=str(e)))
+            self.fail(request_id, str(e))
             return
         if tool.is_async:
             future = asyncio.run_coroutine_threadsafe(tool.fn(**kwargs), self._event_loop())
         else:
             future = self._pool.submit(tool.fn, **kwargs)
         self._pending[request_id] = (future, now + tool.timeout_s, tool.name)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """Answer a call with an error right away (e.g. a malformed call)."""
+        with self._lock:
+            self._ready.append(ApiResult(request_id, error=error))
 
     def expect_external(self, request_id: str) -> None:
         with self._lock:

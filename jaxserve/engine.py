@@ -148,6 +148,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
+        self.last_logits = None   # float32 [rows, vocab] of the last step (device array), for tests and debugging
         if warmup:
             self.runner.warmup()
 
@@ -335,7 +336,7 @@ class LLMEngine:
             return
         self.scheduler.pause(req, now, tool.api_type if tool else "invalid", None)
         if tool is None:
-            self.api._ready.append(ApiResult(req.request_id, error=f"malformed tool call: {parsed.arguments[:200]}"))
+            self.api.fail(req.request_id, f"malformed tool call: {parsed.arguments[:200]}")
         else:
             self.api.call_tool(req.request_id, tool, parsed.arguments, now)
 
