@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=150)
     ap.add_argument("--token-scale", type=float, default=0.4)
     ap.add_argument("--api-time-scale", type=float, default=0.25)
-    ap.add_argument("--num-pages", type=int, default=128)
+    ap.add_argument("--num-pages", type=int, default=96)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--swap-budget-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
