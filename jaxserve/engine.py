@@ -166,8 +166,8 @@ class LLMEngine:
         for c in calls:
             if not isinstance(c, ApiCall):
                 raise ValueError("api_calls must be a list of jaxserve.ApiCall")
-            if c.after_tokens >= params.max_tokens:
-                raise ValueError(f"api_calls: after_tokens={c.after_tokens} must be < max_tokens={params.max_tokens}")
+            if c.after_tokens > params.max_tokens:
+                raise ValueError(f"api_calls: after_tokens={c.after_tokens} must be <= max_tokens={params.max_tokens}")
         if len({c.after_tokens for c in calls}) != len(calls):
             raise ValueError("api_calls: two calls have the same after_tokens")
         returned = sum(len(c.returned_token_ids) for c in calls)
@@ -189,8 +189,9 @@ class LLMEngine:
         for c in calls:
             segments.append(Segment(c.after_tokens - done, c.api_type, float(c.duration_s), len(c.returned_token_ids)))
             done = c.after_tokens
-        if segments:
+        if segments and done < params.max_tokens:
             segments.append(Segment(params.max_tokens - done))
+        # A call at after_tokens == max_tokens is the request's last step: it ends when the call returns.
         now = self.clock()
         req = Request(request_id, arrival_time if arrival_time is not None else now, prompt_len=len(ids),
                       max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,

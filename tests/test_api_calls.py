@@ -116,7 +116,7 @@ def test_resume_errors_and_bad_api_calls_leave_engine_serving():
         ApiCall(after_tokens=0)
     with pytest.raises(ValueError, match="after_tokens"):
         llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=4),
-                     api_calls=[[ApiCall(after_tokens=4)]])
+                     api_calls=[[ApiCall(after_tokens=5)]])
     done = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=3, **GREEDY))
     with pytest.raises(KeyError):
         engine.resume(done[0].request_id, text="late")

@@ -7,20 +7,22 @@ import pytest
 
 pytest.importorskip("jax")
 
-from jaxserve.replay.engine_runner import EngineOptions, engine_compatible, run_engine  # noqa: E402
+from jaxserve.replay.engine_runner import EngineOptions, run_engine  # noqa: E402
 from jaxserve.replay.runner import ReplayConfig, write_outputs  # noqa: E402
 from jaxserve.replay.sim import SimConfig  # noqa: E402
 from jaxserve.replay.trace import load_trace, scale_entries  # noqa: E402
 
 
-def test_engine_compatible_adds_a_token_after_a_final_call():
-    entries = load_trace()
-    ends_in_call = next(e for e in entries if e.segments[-1].has_api_call)
-    (fixed,) = engine_compatible([ends_in_call])
-    assert fixed.segments[:-1] == ends_in_call.segments and fixed.segments[-1].num_tokens == 1
-    assert not fixed.segments[-1].has_api_call
-    plain = next(e for e in entries if not e.segments[-1].has_api_call)
-    assert engine_compatible([plain]) == [plain]
+def test_a_request_ending_in_an_api_call_ends_when_it_returns():
+    from jaxserve import LLM, ApiCall, SamplingParams
+    llm = LLM("demo", page_size=8, num_pages=32, max_num_batched_tokens=32, max_model_len=128, warmup=False,
+              check_invariants=True)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True),
+        api_calls=[[ApiCall(3, 0.01, [8, 9], "a"), ApiCall(6, 0.01, [10], "b")]])[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 6
+    assert [c.return_time is not None for c in out.api_calls] == [True, True]
+    assert llm.engine.scheduler.device_pool.num_free == 32
 
 
 def test_engine_replay_completes_and_reports(tmp_path):

@@ -6,8 +6,7 @@ Runs the workload once per policy on ``jaxserve.LLMEngine`` (wall-clock
 arrivals) and once on ``SimExecutor`` with a cost profile measured on this
 machine by ``jaxserve profile`` (default: the shipped profile of this JAX
 backend, ``jaxserve/data/profile-<backend>.json``), with identical pools and
-limits, and the same trace entries (``engine_compatible``: a request that ends
-with an API call gets one more generated token, as the engine needs). Prints
+limits, and the same trace entries. Prints
 mean E2E latency and TTFT per policy on both, their ratio, and whether the
 policy ranking agrees (goal: same ranking, mean E2E within 25 %). Writes
 ``<out>/engine/`` and ``<out>/sim/`` (results.json, summary.md) and
@@ -23,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.replay.engine_runner import EngineOptions, engine_compatible, run_engine  # noqa: E402
+from jaxserve.replay.engine_runner import EngineOptions, run_engine  # noqa: E402
 from jaxserve.replay.plots import RunCurves  # noqa: E402
 from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs  # noqa: E402
 from jaxserve.replay.sim import SimConfig  # noqa: E402
@@ -64,7 +63,7 @@ def main() -> int:
 
     profile = args.profile or default_profile()
     cost = load_profile(profile)
-    entries = engine_compatible(scale_entries(load_trace(args.trace), args.token_scale, args.api_time_scale))
+    entries = scale_entries(load_trace(args.trace), args.token_scale, args.api_time_scale)
     sim = SimConfig(page_size=16, num_device_pages=args.num_pages, num_host_pages=args.num_pages,
                     max_num_batched_tokens=args.max_num_batched_tokens, swap_budget_tokens=args.swap_budget_tokens,
                     step_model=args.step_model)

@@ -7,11 +7,9 @@ of generated tokens, taking the recorded duration and returning synthetic
 tokens). The engine's ``Scheduler`` requests carry the same timing marks as
 the simulator's, so the same metrics code reports both.
 
-The engine finishes a request on its last generated token; a trace request
-whose last segment ends in an API call (the request ends when it returns)
-is replayed with one more generated token after that call
-(``engine_compatible``). Compare with the simulator on the same transformed
-entries.
+A trace request whose last segment ends in an API call ends when that call
+returns, in the engine (an ``ApiCall`` at ``after_tokens == max_tokens``) as in
+the simulator, so both replay the same entries.
 
 Importing this module imports JAX (through the engine).
 """
@@ -30,7 +28,7 @@ from jaxserve.replay.runner import ReplayConfig, measurement_window, summarize_r
 from jaxserve.replay.metrics import e2e_values
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadItem, make_workload
-from scheduler import CostModel, Segment
+from scheduler import CostModel
 
 
 @dataclass(frozen=True)
@@ -43,18 +41,6 @@ class EngineOptions:
     max_model_len: int | None = None
     warmup: bool = True
     sample_interval_s: float = 0.25     # occupancy sampling period, wall seconds
-
-
-def engine_compatible(entries: Sequence[TraceEntry]) -> list[TraceEntry]:
-    """Entries whose last segment ends in an API call get one more generated
-    token after it (the engine ends requests on a generated token)."""
-    out = []
-    for e in entries:
-        if e.segments and e.segments[-1].has_api_call:
-            e = TraceEntry(e.request_id, e.prompt_len, e.segments + (Segment(1),), e.arrival_time, e.kind,
-                           dict(e.predictions))
-        out.append(e)
-    return out
 
 
 def _engine_request(item: WorkloadItem, vocab: int, seed: int):
@@ -87,7 +73,6 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
 
     from jaxserve import LLMEngine
 
-    entries = engine_compatible(entries)
     sim = config.sim
     runs: list[RunCurves] = []
     total_runs = len(config.rates) * len(config.policies)
