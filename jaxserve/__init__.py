@@ -1,7 +1,7 @@
 """jaxserve: a JAX/Pallas LLM inference engine for requests that call tools mid-generation."""
 
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.tools import Tool
 
 __all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "ApiCall", "ApiCallOutput", "RequestOutput", "Tool"]

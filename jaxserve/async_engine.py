@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxserve")
 

@@ -25,7 +25,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.runner import ModelRunner, RunnerConfig, kv_pool_pages
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_parser import make_tool_parser
 from jaxserve.tools import Tool, normalize_tools
 from jaxserve.weights import load_model, parse_dtype
@@ -150,7 +150,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_logits = None   # float32 [rows, vocab] of the last step (device array), for tests and debugging
         if warmup:
-            self.runner.warmup()
+            self.runner.warmup(swap_pages=max(1, sched_cfg.swap_budget_tokens // page_size))
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str | None = None, prompt: str | None = None,

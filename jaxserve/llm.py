@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 
 class LLM:

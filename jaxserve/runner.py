@@ -156,8 +156,9 @@ class ModelRunner:
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits
 
-    def warmup(self, progress: bool = False) -> None:
-        """Compile the step for every token bucket (runs on padding only)."""
+    def warmup(self, swap_pages: int = 0) -> None:
+        """Compile the step for every token bucket (runs on padding only), and the
+        swap gather/scatter for every power-of-two op size up to ``swap_pages``."""
         for t_b in self.config.token_buckets:
             s_b = self.config.seq_bucket(t_b)
             meta = dict(positions=np.zeros(t_b, np.int32), slot_mapping=np.full(t_b, -1, np.int32),
@@ -170,6 +171,14 @@ class ModelRunner:
             tokens, _ = self.execute(StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.zeros(s_b, np.int32),
                                                 sampling, 0))
             tokens.block_until_ready()
+        size = 1
+        while swap_pages and size <= next_power_of_two(swap_pages):
+            host = jax.device_put(self._gather(self.kv, jnp.zeros(size, jnp.int32)), self.host_sharding)
+            dropped = jnp.full(size, self.config.num_pages, jnp.int32)  # out of range: writes nothing
+            self.kv = self._scatter(self.kv, jax.device_put(host, self.device_sharding),
+                                    jnp.zeros(size, jnp.int32), dropped)
+            size *= 2
+        jax.block_until_ready(self.kv)
 
     # -------------------------------------------------------------------- swap
     def swap_out(self, ops: list[SwapOp]) -> None:

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.async_engine import EngineDeadError
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.tools import Tool, normalize_tools
 from server.errors import APIError, from_value_error, install_handlers, sse_error_event
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from server.metrics import ResponseTimer, ServerMetrics
 from server.parked import ParkedContext
 from server.tool_text import ToolMarkupFilter

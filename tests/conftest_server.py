@@ -320,7 +320,7 @@ def check_with_engine(model_dir: Path, convs: list[Conversation], **engine_kwarg
     the call, the tool turn (run by the engine for server-side tools, resumed by
     hand for the client-side one) and the answer must come out token for token."""
     from jaxserve.engine import LLMEngine
-    from jaxserve.sampling import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     engine = LLMEngine(model_dir, tools={"record_note": record_note}, **engine_kwargs)
     try:
