@@ -50,7 +50,12 @@ class ApiExecutor:
             self.fail(request_id, str(e))
             return
         if tool.is_async:
-            future = asyncio.run_coroutine_threadsafe(tool.fn(**kwargs), self._event_loop())
+            try:
+                coroutine = tool.fn(**kwargs)   # binds the arguments here, on the engine thread
+            except TypeError as e:
+                self.fail(request_id, f"tool {tool.name!r} failed: {e}")
+                return
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
         else:
             future = self._pool.submit(tool.fn, **kwargs)
         self._pending[request_id] = (future, now + tool.timeout_s, tool.name)
@@ -115,10 +120,6 @@ class ApiExecutor:
         times = [self._timers[0][0]] if self._timers else []
         times += [deadline for _, deadline, _ in self._pending.values()]
         return min(times) if times else None
-
-    @property
-    def has_inflight_tools(self) -> bool:
-        return bool(self._pending)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

@@ -2,8 +2,9 @@
 
 The thread owns the ``LLMEngine`` exclusively; callers send it commands
 through a queue and receive outputs on per-request asyncio queues. A step
-that raises fails only the requests in flight (their streams get the error),
-and the loop keeps serving.
+that raises aborts the live requests (their streams get the error) and the
+loop keeps serving; if the loop itself ends, every pending command and open
+stream gets ``EngineDeadError`` (nobody waits forever).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._closing = threading.Lock()
         self._dead_reason: str | None = None
         self.usage_snapshot: dict = self.engine.usage()
         self.stats_snapshot = dataclasses.replace(self.engine.stats, finished={})
@@ -93,10 +95,6 @@ class AsyncEngine:
         out = await self._call(lambda: self.engine.abort(request_id))
         return out is not None
 
-    async def is_paused_on_tool(self, request_id: str) -> bool:
-        return await self._call(lambda: self.engine.is_live(request_id)
-                                and self.engine.api.is_waiting_external(request_id))
-
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._inbox.put(None)
@@ -135,10 +133,11 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable):
         """Run ``fn`` on the engine thread and await its result (exceptions propagate)."""
-        if not self.is_alive:
-            raise EngineDeadError(self._dead_reason or "engine loop is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((fn, future))
+        with self._closing:  # the loop drains the inbox under this lock when it ends
+            if not self.is_alive:
+                raise EngineDeadError(self._dead_reason or "engine loop is not running")
+            self._inbox.put((fn, future))
         return await asyncio.wrap_future(future)
 
     def _deliver(self, request_id: str, item) -> None:
@@ -165,6 +164,25 @@ class AsyncEngine:
         self._publish_snapshots()  # commands (abort, resume) change usage without a step
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter below
+            log.exception("engine loop crashed")
+            self._dead_reason = self._dead_reason or f"engine loop crashed: {e}"
+        finally:
+            with self._closing:
+                self._dead_reason = self._dead_reason or "engine stopped"
+                while True:
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item[1].set_exception(EngineDeadError(self._dead_reason))
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(self._dead_reason))
+
+    def _loop(self) -> None:
         failures = 0
         engine = self.engine
         while not self._stop.is_set():
@@ -190,14 +208,16 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._publish_snapshots()
-        for request_id in list(self._streams):
-            self._deliver(request_id, EngineDeadError(self._dead_reason or "engine stopped"))
 
     def _publish_snapshots(self) -> None:
         self.usage_snapshot = self.engine.usage()
         self.stats_snapshot = dataclasses.replace(self.engine.stats, finished=dict(self.engine.stats.finished))
 
     def _fail_all(self, error: Exception) -> None:
+        """Abort every live request after a failed step (its state may be half-applied)."""
         for request_id in list(self.engine._live):
-            self.engine.abort(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - keep aborting the others
+                log.exception("abort of %s after a failed step failed", request_id)
             self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))

@@ -91,6 +91,7 @@ class LLMEngine:
     ``swap_budget_tokens`` KV tokens copied host<->device per step.
     ``handling`` forces Preserve/Discard/Swap for every API call (None: the
     policy decides). ``tools`` registers server-side tools for parsed calls.
+    ``keep_logits`` keeps the last step's logits in ``last_logits``.
     """
 
     def __init__(self, model: str | Path = "demo", *, dtype: str = "float32", page_size: int = 16,
@@ -102,6 +103,7 @@ class LLMEngine:
                  tools: dict | list | None = None, tool_parser: str = "hermes",
                  cost_profile: str | None = None, swap_budget_tokens: int | None = None,
                  warmup: bool = True, compilation_cache: bool = True, check_invariants: bool = False,
+                 keep_logits: bool = False,
                  clock=time.monotonic) -> None:
         if compilation_cache:
             enable_compilation_cache()
@@ -128,7 +130,9 @@ class LLMEngine:
         self.runner = ModelRunner(model_obj, cfg, RunnerConfig(
             page_size=page_size, num_pages=num_pages, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
-            attention_impl=attention_impl, interpret=interpret))
+            attention_impl=attention_impl, interpret=interpret, keep_logits=keep_logits))
+        # A request's context can never outgrow the page pool (it would preempt itself forever).
+        self.context_limit = min(self.max_model_len, num_pages * page_size)
         self.cost = default_cost_model(cost_profile, self.runner.kv_bytes_per_token, max_num_batched_tokens)
         sched_cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                     swap_budget_tokens=swap_budget_tokens or max(page_size, max_num_batched_tokens),
@@ -148,7 +152,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
-        self.last_logits = None   # float32 [rows, vocab] of the last step (device array), for tests and debugging
+        self.last_logits = None   # float32 [rows, vocab] of the last step when keep_logits=True (tests, debugging)
         if warmup:
             self.runner.warmup(swap_pages=max(1, sched_cfg.swap_budget_tokens // page_size))
 
@@ -162,10 +166,11 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt, prompt_token_ids)
+        if any(not isinstance(c, ApiCall) for c in api_calls or []):
+            raise ValueError("api_calls must be a list of jaxserve.ApiCall")
         calls = sorted(api_calls or [], key=lambda c: c.after_tokens)
         for c in calls:
-            if not isinstance(c, ApiCall):
-                raise ValueError("api_calls must be a list of jaxserve.ApiCall")
+            self._check_token_ids(c.returned_token_ids, "api_calls: returned_token_ids")
             if c.after_tokens > params.max_tokens:
                 raise ValueError(f"api_calls: after_tokens={c.after_tokens} must be <= max_tokens={params.max_tokens}")
         if len({c.after_tokens for c in calls}) != len(calls):
@@ -219,10 +224,13 @@ class LLMEngine:
             ids = list(prompt_token_ids)
         if not ids or (prompt is not None and not prompt):
             raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        self._check_token_ids(ids, "prompt_token_ids")
         return [int(t) for t in ids]
+
+    def _check_token_ids(self, ids, field_name: str) -> None:
+        vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{field_name} must be integers in [0, {vocab})")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a live request (frees its pages); ``None`` if unknown or already ended."""
@@ -243,6 +251,11 @@ class LLMEngine:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if request_id not in self._live or not self.api.is_waiting_external(request_id):
             raise KeyError(f"request {request_id!r} is not paused on an external API call")
+        if token_ids is not None:
+            token_ids = list(token_ids)
+            self._check_token_ids(token_ids, "token_ids")
+        elif not isinstance(text, str):
+            raise ValueError("text must be a string")
         if max_tokens is not None:
             live = self._live[request_id]
             live.sched.max_tokens = live.sched.num_generated + max_tokens
@@ -273,7 +286,7 @@ class LLMEngine:
         tokens = None
         if plan.chunks:
             live = {c.request.request_id: self._live[c.request.request_id] for c in plan.chunks}
-            rows = {rid: (l.params.temperature, l.params.top_k if l.params.top_k > 0 else 0, l.params.top_p,
+            rows = {rid: (l.params.temperature, l.params.top_k, l.params.top_p,
                           l.seed, l.sched.num_generated) for rid, l in live.items()}
             inputs = self.runner.prepare(plan.chunks, {rid: l.token_ids for rid, l in live.items()}, rows)
             dispatch_start = time.perf_counter()
@@ -316,7 +329,7 @@ class LLMEngine:
             live.call_info.append({})
             self.api.call_simulated(req.request_id, now + call.duration_s, list(call.returned_token_ids))
             return None
-        if event == "length" or len(live.token_ids) >= self.max_model_len:
+        if event == "length" or len(live.token_ids) >= self.context_limit:
             return self._finish(live, "length")
         if live.parser is not None and delta:
             parsed = live.parser.feed(delta)
@@ -354,14 +367,14 @@ class LLMEngine:
             ids = [int(t) for t in result.token_ids]
         else:
             ids = self._encode_tool_result(result.text or "")
-        room = self.max_model_len - len(live.token_ids) - 1
+        room = self.context_limit - len(live.token_ids) - 1
         if len(ids) > room:
             ids = ids[:max(0, room)]
         live.token_ids.extend(ids)
         self.scheduler.api_return(live.sched, len(ids), now)
         if self.scheduler.finished_after_return(live.sched):
             self._finish(live, "stop")
-        elif len(live.token_ids) >= self.max_model_len:
+        elif len(live.token_ids) >= self.context_limit:
             self._finish(live, "length")
 
     def _encode_tool_result(self, text: str) -> list[int]:

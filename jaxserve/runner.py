@@ -36,6 +36,7 @@ class RunnerConfig:
     attention_impl: str
     interpret: bool = False
     min_token_bucket: int = 8
+    keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
 
     @property
     def pages_per_seq(self) -> int:
@@ -92,7 +93,7 @@ class ModelRunner:
     def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
         logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
-        return sample(logits, sampling), logits, kv
+        return sample(logits, sampling), (logits if self.config.keep_logits else None), kv
 
     def prepare(self, chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
                 sampling_rows: dict[str, tuple]) -> StepInputs:
@@ -150,7 +151,8 @@ class ModelRunner:
         return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks))
 
     def execute(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``."""
+        """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
+        (logits None unless ``keep_logits``)."""
         tokens, logits, self.kv = self._step(
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))

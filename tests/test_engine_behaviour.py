@@ -134,3 +134,27 @@ def test_async_engine_streams_deltas_and_abort_frees_pages(llm):
     assert [t for p in pieces for t in p] == full and len(full) == 6
     sched = llm.engine.scheduler
     assert sched.device_pool.num_free == sched.device_pool.num_pages
+
+
+def test_async_engine_after_shutdown_fails_fast():
+    from jaxserve.async_engine import EngineDeadError
+    engine = AsyncEngine("demo", page_size=8, num_pages=16, max_num_batched_tokens=16, max_model_len=64, warmup=False)
+    engine.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("hi", SamplingParams(max_tokens=2)):
+                pass
+        assert not await engine.abort("anything")
+
+    asyncio.run(main())
+    assert not engine.is_alive
+
+
+def test_returned_token_ids_outside_the_vocabulary_are_rejected(llm):
+    from jaxserve import ApiCall
+    with pytest.raises(ValueError, match="returned_token_ids"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=4),
+                     api_calls=[[ApiCall(2, 0.0, [10**6])]])
+    with pytest.raises(ValueError, match="api_calls"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=4), api_calls=[["x"]])

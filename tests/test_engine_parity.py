@@ -50,7 +50,8 @@ def test_greedy_matches_transformers(kind, pool, hf_checkpoints, references):
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_match_each_step(kind, hf_checkpoints):
     model, path = hf_checkpoints[kind]
-    llm = LLM(str(path), page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=128, warmup=False)
+    llm = LLM(str(path), page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=128, warmup=False,
+              keep_logits=True)
     engine = llm.engine
     ids = prompts(1)[4]
     engine.add_request("r", prompt_token_ids=ids, sampling_params=SamplingParams(

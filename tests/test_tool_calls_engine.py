@@ -91,3 +91,29 @@ def test_engine_resume_continues_a_client_side_call(tool_checkpoint):
     assert final.finish_reason == "stop" and final.token_ids == expected_generated(weather)
     assert engine.stats.recomputed_tokens == recomputed   # swapped out and back in, not recomputed
     assert engine.stats.swapped_in_pages > 0
+
+
+def test_resume_is_validated_and_cannot_outgrow_the_page_pool(tool_checkpoint):
+    path, convs = tool_checkpoint
+    weather = conversation(convs, "get_weather")
+    pages = -(-len(weather.prompt_ids) // 16) + 3      # prompt + call fit; little room after
+    llm = LLM(str(path), page_size=16, num_pages=pages, max_num_batched_tokens=64, max_model_len=640,
+              warmup=False, check_invariants=True)
+    engine = llm.engine
+    assert engine.context_limit == pages * 16
+    engine.add_request("w", prompt_token_ids=weather.prompt_ids, sampling_params=GREEDY)
+    while not any(o.finish_reason == "tool_calls" for o in engine.step()):
+        pass
+    with pytest.raises(ValueError, match="token_ids"):
+        engine.resume("w", token_ids=["oops"])
+    with pytest.raises(ValueError, match="token_ids"):
+        engine.resume("w", token_ids=[10**6])
+    engine.resume("w", token_ids=weather.tool_turn_ids * 10, max_tokens=500)   # far more than the pool holds
+    final = None
+    for _ in range(500):
+        final = next((o for o in engine.step() if o.finished), None)
+        if final is not None:
+            break
+    assert final is not None and final.finish_reason in ("length", "stop")
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.scheduler.device_pool.num_free == pages

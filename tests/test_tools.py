@@ -87,3 +87,14 @@ def test_external_resume_and_cancel():
     ex.cancel("y")
     assert ex.next_due() is None
     ex.shutdown()
+
+
+def test_async_tool_called_with_wrong_arguments_becomes_an_error_result():
+    async def needs_x(x):
+        return x
+
+    ex = ApiExecutor()
+    ex.call_tool("a", Tool("needs_x", needs_x), '{"y": 1}', time.monotonic())
+    [result] = wait_results(ex, 1)
+    ex.shutdown()
+    assert result.request_id == "a" and "unexpected keyword" in result.error
