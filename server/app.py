@@ -212,7 +212,11 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
             slot = None   # released by the stream
             return response
         try:
-            await wait_or_disconnect(request, _collect(merger, choices))
+            try:
+                await wait_or_disconnect(request, _collect(merger, choices))
+            finally:
+                await merger.aclose()
+            await _park_paused(state, choices)
         except ClientDisconnected:
             return Response(status_code=499)
         except EngineDeadError:
@@ -223,8 +227,7 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
             log.warning("request %s failed: %s", response_id, e)
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}") from None
         finally:
-            await merger.aclose()
-        await _park_paused(state, choices)
+            await _abort_unsettled(state, choices)
         return _full_response(state, body, chat, choices, response_id)
     finally:
         if slot is not None:
@@ -316,7 +319,7 @@ async def _collect(merger: ChoiceMerger, choices: list[ChoiceState]) -> None:
 async def _park_paused(state: ServerState, choices: list[ChoiceState]) -> None:
     """Keep the contexts of choices that paused on a client-side tool call."""
     for c in choices:
-        if c.tool_call is None:
+        if c.tool_call is None or c.settled:
             continue
         context = c.parkable_context()
         if context is None:
@@ -324,6 +327,16 @@ async def _park_paused(state: ServerState, choices: list[ChoiceState]) -> None:
         else:
             await state.parked.park(c.job.request_id, context, sampling_key(c.job.params),
                                     calls_seen=len(c.last.api_calls) - 1)
+        c.settled = True
+
+
+async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> None:
+    """A response that ended before its paused tool calls were parked (client gone,
+    a sibling choice failed): abort them, or they would hold their KV forever."""
+    for c in choices:
+        if c.tool_call is not None and not c.settled:
+            c.settled = True
+            await state.engine.abort(c.job.request_id)
 
 
 def _usage(choices: list[ChoiceState]) -> Usage:
@@ -422,3 +435,4 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
     finally:
         if not finished:
             await merger.aclose()
+        await _abort_unsettled(state, choices)

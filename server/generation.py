@@ -148,6 +148,7 @@ class ChoiceState:
     tool_call: ToolCallOut | None = None
     server_calls: int = 0        # server-side tool calls completed in this response
     last: RequestOutput | None = None
+    settled: bool = False        # a paused tool call was parked for the follow-up, or aborted
     _filter: ToolMarkupFilter | None = None
 
     def __post_init__(self) -> None:
