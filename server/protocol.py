@@ -75,25 +75,11 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("must not be empty")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "logprobs", "suffix")
     @classmethod
-    def _no_echo(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
+            raise ValueError(f"{info.field_name} is not supported")
         return v
 
 
