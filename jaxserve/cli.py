@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
     "replay": ("jaxserve.replay.cli", "replay a workload trace and compare scheduling policies"),
     "profile": ("jaxserve.profiling", "measure the cost model (T_fwd, host<->device bandwidth) of this device"),
-    "bench": ("jaxserve.bench_cli", "benchmark jaxserve against transformers generate"),
+    "bench": ("jaxserve.bench", "benchmark jaxserve against transformers generate"),
 }
 
 

@@ -43,20 +43,10 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def measure_step_times(runner, repeats: int) -> dict[int, float]:
-    """Seconds per jitted step at each token bucket (padding inputs cost the same dense compute)."""
-    from jaxserve.runner import StepInputs
+    """Seconds per jitted step at each token bucket, on the runner's synthetic full batches."""
     out = {}
-    cfg = runner.config
-    for t_b in cfg.token_buckets:
-        s_b = cfg.seq_bucket(t_b)
-        pages = np.arange(cfg.pages_per_seq, dtype=np.int32) % cfg.num_pages
-        meta = dict(positions=np.arange(t_b, dtype=np.int32) % cfg.max_model_len,
-                    slot_mapping=np.full(t_b, -1, np.int32),
-                    page_table=np.tile(pages, (s_b, 1)), kv_lens=np.full(s_b, min(t_b, cfg.max_model_len), np.int32),
-                    cu_q_lens=np.minimum(np.arange(s_b + 1, dtype=np.int32), t_b), num_seqs=np.array([s_b], np.int32))
-        sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
-                        top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
-        inputs = StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.arange(s_b, dtype=np.int32), sampling, s_b)
+    for t_b in runner.config.token_buckets:
+        inputs = runner.synthetic_inputs(t_b)
         out[t_b] = _median_time(lambda: runner.execute(inputs)[0].block_until_ready(), repeats)
     return out
 

@@ -8,7 +8,6 @@ changes them, so no step copies the cache.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -158,21 +157,26 @@ class ModelRunner:
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits
 
+    def synthetic_inputs(self, token_bucket: int) -> StepInputs:
+        """A full batch for ``token_bucket`` that writes nothing to the cache: as many
+        one-token sequences as the bucket has rows, each attending over a context of
+        ``min(token_bucket, max_model_len)`` tokens. Used to compile and to time steps."""
+        cfg = self.config
+        t_b, s_b = token_bucket, cfg.seq_bucket(token_bucket)
+        pages = np.arange(cfg.pages_per_seq, dtype=np.int32) % cfg.num_pages
+        meta = dict(positions=np.arange(t_b, dtype=np.int32) % cfg.max_model_len,
+                    slot_mapping=np.full(t_b, -1, np.int32),
+                    page_table=np.tile(pages, (s_b, 1)), kv_lens=np.full(s_b, min(t_b, cfg.max_model_len), np.int32),
+                    cu_q_lens=np.minimum(np.arange(s_b + 1, dtype=np.int32), t_b), num_seqs=np.array([s_b], np.int32))
+        sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
+                        top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
+        return StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.arange(s_b, dtype=np.int32), sampling, s_b)
+
     def warmup(self, swap_pages: int = 0) -> None:
-        """Compile the step for every token bucket (runs on padding only), and the
-        swap gather/scatter for every power-of-two op size up to ``swap_pages``."""
+        """Compile the step for every token bucket (on inputs that write nothing), and
+        the swap gather/scatter for every power-of-two op size up to ``swap_pages``."""
         for t_b in self.config.token_buckets:
-            s_b = self.config.seq_bucket(t_b)
-            meta = dict(positions=np.zeros(t_b, np.int32), slot_mapping=np.full(t_b, -1, np.int32),
-                        page_table=np.zeros((s_b, self.config.pages_per_seq), np.int32),
-                        kv_lens=np.zeros(s_b, np.int32), cu_q_lens=np.zeros(s_b + 1, np.int32),
-                        num_seqs=np.zeros(1, np.int32))
-            sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
-                            top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32),
-                            step=np.zeros(s_b, np.int32))
-            tokens, _ = self.execute(StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.zeros(s_b, np.int32),
-                                                sampling, 0))
-            tokens.block_until_ready()
+            self.execute(self.synthetic_inputs(t_b))[0].block_until_ready()
         size = 1
         while swap_pages and size <= next_power_of_two(swap_pages):
             host = jax.device_put(self._gather(self.kv, jnp.zeros(size, jnp.int32)), self.host_sharding)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 DEFAULT_PROFILE = "gptj-6b-a100-40g"
 DEFAULT_RATES = "2,5,8"

@@ -24,10 +24,10 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.replay.plots import RunCurves
-from jaxserve.replay.runner import ReplayConfig, measurement_window, summarize_run
+from jaxserve.replay.runner import ReplayConfig, grid, measurement_window, one_line_summary, summarize_run
 from jaxserve.replay.metrics import e2e_values
 from jaxserve.replay.trace import TraceEntry
-from jaxserve.replay.workload import WorkloadItem, make_workload
+from jaxserve.replay.workload import WorkloadItem
 from scheduler import CostModel
 
 
@@ -75,52 +75,44 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
 
     sim = config.sim
     runs: list[RunCurves] = []
-    total_runs = len(config.rates) * len(config.policies)
-    for rate in config.rates:
-        spec = config.spec(rate)
-        workload = make_workload(entries, spec)
-        kinds = {w.request_id: w.entry.kind for w in workload}
-        for policy_name in config.policies:
-            engine = LLMEngine(
-                options.model, dtype=options.dtype, page_size=sim.page_size, num_pages=sim.num_device_pages,
-                host_num_pages=sim.num_host_pages,
-                max_num_batched_tokens=sim.max_num_batched_tokens or 512, max_num_seqs=sim.max_num_seqs,
-                max_model_len=options.max_model_len, policy=policy_name, handling=config.handling,
-                predictor=config.predictor, policy_options=dict(config.policy_options) or None,
-                seed=config.seed, swap_budget_tokens=sim.swap_budget_tokens, warmup=options.warmup,
-                check_invariants=sim.check_invariants)
-            try:
-                label = f"[{len(runs) + 1}/{total_runs}] {policy_name} @ " \
-                        f"{'trace' if rate is None else format(rate, 'g')} (engine)"
-                with tqdm(total=len(workload), desc=label, unit="req", disable=not progress, leave=False,
-                          dynamic_ncols=True) as bar:
-                    result = _drive(engine, workload, config.seed, options, bar)
-            finally:
-                engine.shutdown()
-            requests, t0, end, busy, steps, occupancy = result
-            makespan = end - t0
-            # Metrics are relative to arrival; shift to the run's own zero for the window.
-            for r in requests:
-                _shift(r, -t0)
-            window = measurement_window(spec, makespan)
-            step_s = busy / steps if steps else 0.0
-            batched = engine.scheduler.config.max_num_batched_tokens
-            reference = cost.t_fwd(batched) if cost else step_s
-            row, per_request = summarize_run(policy_name, rate, config, requests, kinds, window, makespan,
-                                             config.slo(reference))
-            row.update({"executor": "engine", "model": options.model, "steps": steps, "mean_step_s": step_s,
-                        "busy_fraction": busy / makespan if makespan > 0 else 0.0,
-                        "device_pages": engine.scheduler.device_pool.num_pages,
-                        "host_pages": engine.scheduler.host_pool.num_pages, "page_size": sim.page_size,
-                        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
-                        "swap_budget_tokens": engine.scheduler.config.swap_budget_tokens})
-            times, dev, host = occupancy
-            runs.append(RunCurves(policy_name, rate, row, e2e_values(per_request), [t - t0 for t in times],
-                                  [d / engine.scheduler.device_pool.num_pages for d in dev],
-                                  [h / max(1, engine.scheduler.host_pool.num_pages) for h in host]))
-            if progress:
-                from jaxserve.replay.runner import _one_line
-                tqdm.write(_one_line(row))
+    for run in grid(entries, config, suffix=" (engine)"):
+        engine = LLMEngine(
+            options.model, dtype=options.dtype, page_size=sim.page_size, num_pages=sim.num_device_pages,
+            host_num_pages=sim.num_host_pages,
+            max_num_batched_tokens=sim.max_num_batched_tokens or 512, max_num_seqs=sim.max_num_seqs,
+            max_model_len=options.max_model_len, policy=run.policy, handling=config.handling,
+            predictor=config.predictor, policy_options=dict(config.policy_options) or None,
+            seed=config.seed, swap_budget_tokens=sim.swap_budget_tokens, warmup=options.warmup,
+            check_invariants=sim.check_invariants)
+        try:
+            with tqdm(total=len(run.workload), desc=run.label, unit="req", disable=not progress, leave=False,
+                      dynamic_ncols=True) as bar:
+                result = _drive(engine, run.workload, config.seed, options, bar)
+        finally:
+            engine.shutdown()
+        requests, t0, end, busy, steps, occupancy = result
+        makespan = end - t0
+        # Metrics are relative to arrival; shift to the run's own zero for the window.
+        for r in requests:
+            _shift(r, -t0)
+        window = measurement_window(run.spec, makespan)
+        step_s = busy / steps if steps else 0.0
+        batched = engine.scheduler.config.max_num_batched_tokens
+        reference = cost.t_fwd(batched) if cost else step_s
+        row, per_request = summarize_run(run.policy, run.rate, config, requests, run.kinds, window, makespan,
+                                         config.slo(reference))
+        row.update({"executor": "engine", "model": options.model, "steps": steps, "mean_step_s": step_s,
+                    "busy_fraction": busy / makespan if makespan > 0 else 0.0,
+                    "device_pages": engine.scheduler.device_pool.num_pages,
+                    "host_pages": engine.scheduler.host_pool.num_pages, "page_size": sim.page_size,
+                    "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+                    "swap_budget_tokens": engine.scheduler.config.swap_budget_tokens})
+        times, dev, host = occupancy
+        runs.append(RunCurves(run.policy, run.rate, row, e2e_values(per_request), [t - t0 for t in times],
+                              [d / engine.scheduler.device_pool.num_pages for d in dev],
+                              [h / max(1, engine.scheduler.host_pool.num_pages) for h in host]))
+        if progress:
+            tqdm.write(one_line_summary(row))
     return runs
 
 

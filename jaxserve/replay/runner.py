@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
 from jaxserve.replay.plots import RunCurves, write_plots
@@ -93,6 +93,32 @@ def summarize_run(policy: str, rate: float | None, config: ReplayConfig, request
     return row, per_request
 
 
+@dataclass(frozen=True)
+class GridRun:
+    """One (rate, policy) run of a replay: the rate's workload is shared by every policy."""
+
+    rate: float | None
+    policy: str
+    spec: WorkloadSpec
+    workload: list
+    kinds: dict[str, str]
+    label: str          # "[i/n] policy @ rate", for the progress bar
+
+
+def grid(entries: Sequence[TraceEntry], config: ReplayConfig, suffix: str = "") -> Iterator[GridRun]:
+    """Every (rate, policy) pair of ``config`` in order, one workload per rate."""
+    total = len(config.rates) * len(config.policies)
+    index = 0
+    for rate in config.rates:
+        spec = config.spec(rate)
+        workload = make_workload(entries, spec)
+        kinds = {w.request_id: w.entry.kind for w in workload}
+        for policy_name in config.policies:
+            index += 1
+            label = f"[{index}/{total}] {policy_name} @ {'trace' if rate is None else format(rate, 'g')}{suffix}"
+            yield GridRun(rate, policy_name, spec, workload, kinds, label)
+
+
 def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfig,
              progress: bool = True) -> list[RunCurves]:
     """Every (rate, policy) run on the simulator; the same workload per rate for every policy."""
@@ -102,52 +128,46 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
     reference_step = StepTimer(cost, sim.step_model)(sim.max_num_batched_tokens)
     slo = config.slo(reference_step)
     runs: list[RunCurves] = []
-    total_runs = len(config.rates) * len(config.policies)
-    for rate in config.rates:
-        spec = config.spec(rate)
-        workload = make_workload(entries, spec)
-        kinds = {w.request_id: w.entry.kind for w in workload}
-        for policy_name in config.policies:
-            requests = [w.to_request() for w in workload]
-            predictor = make_predictor(config.predictor, seed=config.seed)
-            policy = make_policy(policy_name, predictor=predictor, **config.policy_options)
-            sched = build_scheduler(cost, policy, sim)
-            executor = SimExecutor(sched, cost, sample_interval_s=sim.sample_interval_s,
-                                   check_invariants=sim.check_invariants, step_model=sim.step_model)
-            label = f"[{len(runs) + 1}/{total_runs}] {policy_name} @ {'trace' if rate is None else format(rate, 'g')}"
-            with tqdm(total=len(requests), desc=label, unit="req", disable=not progress,
-                      leave=False, dynamic_ncols=True) as bar:
-                def tick(n: int, now: float, bar=bar) -> None:
-                    bar.update(n)
-                    bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
-                result = executor.run(requests, horizon_s=config.horizon_s, progress=tick)
-            makespan = result.end_time_s
-            window = measurement_window(spec, makespan)
-            if config.horizon_s is not None:
-                window = min(window, config.horizon_s)
-            row, per_request = summarize_run(policy_name, rate, config, result.requests, kinds,
-                                             window, makespan, slo)
-            row.update({
-                "executor": "sim", "profile": cost.name, "step_model": executor.t_fwd.model,
-                "steps": result.num_steps,
-                "mean_step_s": result.mean_step_s,
-                "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
-                "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,
-                "device_pages": result.total_device_pages, "host_pages": result.total_host_pages,
-                "page_size": sim.page_size, "max_num_batched_tokens": sim.max_num_batched_tokens,
-                "swap_budget_tokens": sim.swap_budget_tokens,
-            })
-            occ = result.occupancy
-            runs.append(RunCurves(
-                policy_name, rate, row, e2e_values(per_request), occ.time_s,
-                [u / result.total_device_pages for u in occ.device_used],
-                [u / result.total_host_pages if result.total_host_pages else 0.0 for u in occ.host_used]))
-            if progress:
-                tqdm.write(_one_line(row))
+    for run in grid(entries, config):
+        requests = [w.to_request() for w in run.workload]
+        predictor = make_predictor(config.predictor, seed=config.seed)
+        policy = make_policy(run.policy, predictor=predictor, **config.policy_options)
+        sched = build_scheduler(cost, policy, sim)
+        executor = SimExecutor(sched, cost, sample_interval_s=sim.sample_interval_s,
+                               check_invariants=sim.check_invariants, step_model=sim.step_model)
+        with tqdm(total=len(requests), desc=run.label, unit="req", disable=not progress,
+                  leave=False, dynamic_ncols=True) as bar:
+            def tick(n: int, now: float, bar=bar) -> None:
+                bar.update(n)
+                bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
+            result = executor.run(requests, horizon_s=config.horizon_s, progress=tick)
+        makespan = result.end_time_s
+        window = measurement_window(run.spec, makespan)
+        if config.horizon_s is not None:
+            window = min(window, config.horizon_s)
+        row, per_request = summarize_run(run.policy, run.rate, config, result.requests, run.kinds,
+                                         window, makespan, slo)
+        row.update({
+            "executor": "sim", "profile": cost.name, "step_model": executor.t_fwd.model,
+            "steps": result.num_steps,
+            "mean_step_s": result.mean_step_s,
+            "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
+            "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,
+            "device_pages": result.total_device_pages, "host_pages": result.total_host_pages,
+            "page_size": sim.page_size, "max_num_batched_tokens": sim.max_num_batched_tokens,
+            "swap_budget_tokens": sim.swap_budget_tokens,
+        })
+        occ = result.occupancy
+        runs.append(RunCurves(
+            run.policy, run.rate, row, e2e_values(per_request), occ.time_s,
+            [u / result.total_device_pages for u in occ.device_used],
+            [u / result.total_host_pages if result.total_host_pages else 0.0 for u in occ.host_used]))
+        if progress:
+            tqdm.write(one_line_summary(row))
     return runs
 
 
-def _one_line(row: dict) -> str:
+def one_line_summary(row: dict) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
     rate = "trace" if row["rate"] is None else f"{row['rate']:g}"
