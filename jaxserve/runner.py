@@ -76,16 +76,18 @@ class ModelRunner:
         # Flatten once: passing the nnx State pytree to every call costs ~1 ms of host time per step.
         self.params, self._params_treedef = jax.tree_util.tree_flatten(params)
         c = model_config
-        shape = (config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim)
-        self.kv = [(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
-                   for _ in range(c.num_hidden_layers)]
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
-        self._gather = jax.jit(_gather_pages)
-        self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
         self.device = jax.devices()[0]
         self.device_sharding = jax.sharding.SingleDeviceSharding(self.device).with_memory_kind(
             self.device.default_memory().kind)
         self.host_sharding = _host_sharding(self.device)
+        shape = (config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim)
+        # Committed to the device sharding from the start: the swap-in scatter returns the pool
+        # with this sharding, and a pool whose sharding changed would recompile every step bucket.
+        self.kv = jax.device_put([(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
+                                  for _ in range(c.num_hidden_layers)], self.device_sharding)
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._gather = jax.jit(_gather_pages)
+        self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
         self._host_store: dict[int, tuple[jax.Array, int]] = {}  # host page -> (host chunk, row in it)
 
     # ----------------------------------------------------------------- forward
@@ -160,13 +162,17 @@ class ModelRunner:
     def synthetic_inputs(self, token_bucket: int) -> StepInputs:
         """A full batch for ``token_bucket`` that writes nothing to the cache: as many
         one-token sequences as the bucket has rows, each attending over a context of
-        ``min(token_bucket, max_model_len)`` tokens. Used to compile and to time steps."""
+        ``min(token_bucket, max_model_len)`` tokens, its page-table row padded with
+        page 0 past that as ``prepare`` pads it. Used to compile and to time steps."""
         cfg = self.config
         t_b, s_b = token_bucket, cfg.seq_bucket(token_bucket)
-        pages = np.arange(cfg.pages_per_seq, dtype=np.int32) % cfg.num_pages
+        context = min(t_b, cfg.max_model_len)
+        used = -(-context // cfg.page_size)
+        page_table = np.zeros((s_b, cfg.pages_per_seq), np.int32)
+        page_table[:, :used] = np.arange(used, dtype=np.int32) % cfg.num_pages
         meta = dict(positions=np.arange(t_b, dtype=np.int32) % cfg.max_model_len,
                     slot_mapping=np.full(t_b, -1, np.int32),
-                    page_table=np.tile(pages, (s_b, 1)), kv_lens=np.full(s_b, min(t_b, cfg.max_model_len), np.int32),
+                    page_table=page_table, kv_lens=np.full(s_b, context, np.int32),
                     cu_q_lens=np.minimum(np.arange(s_b + 1, dtype=np.int32), t_b), num_seqs=np.array([s_b], np.int32))
         sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
                         top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
@@ -179,10 +185,11 @@ class ModelRunner:
             self.execute(self.synthetic_inputs(t_b))[0].block_until_ready()
         size = 1
         while swap_pages and size <= next_power_of_two(swap_pages):
-            host = jax.device_put(self._gather(self.kv, jnp.zeros(size, jnp.int32)), self.host_sharding)
-            dropped = jnp.full(size, self.config.num_pages, jnp.int32)  # out of range: writes nothing
-            self.kv = self._scatter(self.kv, jax.device_put(host, self.device_sharding),
-                                    jnp.zeros(size, jnp.int32), dropped)
+            # Index arrays staged from numpy as swap_out/swap_in stage them (same programs).
+            ids = jnp.asarray(np.zeros(size, np.int32))
+            host = jax.device_put(self._gather(self.kv, ids), self.host_sharding)
+            dropped = jnp.asarray(np.full(size, self.config.num_pages, np.int32))  # out of range: writes nothing
+            self.kv = self._scatter(self.kv, jax.device_put(host, self.device_sharding), ids, dropped)
             size *= 2
         jax.block_until_ready(self.kv)
 
@@ -200,7 +207,9 @@ class ModelRunner:
 
     def swap_in(self, ops: list[SwapOp]) -> None:
         """Copy each op's host pages back into its (newly allocated) device pages:
-        one host->device copy and one donated scatter per host chunk involved."""
+        one host->device copy and one donated scatter per host chunk involved. The
+        row ids are padded to the chunk's rows, so the scatter has the shapes
+        ``warmup`` compiled even when only part of a chunk comes back."""
         for op in ops:
             groups: dict[int, tuple[jax.Array, list[int], list[int]]] = {}
             for hp, dp in zip(op.host_pages, op.device_pages):
@@ -209,7 +218,7 @@ class ModelRunner:
                 rows.append(row)
                 pages.append(dp)
             for host, rows, pages in groups.values():
-                size = next_power_of_two(len(rows))
+                size = host.shape[2]   # chunk rows: [L, 2, rows, page_size, Hkv, D]
                 row_ids = np.zeros(size, np.int32)
                 row_ids[:len(rows)] = rows
                 page_ids = np.full(size, self.config.num_pages, np.int32)  # out of range -> dropped
