@@ -52,6 +52,7 @@ class EngineStats:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    batched_tokens: int = 0        # query tokens run through the model, all steps
     recomputed_tokens: int = 0     # tokens whose KV was computed before and computed again
     swapped_out_pages: int = 0
     swapped_in_pages: int = 0
@@ -295,6 +296,7 @@ class LLMEngine:
             self.stats.dispatch_s += wait_start - dispatch_start
             tokens = np.asarray(device_tokens)
             self.stats.device_wait_s += time.perf_counter() - wait_start
+            self.stats.batched_tokens += plan.num_batched_tokens
             for c in plan.chunks:
                 l = live[c.request.request_id]
                 self.stats.recomputed_tokens += max(0, min(c.start + c.num_tokens, l.max_computed) - c.start)

@@ -2,9 +2,15 @@
 
 Measures ``T_fwd(n)`` (the jitted step over ``n`` batched tokens, every token
 bucket), fits ``T_fwd(n) = base + per_token · n``, finds the saturation point
-(the smallest bucket reaching 90 % of peak tokens/s), and measures host<->device
-copy bandwidth with ``jax.device_put`` to and from ``pinned_host`` memory, plus
-the engine's own swap path (gather + copy out, copy in + scatter) for comparison.
+(the smallest bucket reaching 90 % of peak tokens/s), measures the engine's
+host-side time per step (a real ``LLMEngine.step()`` of decoding requests minus
+its jitted step), and measures host<->device copy bandwidth with
+``jax.device_put`` to and from ``pinned_host`` memory, plus the engine's own
+swap path (gather + copy out, copy in + scatter) for comparison.
+
+The step times depend on the engine's shapes (``max_model_len`` sets the page
+table width every step pads to), so measure with the settings you will serve or
+replay with; they are recorded in ``meta``.
 """
 
 from __future__ import annotations
@@ -89,41 +95,86 @@ def measure_swap_path(runner, repeats: int) -> float:
     return 2 * n * runner.config.page_size * runner.kv_bytes_per_token / seconds
 
 
+def measure_step_overhead(engine, step_times: dict[int, float], num_seqs: int = 8, steps: int = 30) -> float:
+    """Median seconds of host-side work in one ``engine.step()``: the wall time of a
+    real step with ``num_seqs`` decoding requests (scheduling, building the padded
+    inputs, reading back and appending sampled tokens) minus the jitted step of
+    the same token bucket from ``step_times``. Leaves the engine empty."""
+    from jaxserve.sampling_params import SamplingParams
+
+    num_seqs = max(1, min(num_seqs, engine.scheduler.config.max_num_seqs))
+    bucket = next((b for b in sorted(step_times) if b >= num_seqs), None)
+    if bucket is None:
+        return 0.0
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    ids = [f"profile-overhead-{i}" for i in range(num_seqs)]
+    for rid in ids:
+        engine.add_request(rid, prompt_token_ids=[5] * 4, sampling_params=params)
+    try:
+        engine.step()   # the prompts, then decode only
+        walls = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    return max(0.0, statistics.median(walls) - step_times[bucket])
+
+
+def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "", dtype: str = ""):
+    """A ``scheduler.CostModel`` measured on ``engine``'s device with its shapes."""
+    from scheduler import CostModel
+
+    runner = engine.runner
+    times = measure_step_times(runner, repeats)
+    base, per_token, saturation = fit_t_fwd(times)
+    overhead = measure_step_overhead(engine, times)
+    d2h, h2d = measure_copy_bandwidth(runner, copy_mib, repeats)
+    swap_bw = measure_swap_path(runner, repeats)
+    copy_bw = min(d2h, h2d)
+    cfg = runner.config
+    return CostModel(
+        fwd_base_s=base, fwd_per_token_s=per_token, saturation_tokens=saturation,
+        bytes_per_token=runner.kv_bytes_per_token, swap_bandwidth_bytes_s=copy_bw,
+        device_kv_bytes=cfg.num_pages * cfg.page_size * runner.kv_bytes_per_token,
+        host_kv_bytes=engine.scheduler.host_pool.num_pages * cfg.page_size * runner.kv_bytes_per_token,
+        max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
+        step_overhead_s=overhead, swap_overlaps_forward=False, name=f"{jax.default_backend()}-{engine.model_dir.name}",
+        meta={"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "model": model,
+              "dtype": dtype, "max_model_len": engine.max_model_len, "page_size": cfg.page_size,
+              "step_times_s": {str(k): v for k, v in times.items()},
+              "d2h_bytes_s": d2h, "h2d_bytes_s": h2d, "swap_path_bytes_s": swap_bw,
+              "swap_path_vs_copy": swap_bw / copy_bw, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def print_profile(cost) -> None:
+    meta = cost.meta
+    print(f"device: {meta['device']} ({meta['backend']}), max_model_len {meta['max_model_len']}")
+    print("tokens  step_ms   tokens/s")
+    for n, t in sorted((int(k), v) for k, v in meta["step_times_s"].items()):
+        print(f"{n:6d}  {t * 1e3:7.2f}  {n / t:9.0f}")
+    print(f"T_fwd(n) = {cost.fwd_base_s * 1e3:.3f} ms + {cost.fwd_per_token_s * 1e6:.3f} us * n; "
+          f"saturation ~{cost.saturation_tokens} tokens; host-side step overhead {cost.step_overhead_s * 1e3:.3f} ms")
+    print(f"host<->device copy: d2h {meta['d2h_bytes_s'] / 1e9:.2f} GB/s, h2d {meta['h2d_bytes_s'] / 1e9:.2f} GB/s")
+    print(f"engine swap path (gather+copy out, copy in+scatter): {meta['swap_path_bytes_s'] / 1e9:.2f} GB/s "
+          f"= {100 * meta['swap_path_vs_copy']:.0f}% of copy bandwidth")
+
+
 def main(args: argparse.Namespace) -> int:
     from jaxserve.engine import LLMEngine
-    from scheduler import CostModel
 
     engine = LLMEngine(args.model, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
                        num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, warmup=True)
-    runner = engine.runner
-    times = measure_step_times(runner, args.repeats)
-    base, per_token, saturation = fit_t_fwd(times)
-    d2h, h2d = measure_copy_bandwidth(runner, args.copy_mib, args.repeats)
-    swap_bw = measure_swap_path(runner, args.repeats)
-    copy_bw = min(d2h, h2d)
-    device = jax.devices()[0]
-    cost = CostModel(
-        fwd_base_s=base, fwd_per_token_s=per_token, saturation_tokens=saturation,
-        bytes_per_token=runner.kv_bytes_per_token, swap_bandwidth_bytes_s=copy_bw,
-        device_kv_bytes=runner.config.num_pages * runner.config.page_size * runner.kv_bytes_per_token,
-        host_kv_bytes=engine.scheduler.host_pool.num_pages * runner.config.page_size * runner.kv_bytes_per_token,
-        max_num_batched_tokens=args.max_num_batched_tokens, name=f"{jax.default_backend()}-{engine.model_dir.name}",
-        meta={"device": str(device.device_kind), "backend": jax.default_backend(), "model": str(args.model),
-              "dtype": args.dtype, "step_times_s": {str(k): v for k, v in times.items()},
-              "d2h_bytes_s": d2h, "h2d_bytes_s": h2d, "swap_path_bytes_s": swap_bw,
-              "swap_path_vs_copy": swap_bw / copy_bw, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    try:
+        cost = measure_profile(engine, args.repeats, args.copy_mib, model=str(args.model), dtype=args.dtype)
+    finally:
+        engine.shutdown()
     out = Path(args.out) if args.out else Path.home() / ".cache" / "jaxserve" / "profiles" / f"{jax.default_backend()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cost.save(out)
-    print(f"device: {device.device_kind} ({jax.default_backend()})")
-    print("tokens  step_ms   tokens/s")
-    for n, t in times.items():
-        print(f"{n:6d}  {t * 1e3:7.2f}  {n / t:9.0f}")
-    print(f"T_fwd(n) = {base * 1e3:.3f} ms + {per_token * 1e6:.3f} us * n; saturation ~{saturation} tokens")
-    print(f"host<->device copy: d2h {d2h / 1e9:.2f} GB/s, h2d {h2d / 1e9:.2f} GB/s")
-    print(f"engine swap path (gather+copy out, copy in+scatter): {swap_bw / 1e9:.2f} GB/s "
-          f"= {100 * swap_bw / copy_bw:.0f}% of copy bandwidth")
+    print_profile(cost)
     print(f"wrote {out}")
-    engine.shutdown()
     return 0

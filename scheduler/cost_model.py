@@ -20,6 +20,12 @@ class CostModel:
     batched tokens; ``T_swap(n) = n * bytes_per_token / swap_bandwidth_bytes_s``
     for a one-way copy of ``n`` tokens' KV. ``saturation_tokens`` (S) is the
     batch size in tokens beyond which a step gets slower with no more throughput.
+    ``step_overhead_s`` is the engine's host-side time per step outside the
+    forward (scheduling, input building, reading back tokens); the simulator
+    adds it to every step that runs the model. ``swap_overlaps_forward``: the
+    copies of a step run behind its forward (InferCept's layer-pipelined swap,
+    the published GPT-J/A100 setting) rather than before it (jaxserve's engine
+    today, which ``jaxserve profile`` records).
     """
 
     fwd_base_s: float
@@ -30,6 +36,8 @@ class CostModel:
     device_kv_bytes: int = 0      # bytes of device memory available for KV
     host_kv_bytes: int = 0        # bytes of host memory for swapped KV
     max_num_batched_tokens: int = 512
+    step_overhead_s: float = 0.0
+    swap_overlaps_forward: bool = True
     name: str = "unnamed"
     meta: dict = field(default_factory=dict)
 

@@ -27,6 +27,8 @@ def test_profile_writes_a_cost_model_the_engine_can_load(tmp_path, capsys):
     assert cost.fwd_per_token_s > 0 and cost.swap_bandwidth_bytes_s > 0 and cost.saturation_tokens in (8, 16, 32)
     assert cost.bytes_per_token == 2 * 2 * 2 * 32 * 4  # K+V, 2 layers, 2 KV heads, head_dim 32, float32
     assert set(cost.meta["step_times_s"]) == {"8", "16", "32"}
+    assert cost.meta["max_model_len"] == 128 and cost.step_overhead_s >= 0
+    assert cost.swap_overlaps_forward is False     # this engine copies before the forward
     assert "T_fwd(n)" in capsys.readouterr().out
     from jaxserve import LLM
     llm = LLM("demo", cost_profile=str(out), page_size=8, num_pages=16, max_num_batched_tokens=16,

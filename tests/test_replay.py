@@ -377,3 +377,40 @@ def test_step_timer_linear_and_measured_buckets():
     assert timer(40) == pytest.approx(0.01 + 8 * COST.fwd_per_token_s)
     with pytest.raises(ValueError, match="step model"):
         StepTimer(COST, "cubic")
+
+
+def test_step_timer_adds_host_overhead_and_scales():
+    from dataclasses import replace
+
+    from jaxserve.replay.sim import StepTimer
+    measured = replace(COST, step_overhead_s=0.0005, meta={"step_times_s": {"8": 0.002, "16": 0.004}})
+    assert StepTimer(measured)(5) == pytest.approx(0.0025)
+    assert StepTimer(measured, scale=1.1)(12) == pytest.approx(1.1 * 0.0045)
+    assert StepTimer(measured)(0) == 0.0                         # no forward, no overhead
+    with pytest.raises(ValueError, match="scale"):
+        StepTimer(measured, scale=0.0)
+
+
+def test_sim_serial_swaps_add_to_the_forward():
+    """A profile of an engine that copies before the forward (swap_overlaps_forward
+    false, as ``jaxserve profile`` records jaxserve's) pays forward + copy."""
+    from dataclasses import replace
+
+    from scheduler import ScheduledChunk
+    serial = replace(COST, swap_overlaps_forward=False)
+    ex = SimExecutor(build_scheduler(serial, make_policy("fcfs"), SimConfig(page_size=16)), serial)
+    r = Request("r", 0.0, prompt_len=4, max_tokens=1)
+    plan = StepPlan(chunks=[ScheduledChunk(r, 0, 300, True)], swap_in=[SwapOp(r, [1], [1])])
+    dt, stall, tokens = ex.step_time(plan)
+    assert tokens == 16 and dt == pytest.approx(serial.t_fwd(300) + serial.t_swap(16))
+    assert stall == pytest.approx(serial.t_swap(16))
+
+
+def test_step_tally_groups_steps_by_power_of_two_bucket():
+    from jaxserve.replay.metrics import StepTally
+    tally = StepTally()
+    for n, s in [(1, 0.001), (2, 0.003), (300, 0.05), (512, 0.07), (0, 0.002)]:
+        tally.add(n, s)
+    assert tally.as_row() == {"0": {"steps": 1, "mean_s": 0.002}, "1": {"steps": 1, "mean_s": 0.001},
+                              "2": {"steps": 1, "mean_s": 0.003},
+                              "512": {"steps": 2, "mean_s": pytest.approx(0.06)}}

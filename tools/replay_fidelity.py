@@ -1,111 +1,210 @@
-"""Simulator fidelity: the same workload on the real engine and on the simulator.
+"""Simulator fidelity: the same workloads on the real engine and on the simulator.
 
-    python tools/replay_fidelity.py --out fidelity        # demo model; ~8 min on 2 CPU cores
+    python tools/replay_fidelity.py --out fidelity          # demo model; ~10 min on 2 CPU cores
 
-Runs the workload once per policy on ``jaxserve.LLMEngine`` (wall-clock
-arrivals) and once on ``SimExecutor`` with a cost profile measured on this
-machine by ``jaxserve profile`` (default: the shipped profile of this JAX
-backend, ``jaxserve/data/profile-<backend>.json``), with identical pools and
-limits, and the same trace entries. Prints
-mean E2E latency and TTFT per policy on both, their ratio, and whether the
-policy ranking agrees (goal: same ranking, mean E2E within 25 %). Writes
-``<out>/engine/`` and ``<out>/sim/`` (results.json, summary.md) and
+1. Measures the cost profile on this machine, in this process, with the
+   engine's own shapes (``jaxserve.profiling.measure_profile``) — unless
+   ``--profile`` names one — and measures it again after the engine runs, to
+   show how much the machine drifted meanwhile.
+2. For each seed, runs every policy on ``jaxserve.LLMEngine`` (wall-clock
+   arrivals) and on ``SimExecutor`` with identical pools, limits and trace
+   entries; the simulator also runs with every step time scaled by
+   ``1 ± --sensitivity``, the band a step-time error of that size moves the
+   result in (a well-conditioned configuration has a narrow band).
+3. Prints the step-time calibration (engine wall time per step vs the
+   simulator's step time, bucket by bucket, over the engine's own steps), then
+   mean E2E / TTFT per (seed, policy) on both executors, their ratio, the
+   band, and whether the policy ranking agrees (goal: same ranking, mean E2E
+   within 25 %).
+
+Writes ``<out>/seed<k>/{engine,sim}/`` (results.json, summary.md),
+``<out>/profile-before.json``, ``<out>/profile-after.json`` and
 ``<out>/fidelity.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.replay.engine_runner import EngineOptions, run_engine  # noqa: E402
-from jaxserve.replay.plots import RunCurves  # noqa: E402
 from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs  # noqa: E402
-from jaxserve.replay.sim import SimConfig  # noqa: E402
+from jaxserve.replay.sim import SimConfig, StepTimer  # noqa: E402
 from jaxserve.replay.trace import load_trace, scale_entries  # noqa: E402
-from scheduler import load_profile  # noqa: E402
+from scheduler import CostModel, load_profile  # noqa: E402
 
 
-def default_profile() -> str:
-    import jax
+def measure_here(args: argparse.Namespace) -> CostModel:
+    """The cost profile of this machine for the engine shapes the replay uses."""
+    from jaxserve import LLMEngine
+    from jaxserve.profiling import measure_profile
 
-    path = Path(__file__).resolve().parent.parent / "jaxserve" / "data" / f"profile-{jax.default_backend()}.json"
-    if not path.is_file():
-        raise SystemExit(f"no shipped profile {path}; run `jaxserve profile --out FILE` and pass --profile FILE")
-    return str(path)
+    engine = LLMEngine(args.model, page_size=16, num_pages=args.num_pages, host_num_pages=args.num_pages,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       warmup=True)
+    try:
+        return measure_profile(engine, repeats=7, copy_mib=16, model=args.model, dtype="float32")
+    finally:
+        engine.shutdown()
+
+
+def step_calibration(engine_rows: list[dict], cost: CostModel, step_model: str) -> tuple[list[dict], float]:
+    """Per token bucket: the engine's steps and mean wall time (all runs pooled) next to
+    the simulator's time for that bucket; and Σ simulated / Σ measured over those steps."""
+    timer = StepTimer(cost, step_model)
+    pooled: dict[int, list[float]] = {}
+    for row in engine_rows:
+        for bucket, v in row["steps_by_bucket"].items():
+            entry = pooled.setdefault(int(bucket), [0, 0.0])
+            entry[0] += v["steps"]
+            entry[1] += v["steps"] * v["mean_s"]
+    table, measured, predicted = [], 0.0, 0.0
+    for bucket, (count, seconds) in sorted(pooled.items()):
+        if bucket == 0:       # swap-only steps: no forward to compare
+            continue
+        sim_s = timer(bucket)
+        measured += seconds
+        predicted += count * sim_s
+        table.append({"bucket": bucket, "steps": count, "engine_ms": 1e3 * seconds / count, "sim_ms": 1e3 * sim_s})
+    return table, predicted / measured if measured else float("nan")
+
+
+def ranking(rows: list[dict], key: str) -> list[str]:
+    return [r["policy"] for r in sorted(rows, key=lambda r: r[key])]
+
+
+def ranking_conflicts(rows: list[dict], tie: float) -> list[tuple[str, str]]:
+    """Policy pairs the two executors order differently where either separates them by
+    more than ``tie`` (relative); pairs within ``tie`` on both count as tied."""
+    conflicts = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            de = a["engine_mean_e2e_s"] / b["engine_mean_e2e_s"] - 1
+            ds = a["sim_mean_e2e_s"] / b["sim_mean_e2e_s"] - 1
+            if de * ds < 0 and max(abs(de), abs(ds)) > tie:
+                conflicts.append((a["policy"], b["policy"]))
+    return conflicts
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fidelity")
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--profile", default=None, help="cost profile JSON measured on this machine")
+    ap.add_argument("--profile", default=None,
+                    help="cost profile JSON (default: measure one here, now, with the engine's shapes)")
     ap.add_argument("--trace", default="diverse_oneapi_merged_exp_uniform.json")
     ap.add_argument("--policies", default="fcfs,infercept,lamps")
-    ap.add_argument("--rate", type=float, default=3.0)
-    ap.add_argument("--num-requests", type=int, default=150)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--seeds", default="0,1", help="one workload per seed")
     ap.add_argument("--token-scale", type=float, default=0.4)
     ap.add_argument("--api-time-scale", type=float, default=0.25)
-    ap.add_argument("--num-pages", type=int, default=96)
+    ap.add_argument("--num-pages", type=int, default=256, help="device pages (and host pages) of 16 tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--swap-budget-tokens", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=1024,
-                    help="engine context window (the shipped CPU profile was measured at 1024)")
-    ap.add_argument("--step-model", default="linear", choices=("linear", "buckets", "auto"))
-    ap.add_argument("--reuse-engine", action="store_true",
-                    help="take the engine side from <out>/engine/results.json of an earlier run")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--step-model", default="auto", choices=("linear", "buckets", "auto"))
+    ap.add_argument("--sensitivity", type=float, default=0.07,
+                    help="also simulate with step times x(1 - s) and x(1 + s)")
+    ap.add_argument("--tie", type=float, default=0.05,
+                    help="policies whose mean E2E differ by less than this on both executors rank as tied")
     args = ap.parse_args()
+    if not 0 <= args.sensitivity < 1:
+        raise SystemExit("--sensitivity must be in [0, 1)")
 
-    profile = args.profile or default_profile()
-    cost = load_profile(profile)
+    from jaxserve.replay.engine_runner import EngineOptions, run_engine
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        cost, after = load_profile(args.profile), None
+    else:
+        cost = measure_here(args)
+        cost.save(out / "profile-before.json")
     entries = scale_entries(load_trace(args.trace), args.token_scale, args.api_time_scale)
     sim = SimConfig(page_size=16, num_device_pages=args.num_pages, num_host_pages=args.num_pages,
                     max_num_batched_tokens=args.max_num_batched_tokens, swap_budget_tokens=args.swap_budget_tokens,
                     step_model=args.step_model)
-    config = ReplayConfig(policies=args.policies.split(","), rates=[args.rate], num_requests=args.num_requests,
-                          seed=args.seed, sim=sim)
-    out = Path(args.out)
-    if args.reuse_engine:
-        saved = json.loads((out / "engine" / "results.json").read_text())
-        engine_runs = [RunCurves(r["policy"], r["rate"], r) for r in saved]
-    else:
-        options = EngineOptions(model=args.model, max_model_len=args.max_model_len)
-        engine_runs = run_engine(entries, config, options, cost=cost)
-        write_outputs(engine_runs, out / "engine", title=f"engine, model {args.model}", plots=False)
-    sim_runs = simulate(entries, cost, config, progress=False)
-    write_outputs(sim_runs, out / "sim", title=f"simulator, profile {cost.name}", plots=False)
+    options = EngineOptions(model=args.model, max_model_len=args.max_model_len)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    scales = {"lo": 1 - args.sensitivity, "hi": 1 + args.sensitivity}
 
-    rows = []
-    print(f"\nsimulator step model: {sim_runs[0].row['step_model']}")
-    print(f"workload: {args.trace} x{args.token_scale:g} tokens, x{args.api_time_scale:g} API time, "
-          f"{args.num_requests} requests at {args.rate:g} req/s, {args.num_pages} pages; profile {cost.name}\n")
-    print("| policy | engine E2E s | sim E2E s | sim/engine | engine TTFT s | sim TTFT s | "
-          "engine step ms | sim step ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for e, s in zip(engine_runs, sim_runs):
-        er, sr = e.row, s.row
-        ratio = sr["mean_e2e_s"] / er["mean_e2e_s"]
-        rows.append({"policy": e.policy, "engine_mean_e2e_s": er["mean_e2e_s"], "sim_mean_e2e_s": sr["mean_e2e_s"],
-                     "sim_over_engine_e2e": ratio, "engine_mean_ttft_s": er["mean_ttft_s"],
-                     "sim_mean_ttft_s": sr["mean_ttft_s"], "engine_mean_step_s": er["mean_step_s"],
-                     "sim_mean_step_s": sr["mean_step_s"]})
-        print(f"| {e.policy} | {er['mean_e2e_s']:.2f} | {sr['mean_e2e_s']:.2f} | {ratio:.2f} | "
-              f"{er['mean_ttft_s']:.3f} | {sr['mean_ttft_s']:.3f} | {er['mean_step_s'] * 1e3:.1f} | "
-              f"{sr['mean_step_s'] * 1e3:.1f} |")
-    rank_engine = [r["policy"] for r in sorted(rows, key=lambda r: r["engine_mean_e2e_s"])]
-    rank_sim = [r["policy"] for r in sorted(rows, key=lambda r: r["sim_mean_e2e_s"])]
-    within = all(abs(r["sim_over_engine_e2e"] - 1) <= 0.25 for r in rows)
-    print(f"\nranking by mean E2E — engine: {' < '.join(rank_engine)}; simulator: {' < '.join(rank_sim)}; "
-          f"{'same' if rank_engine == rank_sim else 'DIFFERENT'}; mean E2E within 25%: {within}")
-    (out / "fidelity.json").write_text(json.dumps({"rows": rows, "rank_engine": rank_engine, "rank_sim": rank_sim,
-                                                   "same_ranking": rank_engine == rank_sim,
-                                                   "e2e_within_25pct": within, "profile": profile,
-                                                   "args": vars(args)}, indent=2) + "\n")
+    rows, engine_rows = [], []
+    for seed in seeds:
+        config = ReplayConfig(policies=args.policies.split(","), rates=[args.rate], num_requests=args.num_requests,
+                              seed=seed, sim=sim)
+        engine_runs = run_engine(entries, config, options, cost=cost)
+        write_outputs(engine_runs, out / f"seed{seed}" / "engine", title=f"engine, model {args.model}", plots=False)
+        sim_runs = simulate(entries, cost, config, progress=False)
+        write_outputs(sim_runs, out / f"seed{seed}" / "sim", title=f"simulator, profile {cost.name}", plots=False)
+        band = {name: simulate(entries, cost, dataclasses.replace(
+                    config, sim=dataclasses.replace(sim, step_time_scale=scale)), progress=False)
+                for name, scale in scales.items()}
+        for i, (e, s) in enumerate(zip(engine_runs, sim_runs)):
+            er, sr = e.row, s.row
+            engine_rows.append(er)
+            lo, hi = sorted((band["lo"][i].row["mean_e2e_s"], band["hi"][i].row["mean_e2e_s"]))
+            rows.append({"seed": seed, "policy": e.policy,
+                         "engine_mean_e2e_s": er["mean_e2e_s"], "sim_mean_e2e_s": sr["mean_e2e_s"],
+                         "sim_over_engine_e2e": sr["mean_e2e_s"] / er["mean_e2e_s"],
+                         "sim_band_e2e_s": [min(lo, sr["mean_e2e_s"]), max(hi, sr["mean_e2e_s"])],
+                         "engine_mean_ttft_s": er["mean_ttft_s"], "sim_mean_ttft_s": sr["mean_ttft_s"],
+                         "engine_preemptions": er["preemptions"], "sim_preemptions": sr["preemptions"],
+                         "engine_batched_tokens": er["batched_tokens"], "sim_batched_tokens": sr["batched_tokens"]})
+    if not args.profile:
+        after = measure_here(args)
+        after.save(out / "profile-after.json")
+
+    calibration, work_ratio = step_calibration(engine_rows, cost, args.step_model)
+    print(f"\nworkload: {args.trace} x{args.token_scale:g} tokens, x{args.api_time_scale:g} API time, "
+          f"{args.num_requests} requests at {args.rate:g} req/s, seeds {args.seeds}, {args.num_pages} pages; "
+          f"profile {args.profile or 'measured here'} (step overhead {cost.step_overhead_s * 1e3:.2f} ms)\n")
+    print("step time by token bucket, over the engine's steps of all runs:\n")
+    print("| bucket | engine steps | engine ms/step | sim ms/step | sim/engine |" +
+          (" profile after ms |" if after else ""))
+    print("|---|---|---|---|---|" + ("---|" if after else ""))
+    after_timer = StepTimer(after, args.step_model) if after else None
+    for c in calibration:
+        line = (f"| {c['bucket']} | {c['steps']} | {c['engine_ms']:.2f} | {c['sim_ms']:.2f} | "
+                f"{c['sim_ms'] / c['engine_ms']:.2f} |")
+        if after_timer:
+            c["sim_after_ms"] = 1e3 * after_timer(c["bucket"])
+            line += f" {c['sim_after_ms']:.2f} |"
+        print(line)
+    print(f"\nsimulated / measured busy time over the engine's steps: {work_ratio:.3f}\n")
+    print(f"| seed | policy | engine E2E s | sim E2E s | sim/engine | sim band (step x1±{args.sensitivity:g}) | "
+          "engine TTFT s | sim TTFT s | preemptions engine/sim |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        lo, hi = r["sim_band_e2e_s"]
+        print(f"| {r['seed']} | {r['policy']} | {r['engine_mean_e2e_s']:.2f} | {r['sim_mean_e2e_s']:.2f} | "
+              f"{r['sim_over_engine_e2e']:.2f} | {lo:.2f}–{hi:.2f} | {r['engine_mean_ttft_s']:.3f} | "
+              f"{r['sim_mean_ttft_s']:.3f} | {r['engine_preemptions']}/{r['sim_preemptions']} |")
+    verdicts = []
+    for seed in seeds:
+        mine = [r for r in rows if r["seed"] == seed]
+        rank_e, rank_s = ranking(mine, "engine_mean_e2e_s"), ranking(mine, "sim_mean_e2e_s")
+        conflicts = ranking_conflicts(mine, args.tie)
+        verdicts.append({"seed": seed, "rank_engine": rank_e, "rank_sim": rank_s, "strictly_same": rank_e == rank_s,
+                         "conflicts": conflicts, "same_ranking_up_to_ties": not conflicts,
+                         "e2e_within_25pct": all(abs(r["sim_over_engine_e2e"] - 1) <= 0.25 for r in mine)})
+        print(f"\nseed {seed}: ranking by mean E2E — engine: {' < '.join(rank_e)}; simulator: {' < '.join(rank_s)}; "
+              f"{'same' if rank_e == rank_s else 'different'} strictly, "
+              f"{'same' if not conflicts else 'DIFFERENT'} up to ties within {args.tie:.0%}"
+              f"{'' if not conflicts else ' (' + ', '.join(f'{a}/{b}' for a, b in conflicts) + ')'}; "
+              f"all within 25%: {verdicts[-1]['e2e_within_25pct']}")
+    ratios = [r["sim_over_engine_e2e"] for r in rows]
+    print(f"\nsim/engine mean E2E over all runs: median {statistics.median(ratios):.2f}, "
+          f"range {min(ratios):.2f}–{max(ratios):.2f}")
+    (out / "fidelity.json").write_text(json.dumps({
+        "rows": rows, "verdicts": verdicts, "step_calibration": calibration, "sim_over_engine_busy": work_ratio,
+        "profile": args.profile or "measured here", "step_overhead_s": cost.step_overhead_s,
+        "args": vars(args)}, indent=2) + "\n")
     return 0
 
 

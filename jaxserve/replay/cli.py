@@ -73,9 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sch.add_argument("--max-num-seqs", type=int, default=256, help="requests per step")
     sch.add_argument("--swap-budget-tokens", type=int, default=None,
                      help="KV tokens copied per step (default: what one full step hides)")
-    sch.add_argument("--step-model", choices=("linear", "buckets", "auto"), default="linear",
-                     help="simulated step time: linear T_fwd(n) (default), or the profile's measured time "
-                          "of the padded token bucket (auto: buckets when the profile has them)")
+    sch.add_argument("--step-model", choices=("linear", "buckets", "auto"), default="auto",
+                     help="simulated step time: linear T_fwd(n), or the profile's measured time of the padded "
+                          "token bucket (auto, the default: buckets when the profile has them)")
+    sch.add_argument("--step-time-scale", type=float, default=1.0,
+                     help="multiply every simulated step time (what-if a faster device; sensitivity checks)")
     sch.add_argument("--horizon", type=float, default=None,
                      help="stop the simulation at this time (s); unfinished requests count as not completed")
     out = parser.add_argument_group("metrics and output")
@@ -151,11 +153,14 @@ def build_config(args: argparse.Namespace):
             duration = DEFAULT_DURATION_S
     if args.page_size <= 0:
         raise ValueError("--page-size must be > 0")
+    if not args.step_time_scale > 0:
+        raise ValueError("--step-time-scale must be > 0")
     sim = SimConfig(page_size=args.page_size, num_device_pages=args.num_pages,
                     num_host_pages=args.num_host_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, swap_budget_tokens=args.swap_budget_tokens,
                     handling=None if args.handling == "policy" else Handling.parse(args.handling),
-                    check_invariants=args.check_invariants, step_model=args.step_model)
+                    check_invariants=args.check_invariants, step_model=args.step_model,
+                    step_time_scale=args.step_time_scale)
     return ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=args.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,

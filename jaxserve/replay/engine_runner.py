@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxserve.replay.plots import RunCurves
 from jaxserve.replay.runner import ReplayConfig, grid, measurement_window, one_line_summary, summarize_run
-from jaxserve.replay.metrics import e2e_values
+from jaxserve.replay.metrics import StepTally, e2e_values
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadItem
 from scheduler import CostModel
@@ -90,7 +90,7 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
                 result = _drive(engine, run.workload, config.seed, options, bar)
         finally:
             engine.shutdown()
-        requests, t0, end, busy, steps, occupancy = result
+        requests, t0, end, busy, steps, tally, occupancy = result
         makespan = end - t0
         # Metrics are relative to arrival; shift to the run's own zero for the window.
         for r in requests:
@@ -102,6 +102,8 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
         row, per_request = summarize_run(run.policy, run.rate, config, requests, run.kinds, window, makespan,
                                          config.slo(reference))
         row.update({"executor": "engine", "model": options.model, "steps": steps, "mean_step_s": step_s,
+                    "batched_tokens": engine.stats.batched_tokens, "recomputed_tokens": engine.stats.recomputed_tokens,
+                    "steps_by_bucket": tally.as_row(),
                     "busy_fraction": busy / makespan if makespan > 0 else 0.0,
                     "device_pages": engine.scheduler.device_pool.num_pages,
                     "host_pages": engine.scheduler.host_pool.num_pages, "page_size": sim.page_size,
@@ -148,6 +150,7 @@ def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineO
     busy = 0.0
     steps = 0
     times, dev, host = [], [], []
+    tally = StepTally()
     next_sample = t0
     finished = 0
     while i < len(prepared) or engine.has_unfinished():
@@ -167,10 +170,13 @@ def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineO
         if sched.has_work() or engine.api.poll_ready(now):
             start = clock()
             had_work = sched.has_work()
+            tokens_before = engine.stats.batched_tokens
             outputs = engine.step()
             if had_work:
-                busy += clock() - start
+                seconds = clock() - start
+                busy += seconds
                 steps += 1
+                tally.add(engine.stats.batched_tokens - tokens_before, seconds)
             done = sum(1 for o in outputs if o.finished)
             if done:
                 finished += done
@@ -183,4 +189,4 @@ def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineO
         if wake:
             time.sleep(max(0.0, min(min(wake), next_sample) - clock()))
     end = max((r.finish_time for r in requests if r.finish_time is not None), default=clock())
-    return requests, t0, end, busy, steps, (times, dev, host)
+    return requests, t0, end, busy, steps, tally, (times, dev, host)

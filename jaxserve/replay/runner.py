@@ -125,7 +125,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
     from tqdm import tqdm
 
     sim = config.sim.resolve(cost)
-    reference_step = StepTimer(cost, sim.step_model)(sim.max_num_batched_tokens)
+    reference_step = StepTimer(cost, sim.step_model, sim.step_time_scale)(sim.max_num_batched_tokens)
     slo = config.slo(reference_step)
     runs: list[RunCurves] = []
     for run in grid(entries, config):
@@ -134,7 +134,8 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
         policy = make_policy(run.policy, predictor=predictor, **config.policy_options)
         sched = build_scheduler(cost, policy, sim)
         executor = SimExecutor(sched, cost, sample_interval_s=sim.sample_interval_s,
-                               check_invariants=sim.check_invariants, step_model=sim.step_model)
+                               check_invariants=sim.check_invariants, step_model=sim.step_model,
+                               step_time_scale=sim.step_time_scale)
         with tqdm(total=len(requests), desc=run.label, unit="req", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
             def tick(n: int, now: float, bar=bar) -> None:
@@ -149,8 +150,9 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
                                          window, makespan, slo)
         row.update({
             "executor": "sim", "profile": cost.name, "step_model": executor.t_fwd.model,
-            "steps": result.num_steps,
-            "mean_step_s": result.mean_step_s,
+            "step_time_scale": sim.step_time_scale,
+            "steps": result.num_steps, "batched_tokens": result.batched_tokens,
+            "mean_step_s": result.mean_step_s, "steps_by_bucket": result.steps_by_bucket.as_row(),
             "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
             "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,
             "device_pages": result.total_device_pages, "host_pages": result.total_host_pages,

@@ -14,13 +14,17 @@ The simulator's model (see ``docs/replay.md``):
   also carries the time of each padded token bucket (``meta.step_times_s``);
   with the ``buckets`` step model a step costs the measured time of the
   power-of-two bucket its ``n`` tokens are padded to, as the engine pads them.
-  ``linear`` is the default: the bucket table is measured at a context of one
-  bucket per sequence, so it misses the attention-over-context cost of real
-  decode steps (``docs/benchmarks.md``, "Simulator fidelity").
-* Swaps run on the host link, layer-pipelined behind the forward (InferCept
-  §4.1): a step that copies ``k`` tokens' KV (out and in together) takes
+  ``auto`` (the default) uses buckets when the profile has them. Every step
+  that runs the model also pays the profile's ``step_overhead_s`` (the
+  engine's host-side work), and all step times are multiplied by
+  ``step_time_scale`` (1 unless asked: a what-if, or a sensitivity check).
+* Swaps run on the host link. With a profile whose ``swap_overlaps_forward``
+  is true (the GPT-J/A100 constants: InferCept's layer-pipelined swap, §4.1) a
+  step that copies ``k`` tokens' KV (out and in together) takes
   ``max(T_fwd(n), T_swap(k))`` — only the part of the copy that the forward
-  cannot hide is added. A step with swaps and no forward takes ``T_swap(k)``.
+  cannot hide is added. A measured profile of jaxserve's engine, which copies
+  before the forward, says false: the step takes ``T_fwd(n) + T_swap(k)``.
+  A step with swaps and no forward takes ``T_swap(k)``.
 * API calls start when the step that produced their last token ends and
   return exactly ``api_time`` later; returns and arrivals are delivered at the
   start of the next step, stamped with their own time.
@@ -31,10 +35,12 @@ The simulator's model (see ``docs/replay.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from jaxserve.replay.metrics import StepTally
 from scheduler import (CostModel, Handling, PageAllocator, Policy, Request, Scheduler,
                        SchedulerConfig, StepPlan)
 
@@ -51,23 +57,27 @@ def bucket_step_times(cost: CostModel) -> list[tuple[int, float]] | None:
 
 
 class StepTimer:
-    """Forward time of a step over ``n`` batched tokens, memoised per ``n``.
+    """Seconds of a step over ``n`` batched tokens, memoised per ``n``:
+    ``scale · (forward(n) + cost.step_overhead_s)``, 0 for ``n == 0``.
 
-    ``linear``: ``T_fwd(n)``. ``buckets``: the measured time of the smallest
-    bucket ``>= n`` (beyond the largest, that bucket's time plus
+    forward — ``linear``: ``T_fwd(n)``. ``buckets``: the measured time of the
+    smallest bucket ``>= n`` (beyond the largest, that bucket's time plus
     ``fwd_per_token_s`` per extra token). ``auto``: buckets when the profile
     has them, else linear.
     """
 
-    def __init__(self, cost: CostModel, model: str = "linear") -> None:
+    def __init__(self, cost: CostModel, model: str = "auto", scale: float = 1.0) -> None:
         if model not in STEP_MODELS:
             raise ValueError(f"step model must be one of {', '.join(STEP_MODELS)}, got {model!r}")
+        if not scale > 0:
+            raise ValueError(f"step time scale must be > 0, got {scale}")
         table = bucket_step_times(cost)
         if model == "buckets" and table is None:
             raise ValueError(f"profile {cost.name!r} has no measured step times (meta.step_times_s); "
                              "use the linear step model")
         self.model = "buckets" if (model == "auto" and table) or model == "buckets" else "linear"
         self.cost = cost
+        self.scale = scale
         self._table = table if self.model == "buckets" else None
         self._cache: dict[int, float] = {}
 
@@ -80,6 +90,9 @@ class StepTimer:
     def _compute(self, n: int) -> float:
         if n <= 0:
             return 0.0
+        return self.scale * (self._forward(n) + self.cost.step_overhead_s)
+
+    def _forward(self, n: int) -> float:
         if self._table is None:
             return self.cost.t_fwd(n)
         for bucket, seconds in self._table:
@@ -109,7 +122,8 @@ class SimConfig:
     handling: Handling | None = None
     sample_interval_s: float = 1.0       # memory occupancy sampling period (simulated s)
     check_invariants: bool = False       # page invariants after every step (tests; slow)
-    step_model: str = "linear"           # "linear" T_fwd(n), "buckets" measured per padded bucket, "auto"
+    step_model: str = "auto"             # "linear" T_fwd(n), "buckets" measured per padded bucket, "auto"
+    step_time_scale: float = 1.0         # multiplies every simulated step time
 
     def resolve(self, cost: CostModel) -> "SimConfig":
         """A copy with every ``None`` sized from ``cost``."""
@@ -128,9 +142,8 @@ class SimConfig:
             swap = max(self.page_size, int(hidden) // self.page_size * self.page_size)
         if device <= 0:
             raise ValueError(f"the device pool must have pages, got {device}")
-        return SimConfig(self.page_size, int(device), int(host), int(batched), self.max_num_seqs,
-                         int(swap), self.handling, self.sample_interval_s, self.check_invariants,
-                         self.step_model)
+        return dataclasses.replace(self, num_device_pages=int(device), num_host_pages=int(host),
+                                   max_num_batched_tokens=int(batched), swap_budget_tokens=int(swap))
 
 
 def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Scheduler:
@@ -168,6 +181,7 @@ class SimResult:
     swapped_tokens: int
     num_preemptions: int
     occupancy: Occupancy
+    steps_by_bucket: StepTally
     total_device_pages: int
     total_host_pages: int
 
@@ -185,12 +199,12 @@ class SimExecutor:
     """Discrete-event executor: runs ``scheduler`` over a list of requests."""
 
     def __init__(self, scheduler: Scheduler, cost: CostModel, *, sample_interval_s: float = 1.0,
-                 check_invariants: bool = False, step_model: str = "linear") -> None:
+                 check_invariants: bool = False, step_model: str = "auto", step_time_scale: float = 1.0) -> None:
         self.scheduler = scheduler
         self.cost = cost
         self.sample_interval_s = sample_interval_s
         self.check_invariants = check_invariants
-        self.t_fwd = StepTimer(cost, step_model)
+        self.t_fwd = StepTimer(cost, step_model, step_time_scale)
 
     def step_time(self, plan: StepPlan) -> tuple[float, float, int]:
         """(step seconds, un-hidden swap seconds, tokens swapped) for ``plan``."""
@@ -203,7 +217,9 @@ class SimExecutor:
             swapped = pages * self.scheduler.page_size
         if not swapped:
             return fwd, 0.0, 0
-        copy = cost.t_swap(swapped)
+        copy = cost.t_swap(swapped) * self.t_fwd.scale
+        if not cost.swap_overlaps_forward:
+            return fwd + copy, copy, swapped
         return max(fwd, copy), max(0.0, copy - fwd), swapped
 
     def run(self, requests: Sequence[Request], *, horizon_s: float | None = None,
@@ -227,6 +243,7 @@ class SimExecutor:
         finished = 0
         reported = 0
         occ = Occupancy()
+        tally = StepTally()
         next_sample = 0.0
         interval = self.sample_interval_s
         device_pool, host_pool = sched.device_pool, sched.host_pool
@@ -286,6 +303,7 @@ class SimExecutor:
                 dt = t_fwd(n)
                 fwd_total += dt
             batched_total += n
+            tally.add(n, dt)
             busy += dt
             now += dt
             steps += 1
@@ -311,5 +329,5 @@ class SimExecutor:
         return SimResult(requests=list(arrivals), end_time_s=now, num_steps=steps, busy_time_s=busy,
                          forward_time_s=fwd_total, swap_stall_s=stall_total,
                          batched_tokens=batched_total, swapped_tokens=swapped_total,
-                         num_preemptions=sched.num_preemptions, occupancy=occ,
+                         num_preemptions=sched.num_preemptions, occupancy=occ, steps_by_bucket=tally,
                          total_device_pages=device_pool.num_pages, total_host_pages=host_pool.num_pages)
