@@ -48,13 +48,24 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_step_times(runner, repeats: int) -> dict[int, float]:
-    """Seconds per jitted step at each token bucket, on the runner's synthetic full batches."""
-    out = {}
-    for t_b in runner.config.token_buckets:
-        inputs = runner.synthetic_inputs(t_b)
-        out[t_b] = _median_time(lambda: runner.execute(inputs)[0].block_until_ready(), repeats)
-    return out
+def _time_step(runner, inputs) -> float:
+    start = time.perf_counter()
+    runner.execute(inputs)[0].block_until_ready()
+    return time.perf_counter() - start
+
+
+def measure_step_times(runner, repeats: int, per_round: int = 3) -> dict[int, float]:
+    """Seconds per jitted step at each token bucket, on the runner's synthetic full batches:
+    the median of ``repeats`` rounds that each time every bucket ``per_round`` times, so a
+    slow spell of the machine lands on all buckets alike rather than on one."""
+    inputs = {t_b: runner.synthetic_inputs(t_b) for t_b in runner.config.token_buckets}
+    for batch in inputs.values():
+        _time_step(runner, batch)   # warm
+    samples: dict[int, list[float]] = {t_b: [] for t_b in inputs}
+    for _ in range(repeats):
+        for t_b, batch in inputs.items():
+            samples[t_b] += [_time_step(runner, batch) for _ in range(per_round)]
+    return {t_b: statistics.median(v) for t_b, v in samples.items()}
 
 
 def fit_t_fwd(times: dict[int, float]) -> tuple[float, float, int]:
@@ -95,32 +106,35 @@ def measure_swap_path(runner, repeats: int) -> float:
     return 2 * n * runner.config.page_size * runner.kv_bytes_per_token / seconds
 
 
-def measure_step_overhead(engine, step_times: dict[int, float], num_seqs: int = 8, steps: int = 30) -> float:
-    """Median seconds of host-side work in one ``engine.step()``: the wall time of a
-    real step with ``num_seqs`` decoding requests (scheduling, building the padded
-    inputs, reading back and appending sampled tokens) minus the jitted step of
-    the same token bucket from ``step_times``. Leaves the engine empty."""
+def measure_step_overhead(engine, num_seqs: int = 8, steps: int = 40) -> float:
+    """Median seconds of host-side work in one ``engine.step()``: a real step with
+    ``num_seqs`` decoding requests (scheduling, building the padded inputs, reading
+    back and appending sampled tokens) minus the jitted step alone on a synthetic
+    batch of the same token bucket, the two timed alternately so both see the same
+    machine. Leaves the engine empty."""
     from jaxserve.sampling_params import SamplingParams
 
+    runner = engine.runner
     num_seqs = max(1, min(num_seqs, engine.scheduler.config.max_num_seqs))
-    bucket = next((b for b in sorted(step_times) if b >= num_seqs), None)
+    bucket = next((b for b in runner.config.token_buckets if b >= num_seqs), None)
     if bucket is None:
         return 0.0
+    synthetic = runner.synthetic_inputs(bucket)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     ids = [f"profile-overhead-{i}" for i in range(num_seqs)]
     for rid in ids:
         engine.add_request(rid, prompt_token_ids=[5] * 4, sampling_params=params)
     try:
         engine.step()   # the prompts, then decode only
-        walls = []
+        differences = []
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()
-            walls.append(time.perf_counter() - start)
+            differences.append(time.perf_counter() - start - _time_step(runner, synthetic))
     finally:
         for rid in ids:
             engine.abort(rid)
-    return max(0.0, statistics.median(walls) - step_times[bucket])
+    return max(0.0, statistics.median(differences))
 
 
 def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "", dtype: str = ""):
@@ -130,7 +144,7 @@ def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "
     runner = engine.runner
     times = measure_step_times(runner, repeats)
     base, per_token, saturation = fit_t_fwd(times)
-    overhead = measure_step_overhead(engine, times)
+    overhead = measure_step_overhead(engine)
     d2h, h2d = measure_copy_bandwidth(runner, copy_mib, repeats)
     swap_bw = measure_swap_path(runner, repeats)
     copy_bw = min(d2h, h2d)
