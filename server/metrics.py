@@ -140,3 +140,15 @@ class ResponseTimer:
     def on_end(self, finish_reason: str, now: float) -> None:
         self.metrics.e2e.observe(now - self.start)
         self.metrics.responses.labels(finish_reason).inc()
+
+
+def parse_metrics_text(text: str) -> dict[str, float]:
+    """A ``/metrics`` scrape as ``{'name{labels}': value}``, keyed by each sample line's
+    text up to its value (comments skipped) — for clients, load tests and tests."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+

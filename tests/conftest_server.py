@@ -301,14 +301,6 @@ class ServerProcess:
                 self.proc.wait(5)
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{"name{labels}": value}`` (comments skipped)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def copy_tree(src: Path, dst: Path) -> None:

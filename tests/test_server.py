@@ -23,7 +23,8 @@ import pytest
 
 from conftest_server import (CALC_ANSWER, CALC_USER, NOTE_ANSWER, NOTE_GATE_ENV, NOTE_LOG_ENV, NOTE_USER, WEATHER_ANSWER,
                              WEATHER_CALL, WEATHER_RESULT, WEATHER_TOOL, WEATHER_USER, ServerProcess,
-                             check_with_engine, parse_metrics)
+                             check_with_engine)
+from server.metrics import parse_metrics_text as parse_metrics
 
 API_KEY = "test-key-123"
 # The tool model's prompts carry three tool schemas (~280-470 tokens), hence a longer context window.

@@ -28,6 +28,8 @@ from urllib.parse import urlparse
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from server.metrics import parse_metrics_text  # noqa: E402
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = ["Hello, world! How are you today?", "The quick brown fox jumps over the lazy dog.",
            "Once upon a time there was a small model", "What is 2 + 3 * (4 - 1)?",
@@ -109,13 +111,6 @@ async def client_loop(client, args, model, seed, deadline, stats) -> None:
             stats.errors.append(f"{type(e).__name__}: {e}")
 
 
-def read_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 async def run(args) -> int:
@@ -132,7 +127,7 @@ async def run(args) -> int:
         # Leaked pages: once nothing runs, waits or is parked, no device page may be in use.
         settle = time.perf_counter() + 10
         while True:
-            m = read_metrics((await client.get("/metrics")).text)
+            m = parse_metrics_text((await client.get("/metrics")).text)
             busy = m["jaxserve:num_requests_running"] + m["jaxserve:num_requests_waiting"] \
                 + m.get("jaxserve:num_parked_tool_contexts", 0)
             if busy == 0 or time.perf_counter() > settle:

@@ -30,7 +30,7 @@ The simulator's model (see ``docs/replay.md``):
   start of the next step, stamped with their own time.
 * When nothing can run (everyone is inside an API call, or the queue is
   empty), the clock jumps to the next arrival or API return. Scheduling itself
-  costs no simulated time.
+  costs no simulated time beyond the profile's ``step_overhead_s``.
 """
 
 from __future__ import annotations
