@@ -6,14 +6,14 @@ benchmarked) with plain Python objects.
 
 from scheduler.cost_model import BUILTIN_PROFILES, CostModel, load_profile
 from scheduler.pages import OutOfPagesError, PageAllocator
-from scheduler.plan import MemoryView, ScheduledChunk, StepPlan, SwapOp
+from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult, SwapOp
 from scheduler.policies import Policy, available_policies, make_policy, register_policy
 from scheduler.predictors import Predictor, available_predictors, make_predictor
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState, Segment
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
-    "ApiCallRecord", "BUILTIN_PROFILES", "CostModel", "Handling", "MemoryView", "OutOfPagesError",
+    "ApiCallRecord", "BUILTIN_PROFILES", "CostModel", "EventKind", "Handling", "RequestEvent", "StepResult", "MemoryView", "OutOfPagesError",
     "PageAllocator", "Policy", "Predictor", "Request", "RequestState", "ScheduledChunk", "Scheduler",
     "SchedulerConfig", "Segment", "StepPlan", "SwapOp", "available_policies", "available_predictors",
     "load_profile", "make_policy", "make_predictor", "register_policy",

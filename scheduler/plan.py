@@ -1,8 +1,12 @@
-"""What one step does (``StepPlan``) and what the policy may read (``MemoryView``)."""
+"""The step contract: what one step does (``StepPlan``), what it produced
+(``StepResult``), what that meant for each request (``RequestEvent``), and
+what a policy may read (``MemoryView``)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from scheduler.cost_model import CostModel
 from scheduler.request import Request
@@ -65,3 +69,30 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.swap_out or self.swap_in)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What an executor returns for a ``StepPlan``.
+
+    ``token_ids[i]`` is the token sampled for ``plan.chunks[i]`` (read only for
+    chunks that sample); ``None`` when the executor has no token ids (the
+    simulator). ``elapsed_s`` is the step's duration on the executor's clock.
+    """
+
+    token_ids: Sequence[int] | None = None
+    elapsed_s: float = 0.0
+
+
+class EventKind(enum.Enum):
+    TOKEN = "token"          # produced a token and keeps running
+    API_CALL = "api_call"    # produced a token that ends a declared segment: paused for its API call
+    FINISHED = "finished"    # ended (``request.finish_reason`` says why)
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """What ``Scheduler.update`` did to one request that produced a token."""
+
+    request: Request
+    kind: EventKind

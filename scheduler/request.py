@@ -1,7 +1,12 @@
-"""Requests as the scheduler sees them: token counts, API segments, state, pages.
+"""The one record of a request: ids, token ids, API segments, state, pages, timing.
 
-Token ids live in the engine; the scheduler only needs counts, so the same
-``Request`` drives both the real engine and the simulator.
+Everything the engine, the scheduler and the executors know about a request
+lives here (DESIGN section 4). The scheduler reads only counts, so the
+simulator drives the same ``Request`` with ``token_ids`` left empty; the
+engine fills ``token_ids`` and the front-end fields (``sampling_params``,
+``detokenizer``, ``tool_parser``), which the scheduler never reads. Page
+tables (``device_pages``, ``host_pages``) are written only by the KV page
+manager.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Segment:
     api_type: str | None = None
     api_duration_s: float | None = None
     num_returned_tokens: int = 0
+    returned_token_ids: tuple[int, ...] | None = None   # the tokens themselves, when known (declared calls)
 
     @property
     def has_api_call(self) -> bool:
@@ -71,6 +77,9 @@ class ApiCallRecord:
     context_tokens: int = 0             # C_i at the call
     num_returned_tokens: int = 0
     fell_back_from: Handling | None = None  # e.g. SWAP -> DISCARD when the host pool was full
+    name: str | None = None             # parsed tool calls: tool name, raw JSON arguments, error text
+    arguments: str | None = None
+    error: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -90,6 +99,19 @@ class Request:
     ignore_eos: bool = False
     # Predictions used by ranking policies (keys such as "output_len", "api_duration_s").
     predictions: dict = field(default_factory=dict)
+    # Token ids: the whole context (prompt + generated + API-returned); empty in the simulator.
+    token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)   # generated tokens only
+    stop_token_ids: frozenset[int] = frozenset()                # a sampled id in here ends the request
+    # Front-end state the scheduler never reads (opaque here: no engine imports).
+    sampling_params: object | None = None
+    seed: int = 0
+    detokenizer: object | None = None
+    tool_parser: object | None = None
+    pending_tool_call: dict | None = None   # a client-side call the caller must answer (resume)
+    max_computed_tokens: int = 0            # high-water mark of computed context (recompute accounting)
+    reported_tokens: int = 0                # streamed so far: generated tokens, text characters
+    reported_text: int = 0
 
     state: RequestState = RequestState.WAITING
     num_tokens: int = 0            # context: prompt + generated + API-returned
@@ -135,6 +157,10 @@ class Request:
         if self.segment_index < len(self.segments):
             return self.segments[self.segment_index]
         return None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.prompt_len]
 
     @property
     def api_time_total(self) -> float:

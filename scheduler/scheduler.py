@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from scheduler.cost_model import CostModel
 from scheduler.pages import PageAllocator
-from scheduler.plan import MemoryView, ScheduledChunk, StepPlan, SwapOp
+from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult, SwapOp
 from scheduler.policies.base import Policy
 from scheduler.queues import RequestQueue
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState
@@ -46,6 +46,7 @@ class SchedulerConfig:
     budget_gamma: float = 1.0
     budget_beta_low: float = 0.25
     budget_beta_high: float = 1.0
+    max_model_len: int | None = None   # context limit in tokens (None: unlimited, as in the simulator)
 
     def __post_init__(self) -> None:
         if self.token_budget not in TOKEN_BUDGET_MODES:
@@ -218,11 +219,20 @@ class Scheduler:
         request.handling = chosen
         return chosen
 
-    def api_return(self, request: Request, num_returned_tokens: int, now: float) -> None:
-        """The API call of a paused ``request`` returned ``num_returned_tokens`` tokens
-        (already appended to its context by the caller)."""
+    def api_return(self, request: Request, num_returned_tokens: int, now: float,
+                   token_ids: list[int] | None = None) -> bool:
+        """The API call of a paused ``request`` returned ``num_returned_tokens``
+        tokens (``token_ids``, when known, are appended to its context, cut to
+        fit the context limit). Returns True when that ended the request: the
+        call was its last declared step ("stop"), or the context is full
+        ("length")."""
         if request.request_id not in self.paused or request.api_returned:
             raise ValueError(f"request {request.request_id!r} is not waiting for an API call")
+        limit = self.context_limit
+        if limit is not None:
+            num_returned_tokens = max(0, min(num_returned_tokens, limit - request.num_tokens - 1))
+        if token_ids is not None:
+            request.token_ids.extend(token_ids[:num_returned_tokens])
         self.now = now
         record = request.api_calls[-1]
         record.return_time = now
@@ -230,9 +240,16 @@ class Scheduler:
         request.num_tokens += num_returned_tokens
         request.api_returned = True
         self.policy.predictor.observe_api(record.api_type, now - record.call_time)
+        if request.segments and request.segment_index >= len(request.segments):
+            self.finish(request, "stop", now)   # the call was the request's last declared step
+            return True
+        if limit is not None and request.num_tokens >= limit:
+            self.finish(request, "length", now)
+            return True
         self.policy.on_api_return(request, now, self.view())
         if request.state != RequestState.SWAPPING_OUT:
             self._requeue_returned(request)
+        return False
 
     def change_handling(self, request: Request, handling: Handling, now: float) -> Handling:
         """Re-decide the handling of a request paused under Preserve whose call
@@ -498,43 +515,60 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------ after step
-    def on_step_done(self, plan: StepPlan, now: float) -> list[Request]:
-        """Advance counts for the chunks that ran; returns the requests that
-        produced a token this step (the caller then applies stop rules and
-        API triggers via ``finish``/``pause``)."""
-        produced = []
-        for chunk in plan.chunks:
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestEvent]:
+        """Apply what the executor produced for ``plan`` (DESIGN section 3, step 5).
+
+        Advances each chunk's computed tokens; for each chunk that sampled,
+        appends its token and applies the stop rules every executor shares:
+        a stop token id -> finished "stop"; the end of a declared segment that
+        calls an API -> paused (``pause``); ``max_tokens`` reached, the last
+        declared segment generated, or the context limit reached -> finished
+        "length". Returns one event per request that produced a token, in
+        chunk order. (Stop strings and parsed tool calls need text, so the
+        engine's front end applies those to ``TOKEN`` events.)"""
+        events = []
+        ids = result.token_ids
+        running_state = RequestState.RUNNING
+        limit = self.context_limit
+        for i, chunk in enumerate(plan.chunks):
             request = chunk.request
-            if request.is_finished or request.state != RequestState.RUNNING:
+            if request.state is not running_state:
                 continue
             request.num_computed_tokens += chunk.num_tokens
-            if chunk.samples:
-                request.num_tokens += 1
-                request.num_generated += 1
-                request.segment_generated += 1
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                produced.append(request)
-        return produced
+            if not chunk.samples:
+                continue
+            request.num_tokens += 1
+            request.num_generated += 1
+            request.segment_generated += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            token = None
+            if ids is not None:
+                token = int(ids[i])
+                request.token_ids.append(token)
+                request.output_token_ids.append(token)
+            if token is not None and token in request.stop_token_ids:
+                self.finish(request, "stop", now)
+            elif request.declared_call_due():
+                seg = request.current_segment
+                self.pause(request, now, seg.api_type, seg.api_duration_s)
+                events.append(RequestEvent(request, EventKind.API_CALL))
+                continue
+            elif (request.num_generated >= request.max_tokens
+                  or (request.segments and request.segment_index == len(request.segments) - 1
+                      and request.segment_generated >= request.segments[-1].num_tokens)
+                  or (limit is not None and request.num_tokens >= limit)):
+                self.finish(request, "length", now)
+            events.append(RequestEvent(request, EventKind.FINISHED if request.is_finished else EventKind.TOKEN))
+        return events
 
-    def declared_event(self, request: Request) -> str | None:
-        """Stop rules shared by every executor, for a request that just produced
-        a token: ``"api"`` when its declared segment ends in a call now,
-        ``"length"`` when ``max_tokens`` is reached or its declared segments are
-        all generated, else ``None``. (Stop tokens, stop strings and parsed tool
-        calls need token ids, so the model executor checks those itself.)"""
-        if request.declared_call_due():
-            return "api"
-        if request.num_generated >= request.max_tokens:
-            return "length"
-        if request.segments and request.segment_index == len(request.segments) - 1 \
-                and request.segment_generated >= request.segments[-1].num_tokens:
-            return "length"
-        return None
-
-    def finished_after_return(self, request: Request) -> bool:
-        """True when a returned call was the request's last declared step (it ends there)."""
-        return bool(request.segments) and request.segment_index >= len(request.segments)
+    @property
+    def context_limit(self) -> int | None:
+        """Tokens a context may reach: ``max_model_len`` capped by the device pool (a
+        context larger than the pool would preempt itself forever); None: unlimited."""
+        if self.config.max_model_len is None:
+            return None
+        return min(self.config.max_model_len, self.device_pool.num_pages * self.page_size)
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
