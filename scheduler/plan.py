@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from scheduler.cost_model import CostModel
-from scheduler.request import Request
+from scheduler.request import Request, Segment
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +96,4 @@ class RequestEvent:
 
     request: Request
     kind: EventKind
+    segment: Segment | None = None   # API_CALL: the declared segment whose call starts now

@@ -552,7 +552,7 @@ class Scheduler:
             elif request.declared_call_due():
                 seg = request.current_segment
                 self.pause(request, now, seg.api_type, seg.api_duration_s)
-                events.append(RequestEvent(request, EventKind.API_CALL))
+                events.append(RequestEvent(request, EventKind.API_CALL, seg))
                 continue
             elif (request.num_generated >= request.max_tokens
                   or (request.segments and request.segment_index == len(request.segments) - 1

@@ -1,5 +1,8 @@
-"""Device side of a step: KV page arrays, batch building, the jitted forward +
-sample, and page copies between device and host (swap).
+"""The model executor: the device side of a step (DESIGN section 3, step 3).
+
+``ModelExecutor.execute(plan) -> StepResult`` applies a ``StepPlan``: page
+copies between device and host (swap), then one jitted forward + sample over
+the ragged batch. It owns the model parameters and the KV page arrays.
 
 Shapes are padded to power-of-two buckets of T (tokens) so a bounded number
 of programs is compiled; the KV arrays are donated to every program that
@@ -15,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import time
+
 from jaxserve.models import AttentionMetadata, ModelConfig
 from jaxserve.sampling import SamplingArrays, sample
-from scheduler import ScheduledChunk, SwapOp
+from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
 
 
 def next_power_of_two(n: int) -> int:
@@ -25,7 +30,7 @@ def next_power_of_two(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class RunnerConfig:
+class ModelExecutorConfig:
     page_size: int
     num_pages: int
     max_num_batched_tokens: int
@@ -66,10 +71,16 @@ class StepInputs:
     num_seqs: int
 
 
-class ModelRunner:
-    """Owns the model parameters and the KV cache on the device."""
+class ModelExecutor:
+    """Owns the model parameters and the KV cache on the device; runs steps.
 
-    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: RunnerConfig) -> None:
+    ``dispatch_s`` and ``device_wait_s`` accumulate the seconds spent inside
+    the jitted call (on CPU this includes the compute) and waiting for the
+    sampled tokens; ``last_logits`` is the last step's float32
+    ``[rows, vocab]`` logits when ``keep_logits``.
+    """
+
+    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: ModelExecutorConfig) -> None:
         self.model_config = model_config
         self.config = config
         self.graphdef, params = nnx.split(model)
@@ -88,7 +99,35 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self._gather = jax.jit(_gather_pages)
         self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
-        self._host_store: dict[int, tuple[jax.Array, int]] = {}  # host page -> (host chunk, row in it)
+        # request id -> host page -> (host chunk, row in it): the host copies of swapped-out pages.
+        self._host_store: dict[str, dict[int, tuple[jax.Array, int]]] = {}
+        self.dispatch_s = 0.0
+        self.device_wait_s = 0.0
+        self.last_logits = None
+
+    # ------------------------------------------------------------------- step
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Swap-outs, swap-ins, then the forward + sample over ``plan.chunks``.
+        Token ids come from each chunk's ``Request.token_ids``; sampling from its
+        ``sampling_params`` and ``seed``."""
+        if plan.swap_out:
+            self.swap_out(plan.swap_out)
+        if plan.swap_in:
+            self.swap_in(plan.swap_in)
+        if not plan.chunks:
+            return StepResult()
+        inputs = self.prepare(plan.chunks)
+        start = time.perf_counter()
+        device_tokens, self.last_logits = self.forward(inputs)
+        waited = time.perf_counter()
+        tokens = np.asarray(device_tokens)
+        self.dispatch_s += waited - start
+        self.device_wait_s += time.perf_counter() - waited
+        return StepResult(token_ids=tokens)
+
+    def release(self, request: Request) -> None:
+        """Forget the host copies of an ended request's swapped-out pages."""
+        self._host_store.pop(request.request_id, None)
 
     # ----------------------------------------------------------------- forward
     def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
@@ -96,13 +135,9 @@ class ModelRunner:
         logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
         return sample(logits, sampling), (logits if self.config.keep_logits else None), kv
 
-    def prepare(self, chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
-                sampling_rows: dict[str, tuple]) -> StepInputs:
-        """Build padded host arrays for ``chunks``.
-
-        ``token_ids[request_id]`` is the request's full context; ``sampling_rows``
-        gives ``(temperature, top_k, top_p, seed, step)`` per request.
-        """
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Build padded host arrays for ``chunks`` (token ids from each request's
+        context; sampling from its ``sampling_params``, ``seed`` and generated count)."""
         cfg = self.config
         num_tokens = sum(c.num_tokens for c in chunks)
         t_b = next((b for b in cfg.token_buckets if b >= num_tokens), None)
@@ -126,16 +161,17 @@ class ModelRunner:
         step = np.zeros(s_b, np.int32)
         t = 0
         for i, ch in enumerate(chunks):
-            rid = ch.request.request_id
-            pages = ch.request.device_pages
+            request = ch.request
+            context = request.token_ids
+            pages = request.device_pages
             n, start = ch.num_tokens, ch.start
             end = start + n
             if n == 1:  # decode: scalar fast path
-                input_ids[t] = token_ids[rid][start]
+                input_ids[t] = context[start]
                 positions[t] = start
                 slots[t] = pages[start // ps] * ps + start % ps
             else:
-                input_ids[t:t + n] = token_ids[rid][start:end]
+                input_ids[t:t + n] = context[start:end]
                 pos = np.arange(start, end, dtype=np.int32)
                 positions[t:t + n] = pos
                 slots[t:t + n] = np.asarray(pages, np.int32)[pos // ps] * ps + pos % ps
@@ -144,14 +180,16 @@ class ModelRunner:
             t += n
             cu[i + 1] = t
             logits_idx[i] = t - 1
-            temp[i], top_k[i], top_p[i], seed[i], step[i] = sampling_rows[rid]
+            params = request.sampling_params
+            temp[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
+            seed[i], step[i] = request.seed, request.num_generated
         cu[len(chunks) + 1:] = t
         meta = dict(positions=positions, slot_mapping=slots, page_table=page_table, kv_lens=kv_lens,
                     cu_q_lens=cu, num_seqs=np.array([len(chunks)], np.int32))
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
         return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks))
 
-    def execute(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+    def forward(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
         (logits None unless ``keep_logits``)."""
         tokens, logits, self.kv = self._step(
@@ -182,7 +220,7 @@ class ModelRunner:
         """Compile the step for every token bucket (on inputs that write nothing), and
         the swap gather/scatter for every power-of-two op size up to ``swap_pages``."""
         for t_b in self.config.token_buckets:
-            self.execute(self.synthetic_inputs(t_b))[0].block_until_ready()
+            self.forward(self.synthetic_inputs(t_b))[0].block_until_ready()
         size = 1
         while swap_pages and size <= next_power_of_two(swap_pages):
             # Index arrays staged from numpy as swap_out/swap_in stage them (same programs).
@@ -202,8 +240,9 @@ class ModelRunner:
             ids[:n] = op.device_pages
             chunk = self._gather(self.kv, jnp.asarray(ids))
             host = jax.device_put(chunk, self.host_sharding)
+            store = self._host_store.setdefault(op.request.request_id, {})
             for row, hp in enumerate(op.host_pages):
-                self._host_store[hp] = (host, row)
+                store[hp] = (host, row)
 
     def swap_in(self, ops: list[SwapOp]) -> None:
         """Copy each op's host pages back into its (newly allocated) device pages:
@@ -212,8 +251,9 @@ class ModelRunner:
         ``warmup`` compiled even when only part of a chunk comes back."""
         for op in ops:
             groups: dict[int, tuple[jax.Array, list[int], list[int]]] = {}
+            store = self._host_store[op.request.request_id]
             for hp, dp in zip(op.host_pages, op.device_pages):
-                host, row = self._host_store.pop(hp)
+                host, row = store.pop(hp)
                 _, rows, pages = groups.setdefault(id(host), (host, [], []))
                 rows.append(row)
                 pages.append(dp)
@@ -226,13 +266,9 @@ class ModelRunner:
                 chunk = jax.device_put(host, self.device_sharding)
                 self.kv = self._scatter(self.kv, chunk, jnp.asarray(row_ids), jnp.asarray(page_ids))
 
-    def release_host_pages(self, host_pages: list[int]) -> None:
-        """Forget host copies of pages whose request ended while swapped."""
-        for hp in host_pages:
-            self._host_store.pop(hp, None)
-
-    def host_memory_kind(self, host_page: int) -> str | None:
-        entry = self._host_store.get(host_page)
+    def host_memory_kind(self, request_id: str, host_page: int) -> str | None:
+        """Memory kind of the host copy of ``host_page`` (e.g. ``"pinned_host"``); None if absent."""
+        entry = self._host_store.get(request_id, {}).get(host_page)
         return None if entry is None else entry[0].sharding.memory_kind
 
     @property

@@ -1,0 +1,192 @@
+"""``EngineConfig``: every engine setting, its default, its validation and its
+command-line flag, in one place.
+
+``LLM``, ``LLMEngine`` and ``AsyncEngine`` take an ``EngineConfig`` (and
+keyword overrides of its fields); every subcommand (``serve``, ``generate``,
+``replay``, ``profile``, ``bench``) builds its engine flags with
+``EngineConfig.add_cli_arguments`` and reads them back with
+``EngineConfig.from_cli``, so a shared flag has the same name, default and
+help everywhere, and ``JAXSERVE_<FLAG>`` environment variables set any of
+them (``jaxserve.cli.apply_env_defaults``).
+
+Validation runs when the config is built, before any model is loaded: an
+invalid setting is a ``ValueError`` whose message starts with the field name.
+This module imports no JAX (the simulator builds configs too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_POLICY = "infercept"
+DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("safetensors", "dummy")
+HANDLINGS = ("preserve", "discard", "swap")
+# The kernels' implementation names (kernels.IMPLS; a test keeps the two in step without importing JAX here).
+ATTENTION_IMPLS = ("reference", "pallas_gpu", "pallas_tpu")
+
+
+def _flag(help_text: str, *, group: str = "engine", choices: tuple | None = None, cli: bool = True) -> dict:
+    return {"help": help_text, "group": group, "choices": choices, "cli": cli}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. Token counts are tokens, sizes are pages of ``page_size`` tokens.
+
+    ``None`` means "sized for you": on the real engine from the model and the
+    device's memory, in the simulator from the cost profile (a profile
+    records the budget and pools of the machine it describes).
+    """
+
+    # ---------------------------------------------------------------- model
+    model: str = field(default="demo", metadata=_flag(
+        "checkpoint directory, or 'demo' (the built-in tiny model)", cli=False))
+    dtype: str = field(default="float32", metadata=_flag("weights and KV cache dtype", choices=DTYPES))
+    load_format: str = field(default="safetensors", metadata=_flag(
+        "'safetensors' (the checkpoint's weights) or 'dummy' (random weights of the checkpoint's shapes)",
+        choices=LOAD_FORMATS))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "context window in tokens (default: the model's, capped by the KV pool)"))
+    seed: int = field(default=0, metadata=_flag("engine seed: dummy weights and per-request sampling seeds"))
+    attention_impl: str | None = field(default=None, metadata=_flag(
+        "attention kernel (default: the best one for this backend)", choices=ATTENTION_IMPLS))
+    interpret: bool | None = field(default=None, metadata=_flag(
+        "run Pallas kernels in interpret mode (default: on CPU only)", cli=False))
+    # ------------------------------------------------------------- KV cache
+    page_size: int = field(default=16, metadata=_flag("tokens per KV page (a power of two)"))
+    num_pages: int | None = field(default=None, metadata=_flag(
+        "device KV pages (default: what the model and max_model_len need, within free device memory)"))
+    num_host_pages: int | None = field(default=None, metadata=_flag(
+        "host KV pages for Swap (default: as many as device pages)"))
+    # ----------------------------------------------------------- scheduling
+    policy: str = field(default=DEFAULT_POLICY, metadata=_flag(
+        "scheduling policy: fcfs, fcfs-improved, infercept, lamps (mars), augserve, sjf, sjf-total, prophet"))
+    handling: str | None = field(default=None, metadata=_flag(
+        "force one handling for every API pause (default: the policy decides)", choices=HANDLINGS))
+    predictor: str = field(default="oracle", metadata=_flag(
+        "what ranking policies are told: oracle | noisy:P | api-type-mean | elapsed"))
+    policy_options: dict = field(default_factory=dict, metadata=_flag("policy keyword options", cli=False))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
+        "query tokens per engine step (default: 512; in the simulator, the profile's)"))
+    max_num_seqs: int = field(default=256, metadata=_flag("requests per engine step"))
+    swap_budget_tokens: int | None = field(default=None, metadata=_flag(
+        "KV tokens copied host<->device per step (default: max_num_batched_tokens; in the simulator, "
+        "what one full step hides)"))
+    cost_profile: str | None = field(default=None, metadata=_flag(
+        "cost model for the waste equations: a built-in name or a JSON from `jaxserve profile` "
+        "(default: the shipped profile of this backend)"))
+    # ---------------------------------------------------------------- tools
+    tool_parser: str = field(default="hermes", metadata=_flag("tool-call format the model writes"))
+    # ------------------------------------------------------------- executor
+    warmup: bool = field(default=True, metadata=_flag("compile the step programs before serving"))
+    compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
+    check_invariants: bool = field(default=False, metadata=_flag(
+        "check the page invariants after every step (tests; slow)"))
+    keep_logits: bool = field(default=False, metadata=_flag(
+        "keep the last step's logits (tests, debugging)", cli=False))
+
+    DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value, allow_none: bool = True) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint path or 'demo', got {self.model!r}")
+        for name in ("dtype", "load_format", "attention_impl", "handling"):
+            allowed = self.__dataclass_fields__[name].metadata["choices"]
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        positive("page_size", self.page_size, allow_none=False)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        positive("num_pages", self.num_pages)
+        if self.num_host_pages is not None and (isinstance(self.num_host_pages, bool)
+                                                or not isinstance(self.num_host_pages, int)
+                                                or self.num_host_pages < 0):
+            raise ValueError(f"num_host_pages must be an integer >= 0, got {self.num_host_pages!r}")
+        positive("max_model_len", self.max_model_len)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        positive("swap_budget_tokens", self.swap_budget_tokens)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        from scheduler import available_policies, make_predictor
+        if self.policy not in available_policies():
+            raise ValueError(f"policy: unknown policy {self.policy!r}; available: {', '.join(available_policies())}")
+        try:
+            make_predictor(self.predictor)
+        except ValueError as e:
+            raise ValueError(f"predictor: {e}") from None
+        if not isinstance(self.policy_options, dict):
+            raise ValueError("policy_options must be a dict of keyword options")
+        from jaxserve.tool_parser import TOOL_PARSERS
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
+                             f"got {self.tool_parser!r}")
+
+    # --------------------------------------------------------------- derived
+    @property
+    def batched_tokens(self) -> int:
+        """``max_num_batched_tokens`` with the real engine's default applied."""
+        return self.max_num_batched_tokens or self.DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A validated copy with ``changes`` (unknown names are a ``ValueError``)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def build(cls, config: "EngineConfig | None" = None, **overrides: Any) -> "EngineConfig":
+        """``config`` (or the defaults) with keyword ``overrides`` applied."""
+        return (config or cls()).replace(**overrides) if overrides else (config or cls())
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
+                          defaults: dict[str, Any] | None = None) -> None:
+        """Add one ``--flag`` per CLI setting (``--no-flag`` for booleans) to an
+        "engine" argument group. ``exclude`` leaves settings out (a subcommand
+        that cannot use them); ``defaults`` changes a default for a subcommand
+        whose job needs another value (say so in its help)."""
+        group = parser.add_argument_group("engine")
+        defaults = defaults or {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if not meta.get("cli") or f.name in exclude:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = defaults.get(f.name, f.default)
+            help_text = meta["help"] + (f" (default: {default})" if default is not None
+                                        and "default:" not in meta["help"] else "")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                   help=meta["help"])
+                continue
+            kind = int if "int" in str(f.type) else str
+            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
+                               help=help_text)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        """The config for parsed ``args`` (settings a subcommand left out keep their defaults)."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.metadata.get("cli") and hasattr(args, f.name)}
+        if hasattr(args, "model") and isinstance(args.model, str):
+            values["model"] = args.model
+        values.update(overrides)
+        return cls(**values)
+
+
+__all__ = ["ATTENTION_IMPLS", "DEFAULT_POLICY", "EngineConfig"]
