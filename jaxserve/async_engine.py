@@ -18,6 +18,7 @@ import threading
 import uuid
 from typing import AsyncIterator, Callable
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -35,8 +36,9 @@ class AsyncEngine:
 
     max_consecutive_failures = 5
 
-    def __init__(self, model: str = "demo", *, engine: LLMEngine | None = None, **engine_kwargs) -> None:
-        self.engine = engine if engine is not None else LLMEngine(model, **engine_kwargs)
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, *,
+                 engine: LLMEngine | None = None, **engine_kwargs) -> None:
+        self.engine = engine if engine is not None else LLMEngine(model, config, **engine_kwargs)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -183,31 +185,35 @@ class AsyncEngine:
                 self._deliver(request_id, EngineDeadError(self._dead_reason))
 
     def _loop(self) -> None:
-        failures = 0
+        """``EngineCore.run`` with this thread's hooks: commands from the event
+        loops are run once per pass and while idle; outputs go to the streams.
+        A step that raises fails the requests in flight and the loop goes on,
+        unless steps keep failing with no step succeeding in between."""
         engine = self.engine
+        core = engine.core
+        failures, steps_at_failure = 0, -1
+
+        def idle(until: float | None) -> None:
+            wait = 0.05 if until is None else min(0.05, max(0.0005, until - engine.clock.now()))
+            self._run_commands(wait)
+
+        def deliver(requests) -> None:
+            for out in engine.outputs(requests):
+                self._deliver(out.request_id, out)
+            self._publish_snapshots()
+
         while not self._stop.is_set():
-            if engine.scheduler.has_work():
-                self._run_commands(None)
-            else:
-                wake = engine.next_wakeup()
-                wait = 0.05 if wake is None else min(0.05, max(0.0005, wake - engine.clock()))
-                self._run_commands(wait)
-                if not engine.scheduler.has_work() and not engine.api.poll_ready(engine.clock()):
-                    continue
             try:
-                outputs = engine.step()
-                failures = 0
+                core.run(done=self._stop.is_set, observe=lambda now: self._run_commands(None),
+                         on_outputs=deliver, idle=idle)
             except Exception as e:  # noqa: BLE001 - isolate the failure to the requests in flight
-                failures += 1
+                failures = failures + 1 if core.stats.steps == steps_at_failure else 1
+                steps_at_failure = core.stats.steps
                 log.exception("engine step failed")
                 self._fail_all(e)
                 if failures >= self.max_consecutive_failures:
                     self._dead_reason = f"engine step failed {failures} times in a row: {e}"
                     break
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            self._publish_snapshots()
 
     def _publish_snapshots(self) -> None:
         self.usage_snapshot = self.engine.usage()
@@ -215,7 +221,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         """Abort every live request after a failed step (its state may be half-applied)."""
-        for request_id in list(self.engine._live):
+        for request_id in list(self.engine.scheduler.requests):
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - keep aborting the others

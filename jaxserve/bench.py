@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.config import EngineConfig
+
 # Llama-3.2-1B shapes, for --shape llama-1b with random ("dummy") weights.
 LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
             "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -30,12 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--num-pages", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    # The benchmark sizes these from its own prompts and shape.
+    EngineConfig.add_cli_arguments(parser, exclude=("max_num_seqs", "max_model_len", "load_format"))
 
 
 def _shape_checkpoint(shape: dict) -> Path:
@@ -46,19 +46,19 @@ def _shape_checkpoint(shape: dict) -> Path:
 
 def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
     from jaxserve import LLM, SamplingParams
-    llm = LLM(model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(len(prompts), 1),
-              max_model_len=args.prompt_len + args.max_tokens + args.page_size, load_format=load_format)
+    llm = LLM(config=EngineConfig.from_cli(args, model=model_dir, max_num_seqs=max(len(prompts), 1),
+                                           max_model_len=args.prompt_len + args.max_tokens + args.page_size,
+                                           load_format=load_format))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4, temperature=0.0))
-    stats = llm.engine.stats
-    steps0, step0, wait0, disp0 = stats.steps, stats.step_time_s, stats.device_wait_s, stats.dispatch_s
+    stats, executor = llm.engine.stats, llm.engine.executor
+    steps0, step0, wait0, disp0 = stats.steps, stats.step_time_s, executor.device_wait_s, executor.dispatch_s
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
     steps = stats.steps - steps0
-    dispatch = stats.dispatch_s - disp0
-    host = (stats.step_time_s - step0) - (stats.device_wait_s - wait0) - dispatch
+    dispatch = executor.dispatch_s - disp0
+    host = (stats.step_time_s - step0) - (executor.device_wait_s - wait0) - dispatch
     tokens = sum(len(o.token_ids) for o in outs)
     llm.engine.shutdown()
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,

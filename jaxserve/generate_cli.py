@@ -7,6 +7,8 @@ import argparse
 import json
 import time
 
+from jaxserve.config import EngineConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory or 'demo'")
@@ -16,19 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--api-call", action="append", default=[], metavar="AFTER:SECONDS:TEXT",
                         help="declare an API call after AFTER generated tokens, taking SECONDS, returning TEXT "
                              "(applies to every prompt; repeatable)")
-    parser.add_argument("--policy", default="infercept")
-    parser.add_argument("--handling", default=None, choices=["preserve", "discard", "swap"])
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--num-pages", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--json", action="store_true", help="print one JSON object per output")
+    EngineConfig.add_cli_arguments(parser)
 
 
 DEFAULT_PROMPTS = ["Hello, world! How are you today?", "What is 2 + 3 * (4 - 1)?",
@@ -52,9 +47,7 @@ def parse_api_calls(specs: list[str], tokenizer) -> list:
 def main(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              policy=args.policy, handling=args.handling, seed=args.seed)
+    llm = LLM(config=EngineConfig.from_cli(args))
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from tqdm.auto import tqdm
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -14,13 +13,14 @@ from jaxserve.sampling_params import SamplingParams
 class LLM:
     """``LLM("demo").generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))``.
 
-    Keyword arguments go to ``LLMEngine`` (``dtype``, ``page_size``,
-    ``num_pages``, ``max_num_batched_tokens``, ``policy``, ``handling``,
-    ``tools``, ``seed``, ``attention_impl`` …).
+    ``config`` is an ``EngineConfig``; keyword arguments override its fields
+    (``dtype``, ``page_size``, ``num_pages``, ``max_num_batched_tokens``,
+    ``policy``, ``handling``, ``seed``, ``attention_impl`` …) or name the
+    engine's ``tools`` and ``clock``.
     """
 
-    def __init__(self, model: str = "demo", **engine_kwargs) -> None:
-        self.engine = LLMEngine(model, **engine_kwargs)
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(model, config, **engine_kwargs)
 
     @property
     def tokenizer(self):
@@ -58,18 +58,19 @@ class LLM:
                 self.engine.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = tqdm(total=n, disable=not use_tqdm, desc="generate")
-        while len(final) < n:
-            if not self.engine.scheduler.has_work():
-                wake = self.engine.next_wakeup()
-                time.sleep(0.001 if wake is None else max(0.0, min(0.05, wake - self.engine.clock())))
-            for out in self.engine.step():
-                if out.finished and out.request_id in ids and out.request_id not in final:
+
+        def collect(requests) -> None:
+            for out in self.engine.outputs(requests):
+                if out.finished and out.request_id in wanted and out.request_id not in final:
                     if out.finish_reason == "tool_calls":
                         # A call to a tool nobody registered: offline there is no one to resume
                         # it, so it ends here with the call in ``out.tool_call``; free its pages.
                         self.engine.abort(out.request_id)
                     final[out.request_id] = out
                     bar.update(1)
+
+        self.engine.core.run(done=lambda: len(final) >= n, on_outputs=collect, idle=self.engine.idle)
         bar.close()
         return [final[rid] for rid in ids]

@@ -24,15 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import EngineConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--num-pages", type=int, default=512)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    EngineConfig.add_cli_arguments(parser, defaults={"num_pages": 512})   # room for the swap-path test
     parser.add_argument("--copy-mib", type=int, default=64, help="size of the host<->device copy test")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="JSON path (default: ~/.cache/jaxserve/profiles/<backend>.json)")
@@ -50,7 +47,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def _time_step(runner, inputs) -> float:
     start = time.perf_counter()
-    runner.execute(inputs)[0].block_until_ready()
+    runner.forward(inputs)[0].block_until_ready()
     return time.perf_counter() - start
 
 
@@ -114,7 +111,7 @@ def measure_step_overhead(engine, num_seqs: int = 8, steps: int = 40) -> float:
     machine. Leaves the engine empty."""
     from jaxserve.sampling_params import SamplingParams
 
-    runner = engine.runner
+    runner = engine.executor
     num_seqs = max(1, min(num_seqs, engine.scheduler.config.max_num_seqs))
     bucket = next((b for b in runner.config.token_buckets if b >= num_seqs), None)
     if bucket is None:
@@ -141,7 +138,7 @@ def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "
     """A ``scheduler.CostModel`` measured on ``engine``'s device with its shapes."""
     from scheduler import CostModel
 
-    runner = engine.runner
+    runner = engine.executor
     times = measure_step_times(runner, repeats)
     base, per_token, saturation = fit_t_fwd(times)
     overhead = measure_step_overhead(engine)
@@ -179,9 +176,7 @@ def print_profile(cost) -> None:
 def main(args: argparse.Namespace) -> int:
     from jaxserve.engine import LLMEngine
 
-    engine = LLMEngine(args.model, dtype=args.dtype, load_format=args.load_format, page_size=args.page_size,
-                       num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, warmup=True)
+    engine = LLMEngine(config=EngineConfig.from_cli(args, warmup=True))
     try:
         cost = measure_profile(engine, args.repeats, args.copy_mib, model=str(args.model), dtype=args.dtype)
     finally:

@@ -77,7 +77,8 @@ class StepResult:
 
     ``token_ids[i]`` is the token sampled for ``plan.chunks[i]`` (read only for
     chunks that sample); ``None`` when the executor has no token ids (the
-    simulator). ``elapsed_s`` is the step's duration on the executor's clock.
+    simulator). ``elapsed_s`` is the step's duration when the executor computes it
+    (the simulator); 0 means the core measures it on its clock.
     """
 
     token_ids: Sequence[int] | None = None

@@ -526,11 +526,10 @@ class Scheduler:
         "length". Returns one event per request that produced a token, in
         chunk order. (Stop strings and parsed tool calls need text, so the
         engine's front end applies those to ``TOKEN`` events.)"""
-        events = []
         ids = result.token_ids
         running_state = RequestState.RUNNING
-        limit = self.context_limit
-        for i, chunk in enumerate(plan.chunks):
+        produced: list[tuple[Request, int | None]] = []
+        for i, chunk in enumerate(plan.chunks):   # first every count, so the rules see the whole step
             request = chunk.request
             if request.state is not running_state:
                 continue
@@ -547,6 +546,10 @@ class Scheduler:
                 token = int(ids[i])
                 request.token_ids.append(token)
                 request.output_token_ids.append(token)
+            produced.append((request, token))
+        events = []
+        limit = self.context_limit
+        for request, token in produced:
             if token is not None and token in request.stop_token_ids:
                 self.finish(request, "stop", now)
             elif request.declared_call_due():

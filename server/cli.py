@@ -15,6 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
+from jaxserve.config import EngineConfig
+
 log = logging.getLogger("jaxserve.server")
 
 
@@ -34,22 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--tools", default=None,
                      help="extra server-side tools: name=module:function[,name=module:function...]")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--max-model-len", type=int, default=None, help="context window in tokens "
-                     "(default: the model's, capped by the KV pool)")
-    eng.add_argument("--policy", default="infercept",
-                     help="scheduling policy: fcfs, fcfs-improved, infercept, lamps (mars), augserve, sjf, "
-                     "sjf-total, prophet")
-    eng.add_argument("--handling", default=None, choices=["preserve", "discard", "swap"],
-                     help="force one handling for every API pause (default: the policy decides)")
-    eng.add_argument("--predictor", default="oracle", help="predictor spec for ranking policies")
-    eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
-    eng.add_argument("--num-pages", type=int, default=None, help="device KV pages (default: from free memory)")
-    eng.add_argument("--host-num-pages", type=int, default=None, help="host KV pages for Swap")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
-    eng.add_argument("--max-num-seqs", type=int, default=256, help="requests per engine step")
-    eng.add_argument("--seed", type=int, default=0)
+    EngineConfig.add_cli_arguments(parser)
 
 
 def load_tools(spec: str | None) -> dict:
@@ -73,14 +60,10 @@ def build_app(args: argparse.Namespace):
     from jaxserve.engine import LLMEngine
     from server.app import create_app
 
-    engine = LLMEngine(args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-                       host_num_pages=args.host_num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, policy=args.policy,
-                       handling=args.handling, predictor=args.predictor, seed=args.seed,
-                       tools=load_tools(args.tools))
+    engine = LLMEngine(config=EngineConfig.from_cli(args), tools=load_tools(args.tools))
     async_engine = AsyncEngine(engine=engine)
     usage = async_engine.usage_snapshot
-    pool_tokens = usage["device_pages_total"] * args.page_size
+    pool_tokens = usage["device_pages_total"] * engine.config.page_size
     max_model_len = engine.max_model_len
     if pool_tokens < max_model_len:
         log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",

@@ -49,7 +49,7 @@ def spliced_reference(llm: LLM, prompt: list[int], generated: list[int], calls: 
 @pytest.mark.parametrize("handling", ["preserve", "discard", "swap"])
 def test_paused_output_equals_spliced_uninterrupted_run(handling, pool):
     num_pages = 128 if pool == "roomy" else 16
-    llm = LLM("demo", handling=handling, page_size=8, num_pages=num_pages, host_num_pages=64,
+    llm = LLM("demo", handling=handling, page_size=8, num_pages=num_pages, num_host_pages=64,
               max_num_batched_tokens=32, max_model_len=256, check_invariants=True, warmup=False,
               swap_budget_tokens=16)
     prompts = [ids(13, 1), ids(30, 2)] + [ids(5 + 7 * k, 20 + k) for k in range(4)]
@@ -73,17 +73,17 @@ def test_paused_output_equals_spliced_uninterrupted_run(handling, pool):
 
 
 def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
-    llm = LLM("demo", handling="swap", page_size=8, num_pages=12, host_num_pages=16,
+    llm = LLM("demo", handling="swap", page_size=8, num_pages=12, num_host_pages=16,
               max_num_batched_tokens=64, max_model_len=96, check_invariants=True, warmup=False)
     engine = llm.engine
     engine.add_request("a", prompt_token_ids=ids(40, 3), sampling_params=SamplingParams(max_tokens=8, **GREEDY),
-                       api_calls=[ApiCall(2, 0.5, [5, 6], "slow")])
+                       api_calls=[ApiCall(2, 3.0, [5, 6], "slow")])  # long enough to outlast a loaded machine
     req = engine.scheduler.requests["a"]
     while req.state not in (RequestState.SWAPPED,):
         engine.step()
     assert not req.device_pages and len(req.host_pages) == 6
     assert engine.scheduler.device_pool.num_free == 12
-    kinds = {engine.runner.host_memory_kind(p) for p in req.host_pages}
+    kinds = {engine.executor.host_memory_kind(req.request_id, p) for p in req.host_pages}
     assert kinds == {"pinned_host"}
     # another request now uses the freed device pages (it needs 11 of the 12)
     engine.add_request("b", prompt_token_ids=ids(80, 4), sampling_params=SamplingParams(max_tokens=4, **GREEDY))
@@ -96,7 +96,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
 
 
 def test_many_paused_requests_in_a_tight_pool_all_finish():
-    llm = LLM("demo", policy="infercept", page_size=8, num_pages=10, host_num_pages=6,
+    llm = LLM("demo", policy="infercept", page_size=8, num_pages=10, num_host_pages=6,
               max_num_batched_tokens=32, max_model_len=128, check_invariants=True, warmup=False)
     prompts = [ids(4 + 3 * k, 50 + k) for k in range(12)]
     calls = [[ApiCall(2, 0.05 * (k % 3), [7] * (k % 4), "t"), ApiCall(6, 0.0, [8], "u")] for k in range(12)]
@@ -127,10 +127,10 @@ def test_resume_errors_and_bad_api_calls_leave_engine_serving():
 def test_swapping_compiles_nothing_after_warmup():
     """Warm-up covers every program a swapping run uses: a pool whose sharding changed
     after the swap-in scatter once recompiled every step bucket mid-run."""
-    llm = LLM("demo", handling="swap", page_size=8, num_pages=12, host_num_pages=16,
+    llm = LLM("demo", handling="swap", page_size=8, num_pages=12, num_host_pages=16,
               max_num_batched_tokens=32, max_model_len=64, swap_budget_tokens=64)
-    runner = llm.engine.runner
-    compiled = {f: f._cache_size() for f in (runner._step, runner._gather, runner._scatter)}
+    executor = llm.engine.executor
+    compiled = {f: f._cache_size() for f in (executor._step, executor._gather, executor._scatter)}
     outs = llm.generate(prompt_token_ids=[ids(20, 5), ids(9, 6)],
                         sampling_params=SamplingParams(max_tokens=6, **GREEDY),
                         api_calls=[[ApiCall(2, 0.05, [5, 6, 7], "slow")], [ApiCall(3, 0.02, [8], "fast")]])

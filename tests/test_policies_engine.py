@@ -17,7 +17,7 @@ RESULTS: dict[str, list[list[int]]] = {}
 
 @pytest.mark.parametrize("policy", [p for p in available_policies() if p != "mars"])  # mars is lamps' alias
 def test_policy_runs_end_to_end_with_api_calls(policy):
-    llm = LLM("demo", policy=policy, page_size=8, num_pages=20, host_num_pages=8, max_num_batched_tokens=32,
+    llm = LLM("demo", policy=policy, page_size=8, num_pages=20, num_host_pages=8, max_num_batched_tokens=32,
               max_model_len=128, check_invariants=True, warmup=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(4, 40, 10)]

@@ -9,8 +9,10 @@ import pytest
 
 from jaxserve.replay import cli as replay_cli
 from jaxserve.replay.metrics import Slo, aggregate, request_metrics
-from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs
-from jaxserve.replay.sim import SimConfig, SimExecutor, SimulationStalled, build_scheduler
+from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs
+from jaxserve.core import SimClock
+from jaxserve.executor.sim import SimExecutor, StepTimer
+from jaxserve.replay.simulate import SimConfig, SimulationStalled, build_scheduler, run_simulation
 from jaxserve.replay.trace import (TraceError, bundled_trace_path, entries_to_jsonl, load_trace,
                                    parse_infercept, parse_jsonl, scale_entries)
 from jaxserve.replay.workload import WorkloadSpec, arrival_times, make_workload
@@ -223,7 +225,7 @@ def test_sim_completes_every_request_with_all_pages_free(multi, policy):
     sched = build_scheduler(COST, make_policy(policy, make_predictor("oracle")),
                             SimConfig(page_size=8, num_device_pages=160, num_host_pages=40,
                                       max_num_batched_tokens=64, check_invariants=True))
-    result = SimExecutor(sched, COST, check_invariants=True).run(requests)
+    result = run_simulation(sched, COST, requests, check_invariants=True)
     assert all(r.finish_time is not None and r.finish_reason in ("length", "stop") for r in requests)
     assert not sched.has_unfinished()
     assert sched.device_pool.num_free == sched.device_pool.num_pages
@@ -241,7 +243,7 @@ def test_sim_forced_handling(multi, handling):
                                                        WorkloadSpec("poisson", rate=10.0, num_requests=30))]
     sched = build_scheduler(COST, make_policy("infercept"),
                             SimConfig(page_size=8, num_device_pages=400, num_host_pages=400, handling=handling))
-    result = SimExecutor(sched, COST, check_invariants=True).run(requests)
+    result = run_simulation(sched, COST, requests, check_invariants=True)
     used = {c.handling for r in requests for c in r.api_calls}
     assert used == {handling}
     assert (result.swapped_tokens > 0) == (handling == Handling.SWAP)
@@ -249,8 +251,7 @@ def test_sim_forced_handling(multi, handling):
 
 
 def test_sim_step_time_hides_swap_behind_the_forward():
-    sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16))
-    ex = SimExecutor(sched, COST)
+    ex = SimExecutor(COST, 16, SimClock())
     r = Request("r", 0.0, prompt_len=4, max_tokens=1)
     plan = StepPlan()
     plan.chunks = []
@@ -281,7 +282,7 @@ def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
                   segments=[__import__("scheduler").Segment(1, "chat", 100.0, 4),
                             __import__("scheduler").Segment(2)])
     sched = build_scheduler(COST, make_policy("infercept"), SimConfig(page_size=16))
-    result = SimExecutor(sched, COST).run([req])
+    result = run_simulation(sched, COST, [req])
     assert req.first_token_time == pytest.approx(5.0 + COST.t_fwd(10))
     call = req.api_calls[0]
     assert call.return_time - call.call_time == pytest.approx(100.0)
@@ -289,7 +290,7 @@ def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
     big = Request("big", 0.0, prompt_len=10_000, max_tokens=1)
     sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16, num_device_pages=10))
     with pytest.raises(SimulationStalled, match="nothing can run"):
-        SimExecutor(sched, COST).run([big])
+        run_simulation(sched, COST, [big])
 
 
 # ------------------------------------------------------------------ metrics
@@ -365,7 +366,6 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
 def test_step_timer_linear_and_measured_buckets():
     from dataclasses import replace
 
-    from jaxserve.replay.sim import StepTimer
     assert StepTimer(COST)(100) == pytest.approx(COST.t_fwd(100))
     assert StepTimer(COST, "auto").model == "linear"            # no measured table
     with pytest.raises(ValueError, match="no measured step times"):
@@ -382,7 +382,6 @@ def test_step_timer_linear_and_measured_buckets():
 def test_step_timer_adds_host_overhead_and_scales():
     from dataclasses import replace
 
-    from jaxserve.replay.sim import StepTimer
     measured = replace(COST, step_overhead_s=0.0005, meta={"step_times_s": {"8": 0.002, "16": 0.004}})
     assert StepTimer(measured)(5) == pytest.approx(0.0025)
     assert StepTimer(measured, scale=1.1)(12) == pytest.approx(1.1 * 0.0045)
@@ -398,7 +397,7 @@ def test_sim_serial_swaps_add_to_the_forward():
 
     from scheduler import ScheduledChunk
     serial = replace(COST, swap_overlaps_forward=False)
-    ex = SimExecutor(build_scheduler(serial, make_policy("fcfs"), SimConfig(page_size=16)), serial)
+    ex = SimExecutor(serial, 16, SimClock())
     r = Request("r", 0.0, prompt_len=4, max_tokens=1)
     plan = StepPlan(chunks=[ScheduledChunk(r, 0, 300, True)], swap_in=[SwapOp(r, [1], [1])])
     dt, stall, tokens = ex.step_time(plan)
@@ -407,7 +406,7 @@ def test_sim_serial_swaps_add_to_the_forward():
 
 
 def test_step_tally_groups_steps_by_power_of_two_bucket():
-    from jaxserve.replay.metrics import StepTally
+    from jaxserve.core import StepTally
     tally = StepTally()
     for n, s in [(1, 0.001), (2, 0.003), (300, 0.05), (512, 0.07), (0, 0.002)]:
         tally.add(n, s)

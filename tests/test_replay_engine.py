@@ -7,9 +7,10 @@ import pytest
 
 pytest.importorskip("jax")
 
-from jaxserve.replay.engine_runner import EngineOptions, run_engine  # noqa: E402
-from jaxserve.replay.runner import ReplayConfig, write_outputs  # noqa: E402
-from jaxserve.replay.sim import SimConfig  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.replay.engine_replay import EngineOptions, run_engine  # noqa: E402
+from jaxserve.replay.experiment import ReplayConfig, write_outputs  # noqa: E402
+from jaxserve.replay.simulate import SimConfig  # noqa: E402
 from jaxserve.replay.trace import load_trace, scale_entries  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def test_engine_replay_completes_and_reports(tmp_path):
     config = ReplayConfig(policies=["infercept"], rates=[50.0], num_requests=6, seed=2,
                           sim=SimConfig(page_size=16, num_device_pages=64, num_host_pages=64,
                                         max_num_batched_tokens=64, max_num_seqs=8))
-    runs = run_engine(entries, config, EngineOptions(model="demo", max_model_len=256), progress=False)
+    runs = run_engine(entries, config, EngineOptions(EngineConfig(model="demo", max_model_len=256)), progress=False)
     write_outputs(runs, tmp_path, plots=False)
     (row,) = json.loads((tmp_path / "results.json").read_text())
     assert row["executor"] == "engine" and row["completed"] == row["requests"] == 6

@@ -67,7 +67,7 @@ def test_bfloat16_and_dummy_weights_run(hf_checkpoints):
     f32 = LLM(path, page_size=8, num_pages=32, max_num_batched_tokens=16, max_model_len=64, warmup=False)
     bf16 = LLM(path, dtype="bfloat16", page_size=8, num_pages=32, max_num_batched_tokens=16, max_model_len=64,
                warmup=False)
-    assert bf16.engine.runner.kv[0][0].dtype.name == "bfloat16"
+    assert bf16.engine.executor.kv[0][0].dtype.name == "bfloat16"
     a = f32.generate(prompt_token_ids=prompts, sampling_params=params)
     b = bf16.generate(prompt_token_ids=prompts, sampling_params=params)
     # the wide-init test model keeps a clear top-1 margin for the first tokens even in bfloat16

@@ -3,7 +3,7 @@
     python tools/bench_replay.py                       # every policy, 1800 s at 5 req/s
     python tools/bench_replay.py --policies lamps --rate 8 --profile-top 15
 
-Runs the bundled multi-API InferCept trace through ``SimExecutor`` with the
+Runs the bundled multi-API InferCept trace through ``run_simulation`` with the
 GPT-J/A100 profile and prints, per policy: wall seconds, simulated steps,
 steps per wall second and the run's mean E2E latency (so a speed-up that
 changes behaviour shows). ``--profile-top N`` prints the N most expensive
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve.replay.metrics import request_metrics  # noqa: E402
-from jaxserve.replay.sim import SimConfig, SimExecutor, build_scheduler  # noqa: E402
+from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation  # noqa: E402
 from jaxserve.replay.trace import load_trace  # noqa: E402
 from jaxserve.replay.workload import WorkloadSpec, make_workload  # noqa: E402
 from scheduler import available_policies, load_profile, make_policy, make_predictor  # noqa: E402
@@ -50,12 +50,11 @@ def main() -> int:
     for name in args.policies.split(","):
         requests = [w.to_request() for w in workload]
         sched = build_scheduler(cost, make_policy(name, make_predictor("oracle", args.seed)), SimConfig())
-        executor = SimExecutor(sched, cost)
         prof = cProfile.Profile() if args.profile_top else None
         start = time.perf_counter()
         if prof:
             prof.enable()
-        result = executor.run(requests)
+        result = run_simulation(sched, cost, requests)
         if prof:
             prof.disable()
         wall = time.perf_counter() - start

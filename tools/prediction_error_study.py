@@ -26,7 +26,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs  # noqa: E402
+from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs  # noqa: E402
 from jaxserve.replay.trace import load_trace  # noqa: E402
 from scheduler import load_profile  # noqa: E402
 

@@ -7,7 +7,7 @@
    ``--profile`` names one — and measures it again after the engine runs, to
    show how much the machine drifted meanwhile.
 2. For each seed, runs every policy on ``jaxserve.LLMEngine`` (wall-clock
-   arrivals) and on ``SimExecutor`` with identical pools, limits and trace
+   arrivals) and on the simulator with identical pools, limits and trace
    entries; the simulator also runs with every step time scaled by
    ``1 ± --sensitivity``, the band a step-time error of that size moves the
    result in (a well-conditioned configuration has a narrow band).
@@ -33,8 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs  # noqa: E402
-from jaxserve.replay.sim import SimConfig, StepTimer  # noqa: E402
+from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs  # noqa: E402
+from jaxserve.executor.sim import StepTimer  # noqa: E402
+from jaxserve.replay.simulate import SimConfig  # noqa: E402
 from jaxserve.replay.trace import load_trace, scale_entries  # noqa: E402
 from scheduler import CostModel, load_profile  # noqa: E402
 
@@ -44,7 +45,7 @@ def measure_here(args: argparse.Namespace) -> CostModel:
     from jaxserve import LLMEngine
     from jaxserve.profiling import measure_profile
 
-    engine = LLMEngine(args.model, page_size=16, num_pages=args.num_pages, host_num_pages=args.num_pages,
+    engine = LLMEngine(args.model, page_size=16, num_pages=args.num_pages, num_host_pages=args.num_pages,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        warmup=True)
     try:
@@ -117,7 +118,8 @@ def main() -> int:
     if not 0 <= args.sensitivity < 1:
         raise SystemExit("--sensitivity must be in [0, 1)")
 
-    from jaxserve.replay.engine_runner import EngineOptions, run_engine
+    from jaxserve.config import EngineConfig
+    from jaxserve.replay.engine_replay import EngineOptions, run_engine
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +132,7 @@ def main() -> int:
     sim = SimConfig(page_size=16, num_device_pages=args.num_pages, num_host_pages=args.num_pages,
                     max_num_batched_tokens=args.max_num_batched_tokens, swap_budget_tokens=args.swap_budget_tokens,
                     step_model=args.step_model)
-    options = EngineOptions(model=args.model, max_model_len=args.max_model_len)
+    options = EngineOptions(EngineConfig(model=args.model, max_model_len=args.max_model_len))
     seeds = [int(s) for s in args.seeds.split(",")]
     scales = {"lo": 1 - args.sensitivity, "hi": 1 + args.sensitivity}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.replay.runner import ReplayConfig, simulate, write_outputs  # noqa: E402
+from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs  # noqa: E402
 from jaxserve.replay.trace import load_trace  # noqa: E402
 from scheduler import available_policies, load_profile  # noqa: E402
 

@@ -1,18 +1,18 @@
 """Trace replay: load workload traces, generate arrivals, run them through the
-scheduler on a simulator (``SimExecutor``) or the real engine, and report
+scheduler on a simulator (``run_simulation``) or the real engine, and report
 metrics. Importing this package does not import JAX; only the real-engine
-runner (``jaxserve.replay.engine_runner``) does.
+runner (``jaxserve.replay.engine_replay``) does.
 """
 
 from jaxserve.replay.metrics import RequestMetrics, Slo, aggregate, request_metrics, summary_table
-from jaxserve.replay.sim import SimConfig, SimExecutor, SimResult, SimulationStalled, build_scheduler
+from jaxserve.replay.simulate import SimConfig, SimResult, SimulationStalled, build_scheduler, run_simulation
 from jaxserve.replay.trace import (TraceEntry, TraceError, bundled_trace_path, load_trace, parse_infercept,
                                    parse_jsonl, scale_entries)
 from jaxserve.replay.workload import WorkloadItem, WorkloadSpec, make_workload
 
 __all__ = [
-    "RequestMetrics", "SimConfig", "SimExecutor", "SimResult", "SimulationStalled", "Slo", "TraceEntry",
+    "RequestMetrics", "SimConfig", "SimResult", "SimulationStalled", "Slo", "TraceEntry",
     "TraceError", "WorkloadItem", "WorkloadSpec", "aggregate", "build_scheduler", "bundled_trace_path",
-    "load_trace", "make_workload", "parse_infercept", "parse_jsonl", "request_metrics", "scale_entries",
+    "load_trace", "make_workload", "parse_infercept", "parse_jsonl", "request_metrics", "run_simulation", "scale_entries",
     "summary_table",
 ]

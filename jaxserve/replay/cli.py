@@ -17,10 +17,14 @@ import argparse
 import sys
 import time
 
+from jaxserve.config import EngineConfig
+
 DEFAULT_PROFILE = "gptj-6b-a100-40g"
 DEFAULT_RATES = "2,5,8"
 DEFAULT_DURATION_S = 1800.0       # the original InferCept driver's window
 DEFAULT_MODEL_REQUESTS = 32       # --model without --num-requests/--duration
+# Engine settings a replay sets per run (--policies), takes from --profile, or never uses.
+REPLAY_EXCLUDES = ("policy", "cost_profile", "tool_parser", "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help=f"cost profile: built-in name or JSON from `jaxserve profile` "
                          f"(simulator default: {DEFAULT_PROFILE}; with --model it sets the SLO step time)")
     ex.add_argument("--model", default=None, help="run on the real engine: checkpoint directory or 'demo'")
-    ex.add_argument("--dtype", default="float32", help="--model: weights/KV dtype")
-    ex.add_argument("--max-model-len", type=int, default=None, help="--model: context window")
     ex.add_argument("--token-scale", type=float, default=1.0,
                     help="multiply every token count of the trace by this (e.g. 0.05 to fit a small "
                          "model's context; applies to --simulate too so both can be compared)")
@@ -58,21 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--seed", type=int, default=0, help="workload and predictor seed")
     wl.add_argument("--tokenizer", default=None,
                     help="tokenizer (HF name or dir) for text-form traces (default: 4 characters per token)")
-    sch = parser.add_argument_group("scheduler")
-    sch.add_argument("--predictor", default="oracle",
-                     help="oracle | noisy:P | api-type-mean | elapsed (what policies are told)")
-    sch.add_argument("--handling", choices=("policy", "preserve", "discard", "swap"), default="policy",
-                     help="force one handling for every API call (default: the policy decides)")
-    sch.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    sch.add_argument("--num-pages", type=int, default=None,
-                     help="device KV pages (default: from the profile's device_kv_bytes / engine memory)")
-    sch.add_argument("--num-host-pages", type=int, default=None,
-                     help="host KV pages for Swap (default: from the profile's host_kv_bytes)")
-    sch.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="token budget per step (default: the profile's)")
-    sch.add_argument("--max-num-seqs", type=int, default=256, help="requests per step")
-    sch.add_argument("--swap-budget-tokens", type=int, default=None,
-                     help="KV tokens copied per step (default: what one full step hides)")
+    EngineConfig.add_cli_arguments(parser, exclude=REPLAY_EXCLUDES)
+    sch = parser.add_argument_group("simulator")
     sch.add_argument("--step-model", choices=("linear", "buckets", "auto"), default="auto",
                      help="simulated step time: linear T_fwd(n), or the profile's measured time of the padded "
                           "token bucket (auto, the default: buckets when the profile has them)")
@@ -89,8 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--out", default="replay-out", help="output directory")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
-    out.add_argument("--check-invariants", action="store_true",
-                     help="check page invariants after every simulated step (slow)")
 
 
 def _parse_rates(args: argparse.Namespace) -> list[float | None]:
@@ -135,14 +122,14 @@ def _tokenizer(name: str | None):
 
 
 def build_config(args: argparse.Namespace):
-    """``ReplayConfig`` from parsed arguments (``ValueError`` on bad combinations)."""
-    from jaxserve.replay.runner import ReplayConfig
-    from jaxserve.replay.sim import SimConfig
-    from scheduler import Handling, make_predictor
+    """``(EngineConfig, ReplayConfig)`` from parsed arguments (``ValueError`` on bad combinations)."""
+    from jaxserve.replay.experiment import ReplayConfig
+    from jaxserve.replay.simulate import SimConfig
+    from scheduler import Handling
 
     rates = _parse_rates(args)
     policies = _parse_policies(args.policies)
-    make_predictor(args.predictor)   # validate the spec early
+    engine = EngineConfig.from_cli(args, model=args.model or "demo", seed=args.seed)   # validates every setting
     if args.num_requests is not None and args.duration is not None and args.arrival != "trace":
         raise ValueError("give --num-requests or --duration, not both")
     duration, num = args.duration, args.num_requests
@@ -151,24 +138,21 @@ def build_config(args: argparse.Namespace):
             num = DEFAULT_MODEL_REQUESTS
         else:
             duration = DEFAULT_DURATION_S
-    if args.page_size <= 0:
-        raise ValueError("--page-size must be > 0")
     if not args.step_time_scale > 0:
         raise ValueError("--step-time-scale must be > 0")
-    sim = SimConfig(page_size=args.page_size, num_device_pages=args.num_pages,
-                    num_host_pages=args.num_host_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_num_seqs=args.max_num_seqs, swap_budget_tokens=args.swap_budget_tokens,
-                    handling=None if args.handling == "policy" else Handling.parse(args.handling),
-                    check_invariants=args.check_invariants, step_model=args.step_model,
-                    step_time_scale=args.step_time_scale)
-    return ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
-                        duration_s=duration, seed=args.seed, predictor=args.predictor,
+    sim = SimConfig(page_size=engine.page_size, num_device_pages=engine.num_pages,
+                    num_host_pages=engine.num_host_pages, max_num_batched_tokens=engine.max_num_batched_tokens,
+                    max_num_seqs=engine.max_num_seqs, swap_budget_tokens=engine.swap_budget_tokens,
+                    handling=Handling.parse(engine.handling), check_invariants=engine.check_invariants,
+                    step_model=args.step_model, step_time_scale=args.step_time_scale)
+    return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
+                        duration_s=duration, seed=args.seed, predictor=engine.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
                         slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor)
 
 
 def main(args: argparse.Namespace) -> int:
-    from jaxserve.replay.runner import simulate, write_outputs
+    from jaxserve.replay.experiment import simulate, write_outputs
     from jaxserve.replay.trace import load_trace, resolve_trace_path, scale_entries
     from scheduler import load_profile
 
@@ -176,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         print("jaxserve replay: give --simulate or --model, not both", file=sys.stderr)
         return 2
     try:
-        config = build_config(args)
+        engine, config = build_config(args)
         trace_path = resolve_trace_path(args.trace)
         entries = load_trace(trace_path, _tokenizer(args.tokenizer))
         if args.token_scale != 1.0 or args.api_time_scale != 1.0:
@@ -192,10 +176,8 @@ def main(args: argparse.Namespace) -> int:
         if args.model is None:
             runs = simulate(entries, cost, config, progress=not args.quiet)
         else:
-            from jaxserve.replay.engine_runner import EngineOptions, run_engine
-            runs = run_engine(entries, config, EngineOptions(model=args.model, dtype=args.dtype,
-                                                             max_model_len=args.max_model_len),
-                              cost=cost, progress=not args.quiet)
+            from jaxserve.replay.engine_replay import EngineOptions, run_engine
+            runs = run_engine(entries, config, EngineOptions(engine), cost=cost, progress=not args.quiet)
     except ValueError as e:
         print(f"jaxserve replay: {e}", file=sys.stderr)
         return 2

@@ -178,25 +178,3 @@ def summary_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-class StepTally:
-    """Steps counted by the power-of-two token bucket of their batched tokens
-    (``0`` for a step that only copies KV), with their total seconds — the same
-    tally for the engine's wall-clock steps and the simulator's simulated ones,
-    so their step times can be compared bucket by bucket."""
-
-    __slots__ = ("_table",)
-
-    def __init__(self) -> None:
-        self._table: dict[int, list] = {}
-
-    def add(self, num_tokens: int, seconds: float) -> None:
-        bucket = 0 if num_tokens <= 0 else 1 << (num_tokens - 1).bit_length()
-        entry = self._table.get(bucket)
-        if entry is None:
-            entry = self._table[bucket] = [0, 0.0]
-        entry[0] += 1
-        entry[1] += seconds
-
-    def as_row(self) -> dict[str, dict]:
-        """``{"<bucket>": {"steps": count, "mean_s": seconds per step}}``, buckets ascending."""
-        return {str(b): {"steps": c, "mean_s": t / c} for b, (c, t) in sorted(self._table.items())}

@@ -16,16 +16,16 @@ Importing this module imports JAX (through the engine).
 
 from __future__ import annotations
 
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from jaxserve.config import EngineConfig
 from jaxserve.replay.plots import RunCurves
-from jaxserve.replay.runner import ReplayConfig, grid, measurement_window, one_line_summary, summarize_run
-from jaxserve.replay.metrics import StepTally, e2e_values
+from jaxserve.replay.experiment import ReplayConfig, grid, measurement_window, one_line_summary, summarize_run
+from jaxserve.replay.metrics import e2e_values
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadItem
 from scheduler import CostModel
@@ -33,13 +33,10 @@ from scheduler import CostModel
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Engine construction for a replay (``None`` sizes come from the engine's defaults
-    or the ``ReplayConfig.sim`` limits)."""
+    """Engine construction for a replay: the engine settings (pools, limits and
+    policy are replaced per run from the ``ReplayConfig``)."""
 
-    model: str = "demo"
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    warmup: bool = True
+    engine: EngineConfig = EngineConfig()   # model, dtype, max_model_len, warm-up (pools and policy come per run)
     sample_interval_s: float = 0.25     # occupancy sampling period, wall seconds
 
 
@@ -76,35 +73,33 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
     sim = config.sim
     runs: list[RunCurves] = []
     for run in grid(entries, config, suffix=" (engine)"):
-        engine = LLMEngine(
-            options.model, dtype=options.dtype, page_size=sim.page_size, num_pages=sim.num_device_pages,
-            host_num_pages=sim.num_host_pages,
-            max_num_batched_tokens=sim.max_num_batched_tokens or 512, max_num_seqs=sim.max_num_seqs,
-            max_model_len=options.max_model_len, policy=run.policy, handling=config.handling,
-            predictor=config.predictor, policy_options=dict(config.policy_options) or None,
-            seed=config.seed, swap_budget_tokens=sim.swap_budget_tokens, warmup=options.warmup,
-            check_invariants=sim.check_invariants)
+        engine = LLMEngine(config=options.engine.replace(
+            page_size=sim.page_size, num_pages=sim.num_device_pages, num_host_pages=sim.num_host_pages,
+            max_num_batched_tokens=sim.max_num_batched_tokens, max_num_seqs=sim.max_num_seqs,
+            policy=run.policy, handling=config.handling.value if config.handling else None,
+            predictor=config.predictor, policy_options=dict(config.policy_options), seed=config.seed,
+            swap_budget_tokens=sim.swap_budget_tokens, check_invariants=sim.check_invariants))
         try:
             with tqdm(total=len(run.workload), desc=run.label, unit="req", disable=not progress, leave=False,
                       dynamic_ncols=True) as bar:
-                result = _drive(engine, run.workload, config.seed, options, bar)
+                requests, t0, end, occupancy = _drive(engine, run.workload, config.seed, options, bar)
         finally:
             engine.shutdown()
-        requests, t0, end, busy, steps, tally, occupancy = result
+        stats = engine.stats
         makespan = end - t0
         # Metrics are relative to arrival; shift to the run's own zero for the window.
         for r in requests:
             _shift(r, -t0)
         window = measurement_window(run.spec, makespan)
-        step_s = busy / steps if steps else 0.0
+        step_s = stats.busy_time_s / stats.steps if stats.steps else 0.0
         batched = engine.scheduler.config.max_num_batched_tokens
         reference = cost.t_fwd(batched) if cost else step_s
         row, per_request = summarize_run(run.policy, run.rate, config, requests, run.kinds, window, makespan,
                                          config.slo(reference))
-        row.update({"executor": "engine", "model": options.model, "steps": steps, "mean_step_s": step_s,
-                    "batched_tokens": engine.stats.batched_tokens, "recomputed_tokens": engine.stats.recomputed_tokens,
-                    "steps_by_bucket": tally.as_row(),
-                    "busy_fraction": busy / makespan if makespan > 0 else 0.0,
+        row.update({"executor": "engine", "model": engine.config.model, "steps": stats.steps,
+                    "mean_step_s": step_s, "batched_tokens": stats.batched_tokens,
+                    "recomputed_tokens": stats.recomputed_tokens, "steps_by_bucket": stats.steps_by_bucket.as_row(),
+                    "busy_fraction": stats.busy_time_s / makespan if makespan > 0 else 0.0,
                     "device_pages": engine.scheduler.device_pool.num_pages,
                     "host_pages": engine.scheduler.host_pool.num_pages, "page_size": sim.page_size,
                     "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
@@ -133,60 +128,38 @@ def _shift(r, dt: float) -> None:
 
 
 def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineOptions, bar):
-    """Feed arrivals in wall-clock time and step until every request ends."""
+    """Feed arrivals in wall-clock time through the engine loop until every request ends."""
     sched = engine.scheduler
     vocab = engine.model_config.vocab_size
-    prepared = [(w, *_engine_request(w, vocab, seed)) for w in workload]
     limit = engine.max_model_len
-    for w, ids, params, calls in prepared:
+    t0 = engine.clock.now()
+    requests = []
+    for w in workload:
+        ids, params, calls = _engine_request(w, vocab, seed)
         total = len(ids) + params.max_tokens + sum(len(c.returned_token_ids) for c in calls)
         if total > limit:
             raise ValueError(f"request {w.entry.request_id!r} needs {total} tokens of context but the model "
                              f"allows {limit}; scale the trace down with --token-scale")
-    requests = []
-    clock = engine.clock
-    t0 = clock()
-    i = 0
-    busy = 0.0
-    steps = 0
+        requests.append(engine.make_request(w.request_id, prompt_token_ids=ids, sampling_params=params,
+                                            api_calls=calls, parse_tool_calls=False,
+                                            arrival_time=t0 + w.arrival_time,
+                                            predictions=dict(w.entry.predictions) or None))
     times, dev, host = [], [], []
-    tally = StepTally()
-    next_sample = t0
-    finished = 0
-    while i < len(prepared) or engine.has_unfinished():
-        now = clock()
-        while i < len(prepared) and t0 + prepared[i][0].arrival_time <= now:
-            w, ids, params, calls = prepared[i]
-            engine.add_request(w.request_id, prompt_token_ids=ids, sampling_params=params, api_calls=calls,
-                               parse_tool_calls=False, arrival_time=t0 + w.arrival_time,
-                               predictions=dict(w.entry.predictions) or None)
-            requests.append(sched.requests[w.request_id])
-            i += 1
-        if now >= next_sample:
+    next_sample = [t0]
+
+    def observe(now: float) -> None:
+        if now >= next_sample[0]:
             times.append(now)
             dev.append(sched.device_pool.num_used)
             host.append(sched.host_pool.num_used)
-            next_sample = now + options.sample_interval_s
-        if sched.has_work() or engine.api.poll_ready(now):
-            start = clock()
-            had_work = sched.has_work()
-            tokens_before = engine.stats.batched_tokens
-            outputs = engine.step()
-            if had_work:
-                seconds = clock() - start
-                busy += seconds
-                steps += 1
-                tally.add(engine.stats.batched_tokens - tokens_before, seconds)
-            done = sum(1 for o in outputs if o.finished)
-            if done:
-                finished += done
-                bar.update(done)
-            continue
-        wake = [t0 + prepared[i][0].arrival_time] if i < len(prepared) else []
-        due = engine.next_wakeup()
-        if due is not None:
-            wake.append(due)
-        if wake:
-            time.sleep(max(0.0, min(min(wake), next_sample) - clock()))
-    end = max((r.finish_time for r in requests if r.finish_time is not None), default=clock())
-    return requests, t0, end, busy, steps, tally, (times, dev, host)
+            next_sample[0] = now + options.sample_interval_s
+
+    def progress(touched) -> None:
+        bar.update(sum(1 for r in {id(r): r for r in touched}.values() if r.is_finished))
+
+    total_requests = len(requests)
+    engine.core.run(done=lambda: engine.stats.requests == total_requests and not engine.has_unfinished(),
+                    arrivals=requests, observe=observe, on_outputs=progress,
+                    idle=lambda until: engine.idle(min(until, next_sample[0]) if until is not None else next_sample[0]))
+    end = max((r.finish_time for r in requests if r.finish_time is not None), default=engine.clock.now())
+    return requests, t0, end, (times, dev, host)

@@ -1,6 +1,6 @@
 """Replay a workload under several policies and rates; collect and write results.
 
-``simulate`` runs the ``SimExecutor``; ``jaxserve.replay.engine_runner``
+``simulate`` runs the simulator (``jaxserve.replay.simulate``); ``jaxserve.replay.engine_replay``
 runs the real engine (imported lazily: it needs JAX). Both produce
 ``RunCurves`` whose ``row`` is one ``results.json`` object, and
 ``write_outputs`` writes ``results.json``, ``summary.md`` and the plots.
@@ -17,7 +17,8 @@ from typing import Iterator, Sequence
 
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
 from jaxserve.replay.plots import RunCurves, write_plots
-from jaxserve.replay.sim import SimConfig, SimExecutor, StepTimer, build_scheduler
+from jaxserve.executor.sim import StepTimer
+from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadSpec, make_workload
 from scheduler import CostModel, Handling, make_policy, make_predictor
@@ -133,15 +134,15 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
         predictor = make_predictor(config.predictor, seed=config.seed)
         policy = make_policy(run.policy, predictor=predictor, **config.policy_options)
         sched = build_scheduler(cost, policy, sim)
-        executor = SimExecutor(sched, cost, sample_interval_s=sim.sample_interval_s,
-                               check_invariants=sim.check_invariants, step_model=sim.step_model,
-                               step_time_scale=sim.step_time_scale)
         with tqdm(total=len(requests), desc=run.label, unit="req", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
             def tick(n: int, now: float, bar=bar) -> None:
                 bar.update(n)
                 bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
-            result = executor.run(requests, horizon_s=config.horizon_s, progress=tick)
+            result = run_simulation(sched, cost, requests, horizon_s=config.horizon_s, progress=tick,
+                                    sample_interval_s=sim.sample_interval_s,
+                                    check_invariants=sim.check_invariants, step_model=sim.step_model,
+                                    step_time_scale=sim.step_time_scale)
         makespan = result.end_time_s
         window = measurement_window(run.spec, makespan)
         if config.horizon_s is not None:
@@ -149,7 +150,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
         row, per_request = summarize_run(run.policy, run.rate, config, result.requests, run.kinds,
                                          window, makespan, slo)
         row.update({
-            "executor": "sim", "profile": cost.name, "step_model": executor.t_fwd.model,
+            "executor": "sim", "profile": cost.name, "step_model": StepTimer(cost, sim.step_model).model,
             "step_time_scale": sim.step_time_scale,
             "steps": result.num_steps, "batched_tokens": result.batched_tokens,
             "mean_step_s": result.mean_step_s, "steps_by_bucket": result.steps_by_bucket.as_row(),

@@ -1,7 +1,8 @@
-"""Runs API calls concurrently with the engine loop and hands results back at
-step boundaries.
+"""``ApiCalls``: the API calls in flight. Runs them concurrently with the
+engine loop and hands results back at step boundaries (``poll(now)``).
 
-Three kinds: simulated calls (a timer: return given tokens after a duration),
+Three kinds: simulated calls (a timer on the engine's clock: return given
+tokens, or just a token count in the simulator, after a duration),
 registered tools (sync callables on a thread pool, async ones on an event loop
 thread; each with a timeout), and external calls resumed by the caller
 (``resume``). A tool that raises or times out yields an error text as its
@@ -21,13 +22,22 @@ from jaxserve.tools import Tool, call_arguments
 
 @dataclass
 class ApiResult:
+    """A returned call. Exactly one of ``token_ids``/``text``/``error`` is the
+    result, or none when only ``num_tokens`` is known (the simulator);
+    ``time`` is when it returned on the engine's clock (a timer's due time;
+    None: when polled)."""
+
     request_id: str
-    token_ids: list[int] | None = None   # given directly (simulated, or resume with ids)
-    text: str | None = None              # to be tokenized by the engine
+    token_ids: list[int] | None = None   # given directly (declared calls, or resume with ids)
+    text: str | None = None              # to be tokenized (and wrapped) by the engine's front end
     error: str | None = None
+    num_tokens: int = 0                  # returned tokens when no ids are known (simulator)
+    time: float | None = None
 
 
-class ApiExecutor:
+class ApiCalls:
+    """Timers, tool futures and external waits, keyed by request id."""
+
     def __init__(self, max_workers: int = 16) -> None:
         self._timers: list[tuple[float, int, ApiResult]] = []
         self._seq = 0
@@ -39,9 +49,13 @@ class ApiExecutor:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -------------------------------------------------------------- submit
-    def call_simulated(self, request_id: str, due_time: float, token_ids: list[int]) -> None:
+    def call_simulated(self, request_id: str, due_time: float, token_ids: list[int] | None,
+                       num_tokens: int = 0) -> None:
+        """A call that returns ``token_ids`` (or, without ids, ``num_tokens``) at ``due_time``."""
         self._seq += 1
-        heapq.heappush(self._timers, (due_time, self._seq, ApiResult(request_id, token_ids=list(token_ids))))
+        result = ApiResult(request_id, token_ids=None if token_ids is None else list(token_ids),
+                           num_tokens=len(token_ids) if token_ids is not None else num_tokens, time=due_time)
+        heapq.heappush(self._timers, (due_time, self._seq, result))
 
     def call_tool(self, request_id: str, tool: Tool, arguments: str, now: float) -> None:
         try:

@@ -1,0 +1,308 @@
+"""``EngineCore``: the one engine step and the one loop (DESIGN section 3).
+
+One ``step()``:
+
+1. deliver the API calls that returned (``ApiCalls.poll``) -> ``Scheduler.api_return``;
+2. ``plan = scheduler.schedule(now)``;
+3. ``result = executor.execute(plan)`` — the model executor (JAX) or the
+   simulated one (cost model + clock);
+4. ``events = scheduler.update(plan, result, now)`` — stop rules, declared
+   API pauses, finishes;
+5. the front end (if any) applies what needs text (stop strings, parsed tool
+   calls) to the events; declared calls get their return timers.
+
+``run()`` is the only loop: ``LLM.generate``, ``AsyncEngine``, the real-engine
+replay and the simulator all drive the core through it, and differ only in
+their clock (wall or simulated), their executor and a few hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from jaxserve.api_calls import ApiCalls, ApiResult
+from scheduler import EventKind, Request, RequestEvent, Scheduler, StepPlan, StepResult
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+    def sleep_until(self, t: float) -> None: ...
+
+
+class WallClock:
+    """Seconds of ``time.monotonic``; sleeping really sleeps."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - time.monotonic()))
+
+
+class SimClock:
+    """Simulated seconds: executors ``advance`` it by a step's cost; sleeping jumps."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    def sleep_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+class Executor(Protocol):
+    """Applies a plan (swaps, then one forward over the batch)."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def release(self, request: Request) -> None:
+        """Forget executor-side state of an ended request (host copies of its pages)."""
+
+
+class Frontend(Protocol):
+    """The text layer over token events (the real engine's ``LLMEngine``)."""
+
+    def on_event(self, event: RequestEvent, now: float) -> None:
+        """Apply what needs text to a request that produced a token (stop strings, tool calls)."""
+
+    def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
+        """The context tokens of a returned call whose result is text or an error."""
+
+
+class StepTally:
+    """Steps counted by the power-of-two token bucket of their batched tokens
+    (``0`` for a step that only copies KV), with their total seconds — the same
+    tally for the engine's wall-clock steps and the simulator's simulated ones,
+    so their step times can be compared bucket by bucket."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self) -> None:
+        self._table: dict[int, list] = {}
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        bucket = 0 if num_tokens <= 0 else 1 << (num_tokens - 1).bit_length()
+        entry = self._table.get(bucket)
+        if entry is None:
+            entry = self._table[bucket] = [0, 0.0]
+        entry[0] += 1
+        entry[1] += seconds
+
+    def as_row(self) -> dict[str, dict]:
+        """``{"<bucket>": {"steps": count, "mean_s": seconds per step}}``, buckets ascending."""
+        return {str(b): {"steps": c, "mean_s": t / c} for b, (c, t) in sorted(self._table.items())}
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (tokens, pages, requests, steps)."""
+
+    requests: int = 0              # requests added
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    batched_tokens: int = 0        # query tokens run through the model, all steps
+    recomputed_tokens: int = 0     # tokens whose KV was computed before and computed again
+    swapped_out_pages: int = 0
+    swapped_in_pages: int = 0
+    finished: dict = field(default_factory=dict)   # finish reason -> count
+    steps: int = 0                 # steps that ran a non-empty plan
+    step_time_s: float = 0.0       # wall seconds inside step()
+    busy_time_s: float = 0.0       # clock seconds of the steps that ran (simulated seconds in the simulator)
+    steps_by_bucket: StepTally = field(default_factory=lambda: StepTally())
+
+
+class EngineCore:
+    """A scheduler, an executor, the API calls in flight and a clock.
+
+    ``frontend`` (optional) turns token events into text-level decisions;
+    without one (the simulator) only token-count rules apply.
+    ``check_invariants`` checks the page invariants after every step (tests).
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, clock: Clock, *,
+                 api: ApiCalls | None = None, frontend: Frontend | None = None,
+                 check_invariants: bool = False) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        self.api = api if api is not None else ApiCalls()
+        self.frontend = frontend
+        self.check_invariants = check_invariants
+        self.stats = EngineStats()
+        self.last_step_ran = False   # whether the latest step() ran a non-empty plan
+
+    # --------------------------------------------------------------- requests
+    def add(self, request: Request, now: float | None = None) -> None:
+        """Queue ``request`` (arrived at ``now``, default: the clock's now)."""
+        self.scheduler.add_request(request, self.clock.now() if now is None else now)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += request.prompt_len
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a live request and free everything it holds; None if unknown or ended."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End ``request`` with ``reason`` ("stop", "length", "abort", ...); no-op if it has ended."""
+        if request.is_finished:
+            return
+        self.scheduler.finish(request, reason, self.clock.now())
+        self._released(request)
+
+    def _released(self, request: Request) -> None:
+        """Free what a request that just ended holds outside the scheduler."""
+        if request.pending_tool_call is not None or (request.api_calls and not request.api_returned):
+            self.api.cancel(request.request_id)
+        self.executor.release(request)
+        request.pending_tool_call = None
+        self.stats.finished[request.finish_reason] = self.stats.finished.get(request.finish_reason, 0) + 1
+
+    # ------------------------------------------------------------------ state
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def has_work(self, now: float) -> bool:
+        """True when a step could make progress now (runnable requests, or API results ready)."""
+        return self.scheduler.has_work() or self.api.poll_ready(now)
+
+    def next_wakeup(self) -> float | None:
+        """When something could next happen while nothing can run (API timers, tool deadlines)."""
+        return self.api.next_due()
+
+    # ------------------------------------------------------------------- step
+    def deliver_api_results(self, now: float) -> list[Request]:
+        """Hand every returned call to its request; returns the requests touched."""
+        touched = []
+        sched = self.scheduler
+        for result in self.api.poll(now):
+            request = sched.requests.get(result.request_id)
+            if request is None or request.request_id not in sched.paused or request.api_returned:
+                continue   # aborted meanwhile
+            request.pending_tool_call = None
+            if result.token_ids is not None:
+                ids = [int(t) for t in result.token_ids]
+            elif result.text is not None or result.error is not None:
+                if result.error is not None:
+                    request.api_calls[-1].error = result.error
+                ids = self.frontend.result_token_ids(request, result) if self.frontend else []
+            else:
+                ids = None
+            t = now if result.time is None else result.time
+            n = len(ids) if ids is not None else result.num_tokens
+            if sched.api_return(request, n, t, ids):
+                self._released(request)
+            touched.append(request)
+        return touched
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests whose state or output changed."""
+        start = time.perf_counter()
+        now = began = self.clock.now()
+        touched = self.deliver_api_results(now)
+        sched = self.scheduler
+        plan = sched.schedule(now)
+        self.last_step_ran = not plan.is_empty
+        if not self.last_step_ran:
+            return touched
+        result = self.executor.execute(plan)
+        now = self.clock.now()
+        self._account(plan)
+        events = sched.update(plan, result, now)
+        frontend = self.frontend
+        for event in events:
+            request = event.request
+            touched.append(request)
+            self.stats.generation_tokens += 1
+            if event.kind is EventKind.FINISHED:
+                self._released(request)
+            if frontend is not None:
+                frontend.on_event(event, now)
+            if event.kind is EventKind.API_CALL and not request.is_finished:
+                seg = event.segment
+                self.api.call_simulated(request.request_id, now + seg.api_duration_s, seg.returned_token_ids,
+                                        seg.num_returned_tokens)
+        if self.check_invariants:
+            sched.check_invariants()
+        stats = self.stats
+        stats.steps += 1
+        stats.step_time_s += time.perf_counter() - start
+        elapsed = result.elapsed_s or self.clock.now() - began
+        stats.busy_time_s += elapsed
+        stats.steps_by_bucket.add(plan.num_batched_tokens, elapsed)
+        return touched
+
+    def _account(self, plan: StepPlan) -> None:
+        stats = self.stats
+        if plan.swap_out:
+            stats.swapped_out_pages += sum(len(op.device_pages) for op in plan.swap_out)
+        if plan.swap_in:
+            stats.swapped_in_pages += sum(len(op.device_pages) for op in plan.swap_in)
+        for chunk in plan.chunks:
+            request, end = chunk.request, chunk.start + chunk.num_tokens
+            stats.batched_tokens += chunk.num_tokens
+            if chunk.start < request.max_computed_tokens:
+                stats.recomputed_tokens += min(end, request.max_computed_tokens) - chunk.start
+            if end > request.max_computed_tokens:
+                request.max_computed_tokens = end
+
+    # ------------------------------------------------------------------- loop
+    def run(self, *, done: Callable[[], bool], arrivals: Iterable[Request] = (),
+            on_outputs: Callable[[list[Request]], None] | None = None,
+            observe: Callable[[float], None] | None = None,
+            idle: Callable[[float | None], None] | None = None) -> None:
+        """The engine loop: until ``done()``, add the ``arrivals`` that are due
+        (by ``arrival_time`` on this core's clock), deliver returned calls,
+        step while there is work, else ``idle(t)`` until ``t`` — the next
+        arrival or API timer (``None``: nothing is scheduled to happen).
+
+        Hooks: ``observe(now)`` once per pass, after arrivals and returns are
+        delivered (sampling, progress, commands from other threads);
+        ``on_outputs(requests)`` with the requests each pass touched;
+        ``idle`` defaults to sleeping on the clock (a jump on a simulated one;
+        ``None`` there sleeps 1 ms).
+        """
+        pending = deque(sorted(arrivals, key=lambda r: r.arrival_time))
+        clock = self.clock
+        idle = idle or self._sleep
+        while True:
+            now = clock.now()
+            while pending and pending[0].arrival_time <= now:
+                request = pending.popleft()
+                self.add(request, request.arrival_time)
+            touched = self.deliver_api_results(now)
+            if observe is not None:
+                observe(now)
+            if done():
+                if touched and on_outputs is not None:
+                    on_outputs(touched)
+                return
+            ran = False
+            if self.scheduler.has_work():
+                touched += self.step()
+                ran = self.last_step_ran
+            if touched and on_outputs is not None:
+                on_outputs(touched)
+            if ran or self.api.poll_ready(clock.now()):
+                continue
+            wake = self.next_wakeup()
+            if pending and (wake is None or pending[0].arrival_time < wake):
+                wake = pending[0].arrival_time
+            idle(wake)
+
+    def _sleep(self, until: float | None) -> None:
+        self.clock.sleep_until(self.clock.now() + 0.001 if until is None else until)
+
+
+__all__ = ["Clock", "EngineCore", "EngineStats", "Executor", "Frontend", "SimClock", "WallClock"]
