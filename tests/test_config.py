@@ -1,0 +1,91 @@
+"""EngineConfig: one place for engine settings, their defaults, checks and flags."""
+
+import argparse
+import dataclasses
+import time
+
+import pytest
+
+from jaxserve.cli import apply_env_defaults, build_parser
+from jaxserve.config import ATTENTION_IMPLS, DEFAULT_POLICY, EngineConfig
+
+BAD_SETTINGS = [
+    ("page_size", 3), ("page_size", 0), ("num_pages", 0), ("num_host_pages", -1), ("max_model_len", 0),
+    ("max_num_batched_tokens", -5), ("max_num_seqs", 0), ("swap_budget_tokens", 0), ("seed", -1),
+    ("dtype", "int8"), ("load_format", "pickle"), ("attention_impl", "flash"), ("handling", "keep"),
+    ("policy", "lifo"), ("predictor", "psychic"), ("tool_parser", "xml"), ("max_num_seqs", True),
+]
+
+# Settings whose default a subcommand changes on purpose (documented in its --help).
+SUBCOMMAND_DEFAULTS = {("profile", "num_pages"): 512}
+
+
+@pytest.mark.parametrize("name,value", BAD_SETTINGS)
+def test_every_invalid_setting_is_a_value_error_naming_the_field(name, value):
+    with pytest.raises(ValueError) as err:
+        EngineConfig(**{name: value})
+    assert str(err.value).startswith(name), str(err.value)
+
+
+def test_bad_setting_is_refused_before_any_model_is_loaded():
+    from jaxserve import LLM
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="^page_size"):
+        LLM("/nonexistent/checkpoint", page_size=12)   # the path is never looked at
+    assert time.perf_counter() - start < 5
+
+
+def test_unknown_override_names_the_known_settings():
+    with pytest.raises(ValueError, match="unknown engine setting.*host_num_pages"):
+        EngineConfig().replace(host_num_pages=4)
+
+
+def test_attention_impls_match_the_kernels():
+    import kernels
+
+    assert set(ATTENTION_IMPLS) == set(kernels.IMPLS)
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_subcommand_has_the_same_engine_flags_and_defaults():
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli")}
+    seen = {}
+    for name, sub in _subparsers().items():
+        dests = {a.dest: a.default for a in sub._actions}
+        shared = {k: v for k, v in dests.items() if k in defaults}
+        assert shared, f"{name} builds no engine flags from EngineConfig"
+        seen[name] = set(shared)
+        for key, value in shared.items():
+            assert value == SUBCOMMAND_DEFAULTS.get((name, key), defaults[key]), (name, key, value)
+    # The flags every engine-building subcommand shares:
+    for name in ("serve", "generate", "profile", "bench", "replay"):
+        assert {"page_size", "num_pages", "max_num_batched_tokens", "dtype"} <= seen[name], name
+    assert DEFAULT_POLICY == "infercept" and defaults["policy"] == DEFAULT_POLICY
+
+
+def test_env_vars_set_engine_defaults_in_every_subcommand():
+    parser = build_parser()
+    apply_env_defaults(parser, {"JAXSERVE_PAGE_SIZE": "32", "JAXSERVE_WARMUP": "false"})
+    for name in ("serve", "generate", "profile"):
+        argv = [name] + (["demo"] if name in ("serve",) else [])
+        args = parser.parse_args(argv)
+        config = EngineConfig.from_cli(args)
+        assert config.page_size == 32 and config.warmup is False, name
+
+
+def test_from_cli_round_trip_and_overrides():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["demo", "--policy", "lamps", "--num-pages", "64", "--no-compilation-cache",
+                              "--handling", "swap"])
+    config = EngineConfig.from_cli(args, seed=7)
+    assert (config.model, config.policy, config.num_pages, config.compilation_cache, config.handling,
+            config.seed) == ("demo", "lamps", 64, False, "swap", 7)
+    assert config.batched_tokens == EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
