@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jaxserve.api_executor import ApiExecutor
+from jaxserve.api_calls import ApiCalls
 from jaxserve.tool_parser import HermesToolParser, make_tool_parser
 from jaxserve.tools import Tool, calculator, evaluate_arithmetic, normalize_tools
 
@@ -40,7 +40,7 @@ def test_hermes_parser_fires_once_per_complete_call_across_deltas():
     assert bad is not None and bad.name == ""
 
 
-def wait_results(ex: ApiExecutor, n: int, timeout: float = 5.0):
+def wait_results(ex: ApiCalls, n: int, timeout: float = 5.0):
     out, start = [], time.monotonic()
     while len(out) < n and time.monotonic() - start < timeout:
         out += ex.poll(time.monotonic())
@@ -60,7 +60,7 @@ def test_executor_runs_sync_and_async_tools_and_reports_failures_and_timeouts():
         time.sleep(2)
         return "late"
 
-    ex = ApiExecutor()
+    ex = ApiCalls()
     now = time.monotonic()
     ex.call_tool("a", Tool("calc", calculator), '{"expression": "1+1"}', now)
     ex.call_tool("b", Tool("async", async_tool), '{"x": 3}', now)
@@ -76,7 +76,7 @@ def test_executor_runs_sync_and_async_tools_and_reports_failures_and_timeouts():
 
 
 def test_external_resume_and_cancel():
-    ex = ApiExecutor()
+    ex = ApiCalls()
     ex.expect_external("x")
     assert ex.is_waiting_external("x")
     ex.resume("x", text="result")
@@ -93,7 +93,7 @@ def test_async_tool_called_with_wrong_arguments_becomes_an_error_result():
     async def needs_x(x):
         return x
 
-    ex = ApiExecutor()
+    ex = ApiCalls()
     ex.call_tool("a", Tool("needs_x", needs_x), '{"y": 1}', time.monotonic())
     [result] = wait_results(ex, 1)
     ex.shutdown()
