@@ -2,8 +2,7 @@
 place of the model.
 
 It drives the same ``scheduler.Scheduler`` the real engine drives, through the
-same calls — ``add_request``, ``api_return`` (+ ``finished_after_return``),
-``schedule``, ``on_step_done``, ``declared_event``, ``pause``/``finish`` — and
+same calls — ``add_request``, ``api_return``, ``schedule``, ``update`` — and
 only replaces "run the forward" with "advance a simulated clock".
 
 The simulator's model (see ``docs/replay.md``):
@@ -41,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from jaxserve.replay.metrics import StepTally
-from scheduler import (CostModel, Handling, PageAllocator, Policy, Request, Scheduler,
-                       SchedulerConfig, StepPlan)
+from scheduler import (CostModel, EventKind, Handling, PageAllocator, Policy, Request, Scheduler,
+                       SchedulerConfig, StepPlan, StepResult)
 
 STEP_MODELS = ("linear", "buckets", "auto")
 
@@ -249,7 +248,7 @@ class SimExecutor:
         device_pool, host_pool = sched.device_pool, sched.host_pool
         t_fwd = self.t_fwd
         add_request, api_return, schedule = sched.add_request, sched.api_return, sched.schedule
-        on_step_done, declared_event = sched.on_step_done, sched.declared_event
+        update, no_tokens = sched.update, StepResult()
         heappush, heappop = heapq.heappush, heapq.heappop
 
         while True:
@@ -259,9 +258,7 @@ class SimExecutor:
                 next_arrival += 1
             while returns and returns[0][0] <= now:
                 t, _, r, num_returned = heappop(returns)
-                api_return(r, num_returned, t)
-                if sched.finished_after_return(r):
-                    sched.finish(r, "stop", t)
+                if api_return(r, num_returned, t):
                     finished += 1
             if horizon_s is not None and now >= horizon_s:
                 break
@@ -307,19 +304,13 @@ class SimExecutor:
             busy += dt
             now += dt
             steps += 1
-            for r in on_step_done(plan, now):
-                event = declared_event(r)
-                if event is None:
-                    continue
-                if event == "api":
-                    seg = r.current_segment
-                    # As the engine does for a declared call: pass its duration; policies
-                    # that use a predictor (noisy, elapsed, ...) ask it first.
-                    sched.pause(r, now, seg.api_type, seg.api_duration_s)
+            for event in update(plan, no_tokens, now):
+                if event.kind is EventKind.API_CALL:   # update() paused it; its call's segment is behind it now
+                    r = event.request
+                    seg = r.segments[r.segment_index - 1]
                     seq += 1
                     heappush(returns, (now + seg.api_duration_s, seq, r, seg.num_returned_tokens))
-                else:
-                    sched.finish(r, event, now)
+                elif event.kind is EventKind.FINISHED:
                     finished += 1
             if self.check_invariants:
                 sched.check_invariants()

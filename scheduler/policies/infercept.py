@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from scheduler.cost_model import CostModel, waste_discard_chunked, waste_preserve, waste_swap
 from scheduler.plan import MemoryView
-from scheduler.policies.fcfs import FcfsOrder
-from scheduler.policies.base import register_policy
-from scheduler.request import Handling, Request, RequestState
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+from scheduler.policies.base import Policy, register_policy
+from scheduler.request import Handling, Request
 
 
 def min_waste_choice(cost: CostModel, context_tokens: int, other_tokens: int, num_running: int,
@@ -42,7 +36,7 @@ def min_waste_handling(request: Request, view: MemoryView, api_duration_s: float
 
 
 @register_policy("infercept")
-class InferceptPolicy(FcfsOrder):
+class InferceptPolicy(Policy):
     """Min-waste handling chosen when the call happens; FCFS by original arrival
     (a returning request keeps its arrival time); the swap-out budget goes to
     the paused requests with the largest waste first.
@@ -52,13 +46,9 @@ class InferceptPolicy(FcfsOrder):
     has one, or the predictor is ``elapsed``): it is estimated as
     ``t_now − t_call``, which is 0 at the call, so the call starts under
     Preserve; every step the choice is re-made with the grown estimate, and
-    once Discard or Swap wastes less the request is switched
-    (``Scheduler.change_handling``) — seed 003 §4.4.
+    once Discard or Swap wastes less the request is switched (``redecide``;
+    the scheduler applies it) — seed 003 §4.4.
     """
-
-    def __init__(self, predictor=None, **options) -> None:
-        super().__init__(predictor, **options)
-        self._watch: dict[str, Request] = {}   # Preserve calls with an elapsed-time estimate
 
     def handling(self, request: Request, view: MemoryView, now: float,
                  api_duration_s: float | None) -> Handling:
@@ -68,32 +58,23 @@ class InferceptPolicy(FcfsOrder):
         unknown = duration is None or self.predictor.grows_while_waiting
         best, waste = min_waste_handling(request, view, duration or 0.0)
         request.policy_state["waste"] = waste
-        if best == Handling.PRESERVE and unknown:
-            self._watch[request.request_id] = request
+        # Re-decided every step (``redecide``) while the call lasts: its estimate grows.
+        request.policy_state["watch_elapsed"] = best == Handling.PRESERVE and unknown
         return best
 
-    def on_step(self, scheduler: "Scheduler", now: float) -> None:
-        super().on_step(scheduler, now)
-        if not self._watch:
-            return
-        view = scheduler.view()
-        for rid, request in list(self._watch.items()):
-            if request.state != RequestState.PAUSED or request.api_returned or not request.device_pages:
-                del self._watch[rid]
-                continue
-            elapsed = max(0.0, now - request.api_calls[-1].call_time)
-            c_i = request.num_computed_tokens
-            swap_ok = view.free_host_pages * view.page_size >= c_i
-            best, waste = min_waste_choice(view.cost, c_i, view.running_tokens, view.num_running,
-                                           elapsed, swap_ok)
-            request.policy_state["waste"] = waste
-            if best != Handling.PRESERVE:
-                del self._watch[rid]
-                scheduler.change_handling(request, best, now)
-                view = scheduler.view()
-
-    def on_finish(self, request: Request, now: float) -> None:
-        self._watch.pop(request.request_id, None)
+    def redecide(self, request: Request, now: float, view: MemoryView) -> Handling | None:
+        if not request.policy_state.get("watch_elapsed"):
+            return None
+        elapsed = max(0.0, now - request.api_calls[-1].call_time)
+        c_i = request.num_computed_tokens
+        swap_ok = view.free_host_pages * view.page_size >= c_i
+        best, waste = min_waste_choice(view.cost, c_i, view.running_tokens, view.num_running,
+                                       elapsed, swap_ok)
+        request.policy_state["waste"] = waste
+        if best == Handling.PRESERVE:
+            return None
+        request.policy_state["watch_elapsed"] = False
+        return best
 
     def order_swap_out(self, swapping: list[Request], view: MemoryView) -> list[Request]:
         return sorted(swapping, key=lambda r: -r.policy_state.get("waste", 0.0))
