@@ -129,6 +129,10 @@ class Scheduler:
         """The waiting queue in the order ``schedule()`` admits from it."""
         return self._ranked.ordered()
 
+    def admission_key(self, request: Request) -> tuple | None:
+        """The key ``request`` is filed under in the waiting queue (None: not waiting)."""
+        return self._ranked.key(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
