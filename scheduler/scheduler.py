@@ -16,8 +16,7 @@ them only through the scheduler's methods.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
 from scheduler.kv_manager import KVManager
 from scheduler.pages import PageAllocator
@@ -25,42 +24,7 @@ from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, 
 from scheduler.policies.base import Policy, PolicyContext
 from scheduler.queues import RankedQueue, RequestQueue
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState
-from scheduler.token_budget import TOKEN_BUDGET_MODES, DynamicBudget
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Per-step limits. Tokens are query tokens batched into one forward.
-
-    ``token_budget`` picks the per-step token limit for every policy:
-    ``"policy"`` (default) lets the policy decide (``augserve`` and any policy
-    built with ``token_budget="dynamic"`` use AugServe's dynamic budget, the
-    others ``max_num_batched_tokens``), ``"static"`` always uses
-    ``max_num_batched_tokens``, ``"dynamic"`` always uses the dynamic budget
-    (``scheduler.token_budget``) with ``budget_gamma``/``budget_beta_low``/
-    ``budget_beta_high`` and ``max_num_batched_tokens`` as ``target_max``.
-    """
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    swap_budget_tokens: int = 512      # KV tokens copied host<->device per step (both ways together)
-    handling: Handling | None = None   # force one handling for every call; None = the policy decides
-    token_budget: str = "policy"       # "policy" | "static" | "dynamic"
-    budget_gamma: float = 1.0
-    budget_beta_low: float = 0.25
-    budget_beta_high: float = 1.0
-    max_model_len: int | None = None   # context limit in tokens (None: unlimited, as in the simulator)
-
-    def __post_init__(self) -> None:
-        if self.token_budget not in TOKEN_BUDGET_MODES:
-            raise ValueError(f"token_budget must be one of {TOKEN_BUDGET_MODES}, got {self.token_budget!r}")
-        DynamicBudget(self.budget_gamma, self.budget_beta_low, self.budget_beta_high)  # validates
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError("max_num_batched_tokens must be > 0")
-        if self.max_num_seqs <= 0:
-            raise ValueError("max_num_seqs must be > 0")
-        if self.swap_budget_tokens <= 0:
-            raise ValueError("swap_budget_tokens must be > 0")
+from scheduler.token_budget import DynamicBudget
 
 
 class Scheduler:
@@ -112,18 +76,13 @@ class Scheduler:
     def page_size(self) -> int:
         return self.kv.page_size
 
-    def view(self) -> MemoryView:
-        return MemoryView(
-            free_device_pages=self.kv.device_pool.num_free,
-            total_device_pages=self.kv.device_pool.num_pages,
-            free_host_pages=self.kv.host_pool.num_free,
-            total_host_pages=self.kv.host_pool.num_pages,
-            page_size=self.page_size,
-            running_tokens=sum(r.num_tokens for r in self.running),
-            num_running=len(self.running),
-            paused_device_pages=self.kv.paused_device_pages(),
-            cost=self.cost,
-        )
+    def view(self, running_tokens: int | None = None) -> MemoryView:
+        """Memory now; ``running_tokens`` defaults to the running batch's context tokens."""
+        if running_tokens is None:
+            running_tokens = sum(r.num_tokens for r in self.running)
+        device, host = self.kv.device_pool, self.kv.host_pool
+        return MemoryView(device.num_free, device.num_pages, host.num_free, host.num_pages, self.page_size,
+                          running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost)
 
     def admission_order(self) -> list[Request]:
         """The waiting queue in the order ``schedule()`` admits from it."""
@@ -402,18 +361,7 @@ class Scheduler:
         if not self.waiting:
             return
         kv = self.kv
-        # Memory after the running batch took its pages (running tokens as at the step's start).
-        view = MemoryView(
-            free_device_pages=kv.device_pool.num_free,
-            total_device_pages=step_view.total_device_pages,
-            free_host_pages=kv.host_pool.num_free,
-            total_host_pages=step_view.total_host_pages,
-            page_size=step_view.page_size,
-            running_tokens=step_view.running_tokens,
-            num_running=len(self.running),
-            paused_device_pages=kv.paused_device_pages(),
-            cost=self.cost,
-        )
+        view = self.view(step_view.running_tokens)   # after the running batch took its pages
         for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break

@@ -140,3 +140,17 @@ def test_duplicate_id_and_abort_free_pages():
     assert sched.abort("x", 0.1) is None
     assert sched.device_pool.num_free == sched.device_pool.num_pages
     sched.check_invariants()
+
+
+def test_policy_binds_to_one_scheduler_and_with_kv_uses_the_given_manager():
+    from scheduler.kv_manager import KVManager
+    policy = make_policy("lamps")
+    kv = KVManager(PageAllocator(8, 4), PageAllocator(8, 4, "host"))
+    sched = Scheduler.with_kv(SchedulerConfig(max_num_batched_tokens=16), policy, kv, COST)
+    assert sched.kv is kv and sched.device_pool is kv.device_pool and policy.context.page_size == 4
+    with pytest.raises(ValueError, match="already bound"):
+        Scheduler(SchedulerConfig(), policy, PageAllocator(8, 4), PageAllocator(8, 4, "host"), COST)
+    r = Request("a", 0.0, prompt_len=6, max_tokens=1)
+    sched.add_request(r, 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.0)
+    assert r.state == RequestState.FINISHED and kv.device_pool.num_free == 8
