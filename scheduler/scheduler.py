@@ -177,8 +177,8 @@ class Scheduler:
             request.segment_index += 1
             request.segment_generated = 0
         request.state = RequestState.PAUSED
-        request.handling = request.api_calls[-1].handling = chosen
         if chosen == Handling.PRESERVE:
+            request.handling = Handling.PRESERVE
             self.kv.hold_paused(request)
         else:
             self._release_paused_kv(request, chosen)
@@ -192,6 +192,7 @@ class Scheduler:
             if request.device_pages and self.kv.start_swap_out(request):
                 request.state = RequestState.SWAPPING_OUT
                 self.swapping_out.append(request)
+                request.handling = record.handling = handling
                 return
             if request.device_pages:
                 record.fell_back_from = Handling.SWAP

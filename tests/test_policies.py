@@ -344,6 +344,21 @@ def test_infercept_elapsed_estimate_switches_a_long_call_off_preserve():
     assert a.api_calls[-1].handling == Handling.DISCARD
 
 
+def test_infercept_elapsed_switch_to_swap_is_recorded_on_the_call():
+    sched = make_scheduler(make_policy("infercept", predictor="elapsed"), host_pages=256, budget=64)
+    a = Request("a", 0.0, prompt_len=40, max_tokens=3, segments=[Segment(1, "x"), Segment(2)])
+    sched.add_request(a, 0.0)
+    step(sched, 0.0)
+    assert a.handling == Handling.PRESERVE and a.device_pages
+    now = 0.0
+    while a.handling == Handling.PRESERVE:
+        now += 0.01
+        assert now < 5, "never switched"
+        step(sched, now)
+    assert a.handling == Handling.SWAP and a.api_calls[-1].handling == Handling.SWAP
+    assert a.api_calls[-1].fell_back_from is None and a.host_pages
+
+
 def test_infercept_swap_budget_goes_to_largest_waste_first():
     pol = make_policy("infercept")
     r1, r2 = Request("r1", 0, 4, 1), Request("r2", 0, 4, 1)
