@@ -16,6 +16,8 @@ them only through the scheduler's methods.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
 from scheduler.kv_manager import KVManager
@@ -51,6 +53,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.now = 0.0                          # time passed to the latest schedule()/event
         self._ranked = RankedQueue()            # ``waiting`` in admission order, keyed by ``policy.priority``
+        self._preserved = MappingProxyType(self.kv.paused_holders)   # what ``policy.redecide`` may read
         self._dynamic_budget = DynamicBudget(config.budget_gamma, config.budget_beta_low,
                                              config.budget_beta_high)
         policy.bind(PolicyContext(cost, config.max_num_batched_tokens, config.swap_budget_tokens,
@@ -61,6 +64,7 @@ class Scheduler:
         """A scheduler over an existing ``KVManager`` (its pools and holder indexes)."""
         sched = cls(config, policy, kv.device_pool, kv.host_pool, cost)
         sched.kv = kv
+        sched._preserved = MappingProxyType(kv.paused_holders)
         return sched
 
     # ------------------------------------------------------------------ views
@@ -240,16 +244,11 @@ class Scheduler:
         self._enqueue(request, self.now)
 
     def _redecide_paused(self, now: float) -> None:
-        """Let the policy switch requests paused under Preserve (``Policy.redecide``)."""
-        if not self.kv.paused_holders or type(self.policy).redecide is Policy.redecide:
-            return
-        view = self.view()
-        for request in list(self.kv.paused_holders.values()):
-            handling = self.policy.redecide(request, now, view)
-            if handling is not None and handling != Handling.PRESERVE:
+        """Apply the policy's switches of calls paused under Preserve (``Policy.redecide``)."""
+        for request, handling in self.policy.redecide(now, self._preserved, self.view):
+            if handling != Handling.PRESERVE and request.request_id in self.kv.paused_holders:
                 self.kv.release(request)
                 self._release_paused_kv(request, handling)
-                view = self.view()
 
     # ------------------------------------------------------------- schedule
     def schedule(self, now: float) -> StepPlan:
@@ -274,7 +273,7 @@ class Scheduler:
             ranked.clear()
             for r in requests:
                 ranked.add(r, policy.priority(r, now, None))
-        for r in policy.on_step(now, self.iteration, self.view()):
+        for r in policy.on_step(now, self.iteration):
             if r in ranked:
                 ranked.add(r, policy.priority(r, now, None))
         self._redecide_paused(now)
@@ -362,12 +361,13 @@ class Scheduler:
         if not self.waiting:
             return
         kv = self.kv
+        pool = kv.device_pool
         view = self.view(step_view.running_tokens)   # after the running batch took its pages
         for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
             if request.state == RequestState.SWAPPED:
-                while not kv.device_pool.can_allocate(len(request.host_pages)) and \
+                while not pool.can_allocate(len(request.host_pages)) and \
                         self._evict_idle_holder(request, now, view):
                     pass
                 if not kv.start_swap_in(request):
@@ -386,9 +386,9 @@ class Scheduler:
                 continue
             n = min(request.num_uncomputed_tokens, budget)
             need = kv.pages_needed(request, n)
-            while need > kv.num_free_device and self._evict_idle_holder(request, now, view):
+            while need > pool.num_free and self._evict_idle_holder(request, now, view):
                 need = kv.pages_needed(request, n)
-            if need > kv.num_free_device:
+            if need > pool.num_free:
                 break  # keep the policy's order: no skipping ahead of the head
             self._dequeue(request)
             request.state = RequestState.RUNNING

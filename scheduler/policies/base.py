@@ -10,7 +10,7 @@ given: a read-only ``PolicyContext`` (the scheduler's limits and cost model,
 given once by ``bind``) and, in each call, the time ``now``, the step
 ``iteration`` and a ``MemoryView``. Where it wants something changed, a hook
 returns it and the scheduler applies it (``on_step`` returns requests to
-re-rank; ``redecide`` returns a new handling).
+re-rank; ``redecide`` yields new handlings).
 
 The waiting queue's mechanics are the scheduler's: it files each waiting
 request under ``priority(request, now, None)`` when the request enters the
@@ -29,7 +29,7 @@ Optional hooks (all no-ops by default): ``token_budget``, ``order_running``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterable
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator, Mapping
 
 from scheduler.cost_model import CostModel
 from scheduler.plan import MemoryView, StepPlan
@@ -161,11 +161,14 @@ class Policy:
         """Which in-progress swap-outs get this step's swap budget first."""
         return swapping
 
-    def redecide(self, request: Request, now: float, view: MemoryView) -> Handling | None:
-        """Hook, every step, for each request paused under Preserve whose call is
-        out (in pause order): a new handling to switch it to (Discard frees its
-        pages, Swap starts a swap-out), or None to keep it."""
-        return None
+    def redecide(self, now: float, preserved: Mapping[str, Request],
+                 view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
+        """Hook, at the start of every step: switch calls paused under Preserve.
+        ``preserved`` (read-only) holds those requests by id, call still out
+        and KV on device. Yield ``(request, handling)`` one at a time; the
+        scheduler applies each (Discard frees the pages, Swap starts a
+        swap-out) before asking for the next, so ``view()`` is current."""
+        return iter(())
 
     def on_arrival(self, request: Request, now: float, view: MemoryView) -> None:
         """Hook: a request entered the system (before it is queued)."""
@@ -195,7 +198,7 @@ class Policy:
     def on_rescore(self, waiting: list[Request], now: float, view: MemoryView) -> None:
         """Hook: ``waiting`` (in queue order) is about to be re-filed by fresh keys."""
 
-    def on_step(self, now: float, iteration: int, view: MemoryView) -> Iterable[Request]:
+    def on_step(self, now: float, iteration: int) -> Iterable[Request]:
         """Hook, at the start of every ``schedule()``: returns requests whose key
         changed (the scheduler re-files those still waiting)."""
         return ()

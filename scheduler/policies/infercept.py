@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterator, Mapping
+
 from scheduler.cost_model import CostModel, waste_discard_chunked, waste_preserve, waste_swap
 from scheduler.plan import MemoryView
 from scheduler.policies.base import Policy, register_policy
@@ -46,9 +48,13 @@ class InferceptPolicy(Policy):
     has one, or the predictor is ``elapsed``): it is estimated as
     ``t_now − t_call``, which is 0 at the call, so the call starts under
     Preserve; every step the choice is re-made with the grown estimate, and
-    once Discard or Swap wastes less the request is switched (``redecide``;
-    the scheduler applies it) — seed 003 §4.4.
+    once Discard or Swap wastes less the request is switched (``redecide``
+    yields it; the scheduler applies it) — seed 003 §4.4.
     """
+
+    def __init__(self, predictor=None, **options) -> None:
+        super().__init__(predictor, **options)
+        self._watch: dict[str, Request] = {}   # Preserve calls with an elapsed-time estimate
 
     def handling(self, request: Request, view: MemoryView, now: float,
                  api_duration_s: float | None) -> Handling:
@@ -58,23 +64,32 @@ class InferceptPolicy(Policy):
         unknown = duration is None or self.predictor.grows_while_waiting
         best, waste = min_waste_handling(request, view, duration or 0.0)
         request.policy_state["waste"] = waste
-        # Re-decided every step (``redecide``) while the call lasts: its estimate grows.
-        request.policy_state["watch_elapsed"] = best == Handling.PRESERVE and unknown
+        if best == Handling.PRESERVE and unknown:
+            self._watch[request.request_id] = request   # re-decided every step (``redecide``)
         return best
 
-    def redecide(self, request: Request, now: float, view: MemoryView) -> Handling | None:
-        if not request.policy_state.get("watch_elapsed"):
-            return None
-        elapsed = max(0.0, now - request.api_calls[-1].call_time)
-        c_i = request.num_computed_tokens
-        swap_ok = view.free_host_pages * view.page_size >= c_i
-        best, waste = min_waste_choice(view.cost, c_i, view.running_tokens, view.num_running,
-                                       elapsed, swap_ok)
-        request.policy_state["waste"] = waste
-        if best == Handling.PRESERVE:
-            return None
-        request.policy_state["watch_elapsed"] = False
-        return best
+    def redecide(self, now: float, preserved: Mapping[str, Request],
+                 view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
+        if not self._watch:
+            return
+        current = view()
+        for rid, request in list(self._watch.items()):
+            if rid not in preserved:
+                del self._watch[rid]   # returned, evicted, switched or ended
+                continue
+            elapsed = max(0.0, now - request.api_calls[-1].call_time)
+            c_i = request.num_computed_tokens
+            swap_ok = current.free_host_pages * current.page_size >= c_i
+            best, waste = min_waste_choice(current.cost, c_i, current.running_tokens, current.num_running,
+                                           elapsed, swap_ok)
+            request.policy_state["waste"] = waste
+            if best != Handling.PRESERVE:
+                del self._watch[rid]
+                yield request, best
+                current = view()
+
+    def on_finish(self, request: Request, now: float) -> None:
+        self._watch.pop(request.request_id, None)
 
     def order_swap_out(self, swapping: list[Request], view: MemoryView) -> list[Request]:
         return sorted(swapping, key=lambda r: -r.policy_state.get("waste", 0.0))

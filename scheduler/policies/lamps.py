@@ -164,7 +164,7 @@ class LampsPolicy(Policy):
         start = request.policy_state.get("lamps_enqueued_at", iteration)
         request.waiting_iterations = max(0, iteration - start - 1)
 
-    def on_step(self, now: float, iteration: int, view: MemoryView) -> Iterable[Request]:
+    def on_step(self, now: float, iteration: int) -> Iterable[Request]:
         starved = []
         while self._deadlines and self._deadlines[0][0] <= iteration:
             _, entry, request = self._deadlines.popleft()

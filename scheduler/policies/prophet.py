@@ -89,7 +89,7 @@ class ProphetPolicy(InferceptPolicy):
     def on_dequeue(self, request: Request, iteration: int) -> None:
         request.policy_state["mlfq_entry"] = None   # its pending deadlines no longer apply
 
-    def on_step(self, now: float, iteration: int, view: MemoryView) -> Iterable[Request]:
+    def on_step(self, now: float, iteration: int) -> Iterable[Request]:
         changed = []
         while self._prefill_due and self._prefill_due[0][0] <= iteration:
             _, entry, r = self._prefill_due.popleft()
