@@ -2,75 +2,46 @@
 what happens to their pages (DESIGN section 3).
 
 Pure Python. The executor (real model or simulator) calls, per step:
-``schedule(now)`` -> applies the plan -> ``on_step_done(plan, now)`` -> for
-each request that produced a token, ``finish``/``pause`` as its stop rules say.
-API results come back through ``api_return``.
+``schedule(now)`` -> runs the plan -> ``update(plan, result, now)``, which
+applies the stop rules and pauses declared API calls. API results come back
+through ``api_return``.
 
-``waiting`` and ``running`` are ``RequestQueue``s (insertion-ordered, O(1)
-remove); read them freely but change them only through the scheduler's
-methods, which also keep the policy's ranked index in step (``on_enqueue`` /
-``on_dequeue``).
+The scheduler decides who runs (admission, preemption, API handling, stop
+rules); which pages a request holds is the ``KVManager``'s job, and the order
+of the waiting queue is the policy's ``priority``, filed in a ``RankedQueue``
+(see ``scheduler.policies.base``). ``waiting`` and ``running`` are
+``RequestQueue``s (insertion-ordered, O(1) remove); read them freely but change
+them only through the scheduler's methods.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import MappingProxyType
 
+from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
+from scheduler.kv_manager import KVManager
 from scheduler.pages import PageAllocator
-from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult, SwapOp
-from scheduler.policies.base import Policy
-from scheduler.queues import RequestQueue
+from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult
+from scheduler.policies.base import Policy, PolicyContext
+from scheduler.queues import RankedQueue, RequestQueue
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState
-from scheduler.token_budget import TOKEN_BUDGET_MODES, DynamicBudget
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Per-step limits. Tokens are query tokens batched into one forward.
-
-    ``token_budget`` picks the per-step token limit for every policy:
-    ``"policy"`` (default) lets the policy decide (``augserve`` and any policy
-    built with ``token_budget="dynamic"`` use AugServe's dynamic budget, the
-    others ``max_num_batched_tokens``), ``"static"`` always uses
-    ``max_num_batched_tokens``, ``"dynamic"`` always uses the dynamic budget
-    (``scheduler.token_budget``) with ``budget_gamma``/``budget_beta_low``/
-    ``budget_beta_high`` and ``max_num_batched_tokens`` as ``target_max``.
-    """
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    swap_budget_tokens: int = 512      # KV tokens copied host<->device per step (both ways together)
-    handling: Handling | None = None   # force one handling for every call; None = the policy decides
-    token_budget: str = "policy"       # "policy" | "static" | "dynamic"
-    budget_gamma: float = 1.0
-    budget_beta_low: float = 0.25
-    budget_beta_high: float = 1.0
-    max_model_len: int | None = None   # context limit in tokens (None: unlimited, as in the simulator)
-
-    def __post_init__(self) -> None:
-        if self.token_budget not in TOKEN_BUDGET_MODES:
-            raise ValueError(f"token_budget must be one of {TOKEN_BUDGET_MODES}, got {self.token_budget!r}")
-        DynamicBudget(self.budget_gamma, self.budget_beta_low, self.budget_beta_high)  # validates
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError("max_num_batched_tokens must be > 0")
-        if self.max_num_seqs <= 0:
-            raise ValueError("max_num_seqs must be > 0")
-        if self.swap_budget_tokens <= 0:
-            raise ValueError("swap_budget_tokens must be > 0")
+from scheduler.token_budget import DynamicBudget
 
 
 class Scheduler:
-    """Continuous batching with API pauses, swap, preemption by recompute."""
+    """Continuous batching with API pauses, swap, preemption by recompute.
+
+    Built from its pools (``Scheduler(config, policy, device_pool, host_pool,
+    cost)``) or around a ready ``KVManager`` (``Scheduler.with_kv(config,
+    policy, kv, cost)``).
+    """
 
     def __init__(self, config: SchedulerConfig, policy: Policy, device_pool: PageAllocator,
                  host_pool: PageAllocator, cost: CostModel) -> None:
-        if device_pool.page_size != host_pool.page_size:
-            raise ValueError("device and host pools must use the same page size")
+        self.kv = KVManager(device_pool, host_pool)
         self.config = config
         self.policy = policy
-        self.device_pool = device_pool
-        self.host_pool = host_pool
         self.cost = cost
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()          # WAITING, or SWAPPED after the API returned
@@ -81,32 +52,49 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self.now = 0.0                          # time passed to the latest schedule()/event
-        # Requests that hold device KV without running (eviction candidates):
-        # paused under Preserve, and back from the API (or preempted) still waiting.
-        self._paused_holders: dict[str, Request] = {}
-        self._waiting_holders: dict[str, Request] = {}
+        self._ranked = RankedQueue()            # ``waiting`` in admission order, keyed by ``policy.priority``
+        self._preserved = MappingProxyType(self.kv.paused_holders)   # what ``policy.redecide`` may read
         self._dynamic_budget = DynamicBudget(config.budget_gamma, config.budget_beta_low,
                                              config.budget_beta_high)
-        policy.attach(self)
+        policy.bind(PolicyContext(cost, config.max_num_batched_tokens, config.swap_budget_tokens,
+                                  self.kv.page_size))
+
+    @classmethod
+    def with_kv(cls, config: SchedulerConfig, policy: Policy, kv: KVManager, cost: CostModel) -> "Scheduler":
+        """A scheduler over an existing ``KVManager`` (its pools and holder indexes)."""
+        sched = cls(config, policy, kv.device_pool, kv.host_pool, cost)
+        sched.kv = kv
+        sched._preserved = MappingProxyType(kv.paused_holders)
+        return sched
 
     # ------------------------------------------------------------------ views
     @property
-    def page_size(self) -> int:
-        return self.device_pool.page_size
+    def device_pool(self) -> PageAllocator:
+        return self.kv.device_pool
 
-    def view(self) -> MemoryView:
-        paused_pages = sum(len(r.device_pages) for r in self._paused_holders.values())
-        return MemoryView(
-            free_device_pages=self.device_pool.num_free,
-            total_device_pages=self.device_pool.num_pages,
-            free_host_pages=self.host_pool.num_free,
-            total_host_pages=self.host_pool.num_pages,
-            page_size=self.page_size,
-            running_tokens=sum(r.num_tokens for r in self.running),
-            num_running=len(self.running),
-            paused_device_pages=paused_pages,
-            cost=self.cost,
-        )
+    @property
+    def host_pool(self) -> PageAllocator:
+        return self.kv.host_pool
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    def view(self, running_tokens: int | None = None) -> MemoryView:
+        """Memory now; ``running_tokens`` defaults to the running batch's context tokens."""
+        if running_tokens is None:
+            running_tokens = sum(r.num_tokens for r in self.running)
+        device, host = self.kv.device_pool, self.kv.host_pool
+        return MemoryView(device.num_free, device.num_pages, host.num_free, host.num_pages, self.page_size,
+                          running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost)
+
+    def admission_order(self) -> list[Request]:
+        """The waiting queue in the order ``schedule()`` admits from it."""
+        return self._ranked.ordered()
+
+    def admission_key(self, request: Request) -> tuple | None:
+        """The key ``request`` is filed under in the waiting queue (None: not waiting)."""
+        return self._ranked.key(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -114,6 +102,14 @@ class Scheduler:
     def has_work(self) -> bool:
         """True when a step could make progress now (not only waiting on APIs)."""
         return bool(self.waiting or self.running or self.swapping_out or self.swapping_in)
+
+    @property
+    def context_limit(self) -> int | None:
+        """Tokens a context may reach: ``max_model_len`` capped by the device pool (a
+        context larger than the pool would preempt itself forever); None: unlimited."""
+        if self.config.max_model_len is None:
+            return None
+        return min(self.config.max_model_len, self.kv.device_pool.num_pages * self.page_size)
 
     # ------------------------------------------------------------- lifecycle
     def add_request(self, request: Request, now: float) -> None:
@@ -129,7 +125,15 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
-        self._detach(request)
+        self.requests.pop(request.request_id, None)
+        self.paused.pop(request.request_id, None)
+        if request in self.waiting:
+            self._dequeue(request)
+        self.running.discard(request)
+        for q in (self.swapping_out, self.swapping_in):
+            if request in q:
+                q.remove(request)
+        self.kv.free(request)
         request.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         request.finish_reason = reason
         request.finish_time = now
@@ -143,41 +147,23 @@ class Scheduler:
         self.finish(request, "abort", now)
         return request
 
-    def _detach(self, request: Request) -> None:
-        """Remove ``request`` from every queue and free its pages."""
-        self.requests.pop(request.request_id, None)
-        self.paused.pop(request.request_id, None)
-        self._paused_holders.pop(request.request_id, None)
-        if request in self.waiting:
-            self._dequeue(request)
-        self.running.discard(request)
-        for q in (self.swapping_out, self.swapping_in):
-            if request in q:
-                q.remove(request)
-        self._free_device(request)
-        self._free_host(request)
-
     def _enqueue(self, request: Request, now: float) -> None:
-        """Put ``request`` in the waiting queue and tell the policy."""
+        """Put ``request`` in the waiting queue, filed under the policy's key."""
         self.waiting.append(request)
-        if request.device_pages:
-            self._waiting_holders[request.request_id] = request
-        self.policy.on_enqueue(request, now)
+        self.kv.hold_waiting(request)
+        self.policy.on_enqueue(request, now, self.iteration)
+        self._ranked.add(request, self.policy.priority(request, now, None))
 
     def _dequeue(self, request: Request) -> None:
         self.waiting.remove(request)
-        self._waiting_holders.pop(request.request_id, None)
-        self.policy.on_dequeue(request)
+        self._ranked.remove(request)
+        self.kv.release(request)
+        self.policy.on_dequeue(request, self.iteration)
 
-    def _free_device(self, request: Request) -> None:
-        if request.device_pages:
-            self.device_pool.free(request.request_id, request.device_pages)
-            request.device_pages = []
-
-    def _free_host(self, request: Request) -> None:
-        if request.host_pages:
-            self.host_pool.free(request.request_id, request.host_pages)
-            request.host_pages = []
+    def _drop_kv(self, request: Request) -> None:
+        """Free the device KV; the context will be recomputed."""
+        self.kv.free_device(request)
+        request.num_computed_tokens = 0
 
     # ------------------------------------------------------------- API calls
     def pause(self, request: Request, now: float, api_type: str,
@@ -185,39 +171,38 @@ class Scheduler:
         """``request`` just emitted an API call: take it out of the batch and
         apply the handling (engine-forced, else the policy's). Returns it."""
         self.now = now
-        view = self.view()
-        chosen = self.config.handling or self.policy.handling(request, view, now, api_duration_s)
-        record = ApiCallRecord(api_type=api_type, handling=chosen, call_time=now,
-                               context_tokens=request.num_computed_tokens)
-        request.api_calls.append(record)
+        chosen = self.config.handling or self.policy.handling(request, self.view(), now, api_duration_s)
+        request.api_calls.append(ApiCallRecord(api_type=api_type, handling=chosen, call_time=now,
+                                               context_tokens=request.num_computed_tokens))
         request.api_returned = False
         self.running.remove(request)
         self.paused[request.request_id] = request
         if request.current_segment is not None and request.declared_call_due():
             request.segment_index += 1
             request.segment_generated = 0
+        request.state = RequestState.PAUSED
+        if chosen == Handling.PRESERVE:
+            request.handling = Handling.PRESERVE
+            self.kv.hold_paused(request)
+        else:
+            self._release_paused_kv(request, chosen)
+        return request.handling
 
-        if chosen == Handling.SWAP:
-            n = len(request.device_pages)
-            if n and self.host_pool.can_allocate(n):
-                request.host_pages = self.host_pool.allocate(request.request_id, n)
-                request.pages_swapped = 0
+    def _release_paused_kv(self, request: Request, handling: Handling) -> None:
+        """Apply Swap (chunked swap-out; Discard when the host pool is full) or
+        Discard to a paused request's device KV."""
+        record = request.api_calls[-1]
+        if handling == Handling.SWAP:
+            if request.device_pages and self.kv.start_swap_out(request):
                 request.state = RequestState.SWAPPING_OUT
                 self.swapping_out.append(request)
-            elif n:
-                record.fell_back_from, chosen = Handling.SWAP, Handling.DISCARD
-            else:
-                chosen = Handling.DISCARD
-        if chosen == Handling.DISCARD:
-            self._drop_kv(request)
-            request.state = RequestState.PAUSED
-        elif chosen == Handling.PRESERVE:
-            request.state = RequestState.PAUSED
+                request.handling = record.handling = handling
+                return
             if request.device_pages:
-                self._paused_holders[request.request_id] = request
-        record.handling = chosen
-        request.handling = chosen
-        return chosen
+                record.fell_back_from = Handling.SWAP
+            handling = Handling.DISCARD
+        self._drop_kv(request)
+        request.handling = record.handling = handling
 
     def api_return(self, request: Request, num_returned_tokens: int, now: float,
                    token_ids: list[int] | None = None) -> bool:
@@ -251,59 +236,47 @@ class Scheduler:
             self._requeue_returned(request)
         return False
 
-    def change_handling(self, request: Request, handling: Handling, now: float) -> Handling:
-        """Re-decide the handling of a request paused under Preserve whose call
-        has not returned (InferCept re-evaluates as its elapsed-time estimate of
-        the call grows). Preserve -> Discard frees the pages now; -> Swap starts
-        a chunked swap-out (Discard when the host pool is full). Returns the
-        handling in force afterwards."""
-        if (request.request_id not in self._paused_holders or request.api_returned
-                or handling == Handling.PRESERVE):
-            return request.handling
-        record = request.api_calls[-1]
-        n = len(request.device_pages)
-        if handling == Handling.SWAP and self.host_pool.can_allocate(n):
-            del self._paused_holders[request.request_id]
-            request.host_pages = self.host_pool.allocate(request.request_id, n)
-            request.pages_swapped = 0
-            request.state = RequestState.SWAPPING_OUT
-            self.swapping_out.append(request)
-        else:
-            if handling == Handling.SWAP:
-                record.fell_back_from = Handling.SWAP
-            handling = Handling.DISCARD
-            self._drop_kv(request)
-        record.handling = request.handling = handling
-        return handling
-
     def _requeue_returned(self, request: Request) -> None:
         del self.paused[request.request_id]
-        self._paused_holders.pop(request.request_id, None)
+        self.kv.release(request)
         if request.state != RequestState.SWAPPED:
             request.state = RequestState.WAITING
         self._enqueue(request, self.now)
 
-    def _drop_kv(self, request: Request) -> None:
-        """Free the device KV; the context will be recomputed."""
-        self._free_device(request)
-        request.num_computed_tokens = 0
-        self._paused_holders.pop(request.request_id, None)
-        self._waiting_holders.pop(request.request_id, None)
+    def _redecide_paused(self, now: float) -> None:
+        """Apply the policy's switches of calls paused under Preserve (``Policy.redecide``)."""
+        for request, handling in self.policy.redecide(now, self._preserved, self.view):
+            if handling != Handling.PRESERVE and request.request_id in self.kv.paused_holders:
+                self.kv.release(request)
+                self._release_paused_kv(request, handling)
 
     # ------------------------------------------------------------- schedule
     def schedule(self, now: float) -> StepPlan:
         self.iteration += 1
         self.now = now
-        self.policy.on_step(self, now)
+        self._policy_step(now)
         view = self.view()
         plan = StepPlan(token_budget=max(1, self._token_budget(view)))
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
-        swap_pages = self._continue_swap_out(plan, swap_pages, view)
-        swap_pages = self._continue_swap_in(plan, swap_pages)
+        swap_pages = self._continue_swaps(plan, swap_pages, view)
         budget = self._schedule_running(plan, plan.token_budget, now, view)
         self._admit_waiting(plan, budget, swap_pages, now, view)
-        self.policy.on_plan(plan, now)
+        self.policy.on_plan(plan, now, self.iteration)
         return plan
+
+    def _policy_step(self, now: float) -> None:
+        """Start-of-step policy work: re-rank stale keys, then re-decide paused calls."""
+        policy, ranked = self.policy, self._ranked
+        if policy.rescore_due(self.iteration):
+            requests = ranked.ordered()
+            policy.on_rescore(requests, now, self.view())
+            ranked.clear()
+            for r in requests:
+                ranked.add(r, policy.priority(r, now, None))
+        for r in policy.on_step(now, self.iteration):
+            if r in ranked:
+                ranked.add(r, policy.priority(r, now, None))
+        self._redecide_paused(now)
 
     def _token_budget(self, view: MemoryView) -> int:
         mode, target = self.config.token_budget, self.config.max_num_batched_tokens
@@ -313,61 +286,45 @@ class Scheduler:
             return self._dynamic_budget(target, view)
         return self.policy.token_budget(target, view)
 
-    def _continue_swap_out(self, plan: StepPlan, swap_pages: int, view: MemoryView) -> int:
+    def _continue_swaps(self, plan: StepPlan, swap_pages: int, view: MemoryView) -> int:
+        """Spend the step's swap budget (pages): swap-outs in the policy's order, then swap-ins."""
         for request in list(self.policy.order_swap_out(self.swapping_out, view)):
             if swap_pages <= 0:
                 break
-            start = request.pages_swapped
-            n = min(swap_pages, len(request.device_pages) - start)
-            plan.swap_out.append(SwapOp(request, request.device_pages[start:start + n],
-                                        request.host_pages[start:start + n]))
-            request.pages_swapped += n
-            swap_pages -= n
-            if request.pages_swapped == len(request.device_pages):
-                # The executor copies before this step's forward, so the pages can be reused now.
-                self.swapping_out.remove(request)
-                self._free_device(request)
-                request.pages_swapped = 0
-                request.state = RequestState.SWAPPED
-                if request.api_returned:
-                    self._requeue_returned(request)
-        return swap_pages
-
-    def _continue_swap_in(self, plan: StepPlan, swap_pages: int) -> int:
+            swap_pages = self._swap_chunk(plan, request, swap_pages, out=True)
         for request in list(self.swapping_in):
             if swap_pages <= 0:
                 break
-            swap_pages = self._swap_in_chunk(plan, request, swap_pages)
+            swap_pages = self._swap_chunk(plan, request, swap_pages, out=False)
         return swap_pages
 
-    def _swap_in_chunk(self, plan: StepPlan, request: Request, swap_pages: int) -> int:
-        start = request.pages_swapped
-        n = min(swap_pages, len(request.host_pages) - start)
-        if n > 0:
-            plan.swap_in.append(SwapOp(request, request.device_pages[start:start + n],
-                                       request.host_pages[start:start + n]))
-            request.pages_swapped += n
-        if request.pages_swapped == len(request.host_pages):
+    def _swap_chunk(self, plan: StepPlan, request: Request, swap_pages: int, out: bool) -> int:
+        """Plan the next chunk of ``request``'s swap; on completion move it on
+        (swap-out: SWAPPED, re-queued if its call returned; swap-in: RUNNING)."""
+        op, n, done = self.kv.swap_chunk(request, swap_pages, out)
+        if op is not None:
+            (plan.swap_out if out else plan.swap_in).append(op)
+        if done and out:
+            self.swapping_out.remove(request)
+            request.state = RequestState.SWAPPED
+            if request.api_returned:
+                self._requeue_returned(request)
+        elif done:
             self.swapping_in.remove(request)
-            self._free_host(request)
-            request.pages_swapped = 0
             request.state = RequestState.RUNNING
             self.running.append(request)
         return swap_pages - n
-
-    def _pages_needed(self, request: Request, num_new_tokens: int) -> int:
-        total = self.device_pool.pages_for_tokens(request.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(request.device_pages))
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
         # The hot loop of every step (one pass over the running batch), so the
         # common case (pages on hand) is inlined; running out of pages takes
         # the slow path (evict an idle holder, else preempt the lowest priority).
-        pool = self.device_pool
-        page_size = pool.page_size
+        kv = self.kv
+        pool = kv.device_pool
+        page_size = kv.page_size
         chunks = plan.chunks
         running_state = RequestState.RUNNING
-        for request in self.policy.order_running(self.running, now, view, budget):
+        for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
             if budget <= 0:
                 break
             if request.state is not running_state:
@@ -378,7 +335,7 @@ class Scheduler:
                 continue
             if n > budget:
                 n = budget
-            need = -(-(start + n) // page_size) - len(request.device_pages)
+            need = -(-(start + n) // page_size) - len(request.device_pages)   # kv.pages_needed, inlined
             if need > 0:
                 while need > pool.num_free:
                     if self._evict_idle_holder():
@@ -389,9 +346,8 @@ class Scheduler:
                     self._preempt(victim, plan)
                     if victim is request:
                         break
-                if request.state is not running_state or need > pool.num_free:
+                if request.state is not running_state or not kv.allocate_slots(request, need):
                     continue
-                request.device_pages.extend(pool.allocate(request.request_id, need))
             chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
             if request.first_scheduled_time is None or (
                     request.api_returned and request.api_calls[-1].resume_time is None):
@@ -404,58 +360,44 @@ class Scheduler:
                        step_view: MemoryView) -> None:
         if not self.waiting:
             return
-        # Memory after the running batch took its pages (running tokens as at the step's start).
-        view = MemoryView(
-            free_device_pages=self.device_pool.num_free,
-            total_device_pages=step_view.total_device_pages,
-            free_host_pages=self.host_pool.num_free,
-            total_host_pages=step_view.total_host_pages,
-            page_size=step_view.page_size,
-            running_tokens=step_view.running_tokens,
-            num_running=len(self.running),
-            paused_device_pages=sum(len(r.device_pages) for r in self._paused_holders.values()),
-            cost=self.cost,
-        )
-        for request in self.policy.iter_waiting(self.waiting, now, view):
+        kv = self.kv
+        pool = kv.device_pool
+        view = self.view(step_view.running_tokens)   # after the running batch took its pages
+        for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
             if request.state == RequestState.SWAPPED:
-                n_pages = len(request.host_pages)
-                while not self.device_pool.can_allocate(n_pages) and \
+                while not pool.can_allocate(len(request.host_pages)) and \
                         self._evict_idle_holder(request, now, view):
                     pass
-                if not self.device_pool.can_allocate(n_pages):
+                if not kv.start_swap_in(request):
                     break
                 self._dequeue(request)
-                request.device_pages = self.device_pool.allocate(request.request_id, n_pages)
-                request.pages_swapped = 0
                 request.state = RequestState.SWAPPING_IN
                 self.swapping_in.append(request)
-                swap_pages = self._swap_in_chunk(plan, request, swap_pages)
+                swap_pages = self._swap_chunk(plan, request, swap_pages, out=False)
                 if request.state != RequestState.RUNNING:
                     continue
                 n = min(request.num_uncomputed_tokens, budget)
-                need = self._pages_needed(request, n)
-                if need > self.device_pool.num_free:
+                if not kv.allocate_slots(request, kv.pages_needed(request, n)):
                     continue  # runs next step
-                self._add_chunk(plan, request, n, need, now)
+                self._add_chunk(plan, request, n, now)
                 budget -= n
                 continue
             n = min(request.num_uncomputed_tokens, budget)
-            need = self._pages_needed(request, n)
-            while need > self.device_pool.num_free and self._evict_idle_holder(request, now, view):
-                need = self._pages_needed(request, n)
-            if need > self.device_pool.num_free:
+            need = kv.pages_needed(request, n)
+            while need > pool.num_free and self._evict_idle_holder(request, now, view):
+                need = kv.pages_needed(request, n)
+            if need > pool.num_free:
                 break  # keep the policy's order: no skipping ahead of the head
             self._dequeue(request)
             request.state = RequestState.RUNNING
             self.running.append(request)
-            self._add_chunk(plan, request, n, need, now)
+            kv.allocate_slots(request, need)
+            self._add_chunk(plan, request, n, now)
             budget -= n
 
-    def _add_chunk(self, plan: StepPlan, request: Request, n: int, need: int, now: float) -> None:
-        if need:
-            request.device_pages.extend(self.device_pool.allocate(request.request_id, need))
+    def _add_chunk(self, plan: StepPlan, request: Request, n: int, now: float) -> None:
         start = request.num_computed_tokens
         plan.chunks.append(ScheduledChunk(request, start, n, samples=start + n == request.num_tokens))
         self._mark_scheduled(request, now)
@@ -491,15 +433,14 @@ class Scheduler:
         """Free the pages of one request that holds device KV but is not running
         (paused under Preserve first, then one back from its API and still
         waiting, lowest-ranked first): it will be recomputed. When ``behind`` is
-        given, waiting candidates are limited to those the policy ranks after
-        it. Returns False when there is none."""
-        victim = next(iter(self._paused_holders.values()), None)
-        if victim is None and self._waiting_holders:
-            now = self.now if now is None else now
-            view = self.view() if view is None else view
-            rank = self.policy.waiting_rank
-            floor = rank(behind, now, view) if behind is not None else None
-            ranked = [(rank(r, now, view), r) for r in self._waiting_holders.values() if r is not behind]
+        given, waiting candidates are limited to those ranked after it.
+        Returns False when there is none."""
+        now = self.now if now is None else now
+        victim = next(iter(self.kv.paused_holders.values()), None)
+        if victim is None and self.kv.waiting_holders:
+            entry = self._ranked.entry
+            floor = entry(behind) if behind is not None else None
+            ranked = [(entry(r), r) for r in self.kv.waiting_holders.values() if r is not behind]
             ranked = [(k, r) for k, r in ranked if floor is None or k > floor]
             if ranked:
                 victim = max(ranked, key=lambda kr: kr[0])[1]
@@ -510,26 +451,27 @@ class Scheduler:
             victim.api_calls[-1].fell_back_from = Handling.PRESERVE
             victim.api_calls[-1].handling = Handling.DISCARD
             victim.handling = Handling.DISCARD
-        if victim in self.waiting:
-            self.policy.on_requeue(victim, now if now is not None else self.now)
+        if victim in self._ranked:
+            self._ranked.add(victim, self.policy.priority(victim, now, None))
         return True
 
     # ------------------------------------------------------------ after step
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestEvent]:
         """Apply what the executor produced for ``plan`` (DESIGN section 3, step 5).
 
-        Advances each chunk's computed tokens; for each chunk that sampled,
-        appends its token and applies the stop rules every executor shares:
-        a stop token id -> finished "stop"; the end of a declared segment that
-        calls an API -> paused (``pause``); ``max_tokens`` reached, the last
-        declared segment generated, or the context limit reached -> finished
-        "length". Returns one event per request that produced a token, in
-        chunk order. (Stop strings and parsed tool calls need text, so the
-        engine's front end applies those to ``TOKEN`` events.)"""
+        Advances every chunk's computed tokens and appends each sampled token;
+        then, for each chunk that sampled (in chunk order), applies the stop
+        rules every executor shares: a stop token id -> finished "stop"; the
+        end of a declared segment that calls an API -> paused (``pause``);
+        ``max_tokens`` reached, the last declared segment generated, or the
+        context limit reached -> finished "length". Returns one event per
+        request that produced a token, in chunk order. (Stop strings and parsed
+        tool calls need text, so the engine's front end applies those to
+        ``TOKEN`` events.)"""
         ids = result.token_ids
         running_state = RequestState.RUNNING
         produced: list[tuple[Request, int | None]] = []
-        for i, chunk in enumerate(plan.chunks):   # first every count, so the rules see the whole step
+        for i, chunk in enumerate(plan.chunks):
             request = chunk.request
             if request.state is not running_state:
                 continue
@@ -565,33 +507,23 @@ class Scheduler:
             events.append(RequestEvent(request, EventKind.FINISHED if request.is_finished else EventKind.TOKEN))
         return events
 
-    @property
-    def context_limit(self) -> int | None:
-        """Tokens a context may reach: ``max_model_len`` capped by the device pool (a
-        context larger than the pool would preempt itself forever); None: unlimited."""
-        if self.config.max_model_len is None:
-            return None
-        return min(self.config.max_model_len, self.device_pool.num_pages * self.page_size)
-
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Pages are free or owned by exactly the request that lists them; queues agree with states."""
         live = list(self.requests.values())
-        self.device_pool.check_invariants({r.request_id: r.device_pages for r in live})
-        self.host_pool.check_invariants({r.request_id: r.host_pages for r in live})
+        paused = {r.request_id for r in self.paused.values() if r.state == RequestState.PAUSED and r.device_pages}
+        waiting = {r.request_id for r in self.waiting if r.device_pages}
+        self.kv.check_invariants(live, paused, waiting)
         for r in live:
             assert r.num_computed_tokens <= r.num_tokens, f"{r.request_id}: computed > tokens"
             if r.state == RequestState.RUNNING:
                 assert r in self.running, f"{r.request_id} RUNNING but not in running"
-                assert len(r.device_pages) >= self.device_pool.pages_for_tokens(r.num_computed_tokens)
+                assert len(r.device_pages) >= self.kv.device_pool.pages_for_tokens(r.num_computed_tokens)
             if r.state == RequestState.SWAPPED:
                 assert not r.device_pages and r.host_pages, f"{r.request_id}: SWAPPED without host-only KV"
         queued = [r.request_id for q in (self.waiting, self.running, self.swapping_in) for r in q]
         queued += [r.request_id for r in self.paused.values()]
         assert len(queued) == len(set(queued)), "a request is in two queues"
         assert set(queued) == set(self.requests), "queues and live requests disagree"
-        holders = {r.request_id for r in self.paused.values() if r.state == RequestState.PAUSED and r.device_pages}
-        assert set(self._paused_holders) == holders, "paused-holder index out of step"
-        holders = {r.request_id for r in self.waiting if r.device_pages}
-        assert set(self._waiting_holders) == holders, "waiting-holder index out of step"
-        self.policy.check_invariants(self)
+        assert len(self._ranked) == len(self.waiting) and all(r in self._ranked for r in self.waiting), \
+            "ranked waiting queue out of step"

@@ -6,8 +6,9 @@ import statistics
 
 import pytest
 
-from scheduler import (BUILTIN_PROFILES, Handling, MemoryView, PageAllocator, Request, RequestState,
-                       Scheduler, SchedulerConfig, Segment, available_policies, make_policy, make_predictor)
+from scheduler import (BUILTIN_PROFILES, EventKind, Handling, MemoryView, PageAllocator, Request, RequestState,
+                       Scheduler, SchedulerConfig, Segment, StepResult, available_policies, make_policy,
+                       make_predictor)
 from scheduler.policies.lamps import memory_time_integral
 from scheduler.queues import RankedQueue
 from scheduler.token_budget import dynamic_token_budget
@@ -34,15 +35,12 @@ def view(free=100, paused=0, running_tokens=0, num_running=0, host_free=100, pag
 def step(sched, now, pending=None):
     """One engine step with declared API calls; returns the plan."""
     plan = sched.schedule(now)
-    for r in sched.on_step_done(plan, now):
-        event = sched.declared_event(r)
-        if event == "api":
-            seg = r.current_segment
-            sched.pause(r, now, seg.api_type, seg.api_duration_s)
+    for event in sched.update(plan, StepResult(), now):
+        if event.kind is EventKind.API_CALL:   # paused by update(); its segment is behind it now
+            r = event.request
+            seg = r.segments[r.segment_index - 1]
             if pending is not None:
                 pending.append((now + seg.api_duration_s, r, seg.num_returned_tokens))
-        elif event == "length":
-            sched.finish(r, "length", now)
     sched.check_invariants()
     return plan
 
@@ -143,13 +141,13 @@ def test_lamps_preserve_handled_request_ranks_behind_discard_handled_one_of_equa
     pol.on_arrival(long_api, 0.0, busy)
     assert short_api.policy_state["lamps_handling"] == Handling.PRESERVE
     assert long_api.policy_state["lamps_handling"] == Handling.DISCARD
-    assert pol.rank_key(short_api, 0.0, None) > pol.rank_key(long_api, 0.0, None)
+    assert pol.priority(short_api, 0.0, None) > pol.priority(long_api, 0.0, None)
     # Same total length, same handling: the ranking is by size.
     small = Request("small", 0.0, prompt_len=10, max_tokens=5)
     big = Request("big", 0.0, prompt_len=100, max_tokens=50)
     for r in (big, small):
         sched.add_request(r, 0.0)
-    assert [r.request_id for r in sched.policy.iter_waiting(sched.waiting, 0.0, busy)] == ["small", "big"]
+    assert [r.request_id for r in sched.admission_order()] == ["small", "big"]
 
 
 def test_memory_time_integral_shapes():
@@ -192,12 +190,12 @@ def test_lamps_refresh_interval_rescores_only_every_k_plus_one_steps():
     step(sched, 0.0)
     a = Request("a", 0.0, prompt_len=4, max_tokens=2, segments=[Segment(1, "img", None), Segment(1)])
     sched.add_request(a, 0.0)
-    before = sched.policy.queue.key(a)
+    before = sched.admission_key(a)
     pred.observe_api("img", 100.0)   # a preserve-worthy call becomes long: its score changes
     keys = []
     for i in range(3):
         step(sched, 0.01 * (i + 1))
-        keys.append(sched.policy.queue.key(a))
+        keys.append(sched.admission_key(a))
     assert keys[0] == before and keys[-1] != before
 
 
@@ -221,7 +219,7 @@ def test_prophet_srpt_for_prefill_and_starved_prefill_goes_first():
     step(sched, 0.0)
     sched.add_request(Request("long", 0.0, prompt_len=50, max_tokens=1), 0.0)
     sched.add_request(Request("short", 0.1, prompt_len=5, max_tokens=1), 0.1)
-    order = lambda: [r.request_id for r in sched.policy.iter_waiting(sched.waiting, 0.0, sched.view())]
+    order = lambda: [r.request_id for r in sched.admission_order()]
     assert order() == ["short", "long"]
     for i in range(4):
         step(sched, 0.01 * (i + 1))
@@ -263,11 +261,11 @@ def test_prophet_budget_goes_to_lower_levels_first_when_short():
     new = Request("new", 0.1, prompt_len=4, max_tokens=50)
     sched.add_request(new, 0.1)
     step(sched, 0.1)
-    ordered = pol.order_running(sched.running, 0.2, sched.view(), budget=1)
+    ordered = pol.order_running(sched.running, 0.2, sched.view(), budget=1, iteration=sched.iteration)
     assert [r.request_id for r in ordered] == ["new", "old"]
     capped = make_policy("prophet", decode_batch_size=1)
-    capped.attach(Scheduler(sched.config, capped, PageAllocator(8, 4), PageAllocator(8, 4, "host"), COST))
-    assert len(capped.order_running([old, new], 0.2, sched.view(), budget=64)) == 1
+    Scheduler(sched.config, capped, PageAllocator(8, 4), PageAllocator(8, 4, "host"), COST)   # binds it
+    assert len(capped.order_running([old, new], 0.2, sched.view(), budget=64, iteration=sched.iteration)) == 1
 
 
 # ----------------------------------------------------------------- augserve
@@ -323,7 +321,7 @@ def test_augserve_stage_two_uses_observed_return_length_and_aging_reorders():
         pol.on_arrival(r, t, sched.view())
     gap = big_old.policy_state["aug_value"] - cheap_new.policy_state["aug_value"]
     assert gap > 0
-    assert (pol.rank_key(big_old, 5.0, None) < pol.rank_key(cheap_new, 5.0, None)) == (gap < 1000.0 * 5.0)
+    assert (pol.priority(big_old, 5.0, None) < pol.priority(cheap_new, 5.0, None)) == (gap < 1000.0 * 5.0)
 
 
 # ------------------------------------------------------------------ infercept
@@ -334,9 +332,9 @@ def test_infercept_elapsed_estimate_switches_a_long_call_off_preserve():
     b = Request("b", 0.0, prompt_len=40, max_tokens=50)
     sched.add_request(a, 0.0)
     sched.add_request(b, 0.0)
-    plan = sched.schedule(0.0)
-    sched.on_step_done(plan, 0.0)
-    assert sched.pause(a, 0.0, "x", None) == Handling.PRESERVE and a.device_pages
+    events = sched.update(sched.schedule(0.0), StepResult(), 0.0)   # a's call (duration unknown) pauses it
+    assert [(e.request.request_id, e.kind) for e in events] == [("a", EventKind.API_CALL)]   # b still prefills
+    assert a.handling == Handling.PRESERVE and a.device_pages
     now = 0.0
     while a.handling == Handling.PRESERVE:
         now += 0.01
@@ -344,6 +342,21 @@ def test_infercept_elapsed_estimate_switches_a_long_call_off_preserve():
         step(sched, now)
     assert a.handling == Handling.DISCARD and not a.device_pages
     assert a.api_calls[-1].handling == Handling.DISCARD
+
+
+def test_infercept_elapsed_switch_to_swap_is_recorded_on_the_call():
+    sched = make_scheduler(make_policy("infercept", predictor="elapsed"), host_pages=256, budget=64)
+    a = Request("a", 0.0, prompt_len=40, max_tokens=3, segments=[Segment(1, "x"), Segment(2)])
+    sched.add_request(a, 0.0)
+    step(sched, 0.0)
+    assert a.handling == Handling.PRESERVE and a.device_pages
+    now = 0.0
+    while a.handling == Handling.PRESERVE:
+        now += 0.01
+        assert now < 5, "never switched"
+        step(sched, now)
+    assert a.handling == Handling.SWAP and a.api_calls[-1].handling == Handling.SWAP
+    assert a.api_calls[-1].fell_back_from is None and a.host_pages
 
 
 def test_infercept_swap_budget_goes_to_largest_waste_first():

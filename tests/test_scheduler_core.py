@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from scheduler import (BUILTIN_PROFILES, Handling, PageAllocator, Request,
-                       RequestState, Scheduler, SchedulerConfig, Segment, make_policy)
+from scheduler import (BUILTIN_PROFILES, EventKind, Handling, PageAllocator, Request,
+                       RequestState, Scheduler, SchedulerConfig, Segment, StepResult, make_policy)
 
 COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
 
@@ -30,14 +30,15 @@ def drive(sched, now=0.0, max_steps=5000):
                 sched.api_return(r, r.api_calls[-1].num_returned_tokens or r.policy_state["ret"], now)
         plan = sched.schedule(now)
         now += 0.01
-        for r in sched.on_step_done(plan, now):
-            if r.declared_call_due():
-                seg = r.current_segment
+        for event in sched.update(plan, StepResult(), now):
+            r = event.request
+            if event.kind is EventKind.API_CALL:   # paused by update(); its segment is behind it now
+                seg = r.segments[r.segment_index - 1]
+                assert r.state in (RequestState.PAUSED, RequestState.SWAPPING_OUT)
                 r.policy_state["ret"] = seg.num_returned_tokens
-                sched.pause(r, now, seg.api_type, seg.api_duration_s)
                 pending.append((now + seg.api_duration_s, r))
             elif r.num_generated >= r.max_tokens:
-                sched.finish(r, "length", now)
+                assert event.kind is EventKind.FINISHED and r.finish_reason == "length"
         sched.check_invariants()
     assert sched.device_pool.num_free == sched.device_pool.num_pages
     assert sched.host_pool.num_free == sched.host_pool.num_pages
@@ -71,9 +72,8 @@ def test_swap_frees_device_pages_and_falls_back_to_discard_when_host_full():
     b = Request("b", 0.0, prompt_len=12, max_tokens=4, segments=[Segment(1, "x", 1.0, 0), Segment(3)])
     sched.add_request(a, 0.0)
     sched.add_request(b, 0.0)
-    plan = sched.schedule(0.0)
-    for r in sched.on_step_done(plan, 0.0):
-        sched.pause(r, 0.0, "x", 1.0)
+    events = sched.update(sched.schedule(0.0), StepResult(), 0.0)
+    assert [(e.request.request_id, e.kind) for e in events] == [("a", EventKind.API_CALL), ("b", EventKind.API_CALL)]
     # a (3 pages of 4 tokens) does not fit 2 host pages -> both fall back to discard
     assert a.handling == Handling.DISCARD and a.api_calls[-1].fell_back_from == Handling.SWAP
     assert not a.device_pages and a.num_computed_tokens == 0
@@ -83,8 +83,8 @@ def test_swap_out_is_chunked_by_swap_budget():
     sched = make_scheduler(num_pages=32, host_pages=32, handling=Handling.SWAP)
     a = Request("a", 0.0, prompt_len=16, max_tokens=4, segments=[Segment(1, "x", 1.0, 2), Segment(3)])
     sched.add_request(a, 0.0)
-    for r in sched.on_step_done(sched.schedule(0.0), 0.0):
-        sched.pause(r, 0.0, "x", 1.0)
+    events = sched.update(sched.schedule(0.0), StepResult(), 0.0)
+    assert [e.kind for e in events] == [EventKind.API_CALL]
     assert a.state == RequestState.SWAPPING_OUT and len(a.device_pages) == 4
     copied = []
     while a.state == RequestState.SWAPPING_OUT:
@@ -106,9 +106,7 @@ def test_preemption_takes_newest_running_first():
     for step in range(40):
         plan = sched.schedule(step)
         preempted += [r.request_id for r in plan.preempted]
-        for r in sched.on_step_done(plan, step):
-            if r.num_generated >= r.max_tokens:
-                sched.finish(r, "length", step)
+        sched.update(plan, StepResult(), step)
         sched.check_invariants()
         if not sched.has_unfinished():
             break
@@ -121,12 +119,12 @@ def test_fcfs_returning_request_goes_to_tail_but_improved_keeps_arrival():
         sched = make_scheduler(policy=policy)
         early = Request("early", 0.0, prompt_len=4, max_tokens=4, segments=[Segment(1, "x", 0.5, 1), Segment(3)])
         sched.add_request(early, 0.0)
-        for r in sched.on_step_done(sched.schedule(0.0), 0.0):
-            sched.pause(r, 0.0, "x", 0.5)
+        events = sched.update(sched.schedule(0.0), StepResult(), 0.0)
+        assert [e.kind for e in events] == [EventKind.API_CALL] and early.state == RequestState.PAUSED
         late = Request("late", 0.2, prompt_len=4, max_tokens=4)
         sched.add_request(late, 0.2)
         sched.api_return(early, 1, 0.5)
-        order = sched.policy.order_waiting(sched.waiting, 0.6, sched.view())
+        order = sched.admission_order()
         assert order[0].request_id == first, policy
 
 
@@ -136,9 +134,23 @@ def test_duplicate_id_and_abort_free_pages():
     sched.add_request(r, 0.0)
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(Request("x", 0.0, prompt_len=1, max_tokens=1), 0.0)
-    sched.on_step_done(sched.schedule(0.0), 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.0)
     assert r.device_pages
     assert sched.abort("x", 0.1) is r and r.state == RequestState.ABORTED
     assert sched.abort("x", 0.1) is None
     assert sched.device_pool.num_free == sched.device_pool.num_pages
     sched.check_invariants()
+
+
+def test_policy_binds_to_one_scheduler_and_with_kv_uses_the_given_manager():
+    from scheduler.kv_manager import KVManager
+    policy = make_policy("lamps")
+    kv = KVManager(PageAllocator(8, 4), PageAllocator(8, 4, "host"))
+    sched = Scheduler.with_kv(SchedulerConfig(max_num_batched_tokens=16), policy, kv, COST)
+    assert sched.kv is kv and sched.device_pool is kv.device_pool and policy.context.page_size == 4
+    with pytest.raises(ValueError, match="already bound"):
+        Scheduler(SchedulerConfig(), policy, PageAllocator(8, 4), PageAllocator(8, 4, "host"), COST)
+    r = Request("a", 0.0, prompt_len=6, max_tokens=1)
+    sched.add_request(r, 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.0)
+    assert r.state == RequestState.FINISHED and kv.device_pool.num_free == 8

@@ -8,8 +8,8 @@ scheduled once is bounded by the threshold plus one batch.
 
 import math
 
-from scheduler import (BUILTIN_PROFILES, Handling, PageAllocator, Request, Scheduler, SchedulerConfig, Segment,
-                       make_policy)
+from scheduler import (BUILTIN_PROFILES, EventKind, Handling, PageAllocator, Request, Scheduler, SchedulerConfig,
+                       Segment, StepResult, make_policy)
 
 COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
 DT = 0.01          # seconds per step in the loop
@@ -52,14 +52,11 @@ def run_stream(policy):
             else:
                 waited[r.request_id] = 0
         now += DT
-        for r in sched.on_step_done(plan, now):
-            event = sched.declared_event(r)
-            if event == "api":
-                seg = r.current_segment
-                sched.pause(r, now, seg.api_type, seg.api_duration_s)
+        for event in sched.update(plan, StepResult(), now):
+            if event.kind is EventKind.API_CALL:   # paused by update(); its segment is behind it now
+                r = event.request
+                seg = r.segments[r.segment_index - 1]
                 pending.append((now + seg.api_duration_s, r, seg.num_returned_tokens))
-            elif event == "length":
-                sched.finish(r, "length", now)
         sched.check_invariants()
     assert sched.device_pool.num_free == sched.device_pool.num_pages
     return worst, sched

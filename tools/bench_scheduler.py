@@ -1,10 +1,11 @@
 """Microseconds per ``Scheduler.schedule()`` call, per policy, at a steady state.
 
 For each policy and each waiting-queue size N (default 64, 512, 4096) it
-fills a scheduler to ``--running`` running requests (default 256, also the
-``max_num_seqs`` cap) and N waiting, then runs ``--steps`` steps of a small
-replay loop (API calls pause and return after their duration, finished
-requests leave, the waiting queue is topped back up to N after every step),
+runs a small replay loop (``schedule()`` then ``update()``: API calls pause
+and return after their duration, finished requests leave, the waiting queue
+is topped back up to N after every step) with ``max_num_seqs`` ``--running``
+(default 256): 300 warm-up steps let the running set reach its steady size
+(printed as the mean over the timed steps), then ``--steps`` steps are timed,
 timing only ``schedule()``. The clock advances by the profile's
 ``T_fwd(batched tokens)``, and the table reports the scheduling time as a
 fraction of that typical step.
@@ -27,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler import (PageAllocator, Request, Scheduler, SchedulerConfig, Segment,  # noqa: E402
-                       available_policies, load_profile, make_policy)
+from scheduler import (EventKind, PageAllocator, Request, Scheduler, SchedulerConfig, Segment,  # noqa: E402
+                       StepResult, available_policies, load_profile, make_policy)
 
 API_TYPES = {"math": (1e-4, 2), "qa": (0.7, 8), "ve": (0.09, 20), "chat": (28.6, 60), "image": (20.0, 40)}
 
@@ -45,7 +46,7 @@ def make_request(rng: random.Random, i: int, now: float) -> Request:
 
 
 def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost, seed: int = 0,
-          warmup: int = 30, budget: int = 512) -> dict:
+          warmup: int = 300, budget: int = 512) -> dict:
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
                              swap_budget_tokens=2048)
@@ -60,12 +61,8 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             sched.add_request(make_request(rng, counter, now), now)
             counter += 1
 
-    # Fill the running set: step (without finishing anyone) until num_running run.
     top_up()
-    while len(sched.running) < num_running:
-        sched.on_step_done(sched.schedule(now), now)
-        top_up()
-    times, tokens = [], []
+    times, tokens, running = [], [], []
     for step in range(warmup + steps):
         for item in [p for p in pending if p[0] <= now]:
             pending.remove(item)
@@ -79,14 +76,13 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             times.append(t1 - t0)
             tokens.append(plan.num_batched_tokens)
         now += cost.t_fwd(plan.num_batched_tokens)
-        for r in sched.on_step_done(plan, now):
-            event = sched.declared_event(r)
-            if event == "api":
-                seg = r.current_segment
-                sched.pause(r, now, seg.api_type, seg.api_duration_s)
+        for event in sched.update(plan, StepResult(), now):
+            if event.kind is EventKind.API_CALL:   # paused by update(); its segment is behind it now
+                r = event.request
+                seg = r.segments[r.segment_index - 1]
                 pending.append((now + seg.api_duration_s, r, seg.num_returned_tokens))
-            elif event == "length":
-                sched.finish(r, "length", now)
+        if step >= warmup:
+            running.append(len(sched.running))
         top_up()
     mean_tokens = statistics.fmean(tokens)
     step_s = cost.t_fwd(mean_tokens)
@@ -94,7 +90,8 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
     return {"policy": policy_name, "waiting": num_waiting, "running": num_running,
             "median_us": med * 1e6, "mean_us": statistics.fmean(times) * 1e6,
             "p99_us": sorted(times)[int(0.99 * (len(times) - 1))] * 1e6,
-            "step_ms": step_s * 1e3, "fraction": med / step_s, "tokens": mean_tokens}
+            "step_ms": step_s * 1e3, "fraction": med / step_s, "tokens": mean_tokens,
+            "running_mean": statistics.fmean(running)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,12 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"profile {cost.name}; {args.running} running (max_num_seqs), budget {args.budget} tokens, "
           f"{args.steps} timed steps; python {sys.version.split()[0]}")
     print(f"{'policy':<14}{'waiting':>8}{'median µs':>11}{'mean µs':>9}{'p99 µs':>9}"
-          f"{'step ms':>9}{'% of step':>10}")
+          f"{'step ms':>9}{'% of step':>10}{'running':>9}")
     for name in args.policies.split(","):
         for n in sizes:
             r = bench(name, n, args.running, args.steps, cost, budget=args.budget)
             print(f"{name:<14}{n:>8}{r['median_us']:>11.0f}{r['mean_us']:>9.0f}{r['p99_us']:>9.0f}"
-                  f"{r['step_ms']:>9.1f}{100 * r['fraction']:>9.2f}%", flush=True)
+                  f"{r['step_ms']:>9.1f}{100 * r['fraction']:>9.2f}%{r['running_mean']:>9.0f}", flush=True)
 
 
 if __name__ == "__main__":

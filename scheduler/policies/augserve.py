@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scheduler.cost_model import CostModel, waste_discard, waste_preserve
 from scheduler.plan import MemoryView
-from scheduler.policies.base import RankedPolicy, register_policy
+from scheduler.policies.base import Policy, register_policy
 from scheduler.policies.lamps import step_time
 from scheduler.request import Handling, Request
 
@@ -24,7 +24,7 @@ def augserve_handling(cost: CostModel, context_tokens: int, other_tokens: int, a
 
 
 @register_policy("augserve")
-class AugServePolicy(RankedPolicy):
+class AugServePolicy(Policy):
     """Rank by AugServe's scheduling value (a predicted system cost, lower
     first) minus ``α · (now − last_scheduled)``; dynamic token budget.
 
@@ -62,9 +62,8 @@ class AugServePolicy(RankedPolicy):
 
     # ------------------------------------------------------------- helpers
     def _params(self) -> tuple[CostModel, float, int, int]:
-        sched = self.scheduler
-        return sched.cost, step_time(sched.cost), sched.config.max_num_batched_tokens, \
-            sched.config.swap_budget_tokens
+        ctx = self.context
+        return ctx.cost, step_time(ctx.cost), ctx.max_num_batched_tokens, ctx.swap_budget_tokens
 
     def _next_call(self, request: Request, now: float) -> tuple[bool, float]:
         seg = request.current_segment
@@ -141,14 +140,13 @@ class AugServePolicy(RankedPolicy):
         return self._choose(request.num_computed_tokens, duration, view)
 
     # -------------------------------------------------------------- ranking
-    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
-        if "aug_value" not in request.policy_state:
-            self.on_arrival(request, now, self.scheduler.view())
+    def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+        """``on_arrival`` must have valued ``request``."""
         t_last = request.last_scheduled_time if request.last_scheduled_time is not None \
             else request.arrival_time
         return (request.policy_state["aug_value"] + self.alpha * t_last,)
 
-    def rescore_all(self, now: float) -> None:
+    def rescore_due(self, iteration: int) -> bool:
         # Stage values are fixed at arrival/return; a retrained predictor only
         # changes them at the next stage, so nothing to refresh in the queue.
-        return None
+        return False

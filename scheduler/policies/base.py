@@ -1,34 +1,58 @@
 """The policy interface and its registry.
 
-A policy decides two things (DESIGN section 4): how a request's KV is handled
+A policy decides two things (DESIGN section 4): how a request's KV is held
 while it waits for an API (``handling``) and in which order waiting requests
 are admitted (``priority``, lower runs first). Policies are plain classes
 registered by name; adding one is one file.
 
-Two bases:
+A policy holds no reference to the scheduler. It decides from what it is
+given: a read-only ``PolicyContext`` (the scheduler's limits and cost model,
+given once by ``bind``) and, in each call, the time ``now``, the step
+``iteration`` and a ``MemoryView``. Where it wants something changed, a hook
+returns it and the scheduler applies it (``on_step`` returns requests to
+re-rank; ``redecide`` yields new handlings).
 
-- ``Policy`` sorts the waiting queue by ``priority`` whenever asked (simple,
-  O(n log n) per step; fine for keys that change every step).
-- ``RankedPolicy`` files each waiting request in a ``RankedQueue`` under a key
-  computed once when the request enters the queue (``rank_key``), and re-files
-  it only when its inputs change (re-queued, predictor retrained, optional
-  refresh interval). ``schedule()`` then walks the queue head-first and stops
-  as soon as the batch is full, so a step costs O(admitted · log n), not
-  O(n log n).
+The waiting queue's mechanics are the scheduler's: it files each waiting
+request under ``priority(request, now, None)`` when the request enters the
+queue, walks the queue head-first, and re-files a request only when its
+inputs change — its KV was evicted, ``on_step`` names it, or ``rescore_due``
+says every key is stale (the predictor was retrained, or every
+``refresh_interval + 1`` steps). So a key must not depend on per-step
+memory state, and a step costs O(admitted · log n), not O(n log n).
+
+Optional hooks (all no-ops by default): ``token_budget``, ``order_running``,
+``order_swap_out``, ``redecide``, ``on_arrival``, ``on_api_return``,
+``on_enqueue``, ``on_dequeue``, ``on_step``, ``on_rescore``, ``on_plan``,
+``on_finish``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator, Mapping
 
+from scheduler.cost_model import CostModel
 from scheduler.plan import MemoryView, StepPlan
-from scheduler.queues import RankedQueue
 from scheduler.request import Handling, Request
 from scheduler.token_budget import DynamicBudget
 
 if TYPE_CHECKING:
     from scheduler.predictors import Predictor
-    from scheduler.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a policy may know about the scheduler driving it (read-only).
+
+    ``max_num_batched_tokens`` and ``swap_budget_tokens`` are per-step limits
+    in tokens; ``page_size`` is tokens per KV page.
+    """
+
+    cost: CostModel
+    max_num_batched_tokens: int
+    swap_budget_tokens: int
+    page_size: int
+
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 
@@ -70,7 +94,8 @@ class Policy:
     Options every policy accepts: ``token_budget`` (``"static"``: the engine's
     ``max_num_batched_tokens``; ``"dynamic"``: AugServe's eqs. 27–32, see
     ``scheduler.token_budget``) with ``budget_gamma``, ``budget_beta_low``,
-    ``budget_beta_high``.
+    ``budget_beta_high``; ``refresh_interval=K`` re-ranks the whole waiting
+    queue every ``K + 1`` steps instead of when the predictor is retrained.
     """
 
     name: ClassVar[str] = "base"
@@ -78,7 +103,7 @@ class Policy:
 
     def __init__(self, predictor: "Predictor | None" = None, *, token_budget: str | None = None,
                  budget_gamma: float = 1.0, budget_beta_low: float = 0.25,
-                 budget_beta_high: float = 1.0, **options) -> None:
+                 budget_beta_high: float = 1.0, refresh_interval: int | None = None, **options) -> None:
         from scheduler.predictors import make_predictor
         if options:
             raise ValueError(f"policy {self.name!r} got unknown options {sorted(options)}")
@@ -88,7 +113,24 @@ class Policy:
             raise ValueError(f"token_budget must be 'static' or 'dynamic', got {token_budget!r}")
         self.dynamic_budget = DynamicBudget(budget_gamma, budget_beta_low, budget_beta_high) \
             if mode == "dynamic" else None
-        self.scheduler: Scheduler | None = None
+        if refresh_interval is not None and refresh_interval < 0:
+            raise ValueError("refresh_interval must be >= 0 (re-score every K+1 steps) or None")
+        self.refresh_interval = refresh_interval
+        self._scored_version = self.predictor.version
+        self._last_refresh = 0
+        self._context: PolicyContext | None = None
+
+    def bind(self, context: PolicyContext) -> None:
+        """Called once by the scheduler that will drive this policy."""
+        if self._context is not None and self._context is not context:
+            raise ValueError(f"policy {self.name!r} is already bound to another scheduler")
+        self._context = context
+
+    @property
+    def context(self) -> PolicyContext:
+        if self._context is None:
+            raise RuntimeError(f"policy {self.name!r} is not bound to a scheduler yet")
+        return self._context
 
     # ---------------------------------------------------------------- decisions
     def handling(self, request: Request, view: MemoryView, now: float,
@@ -96,27 +138,21 @@ class Policy:
         """How to hold ``request``'s KV through the API call that starts ``now``."""
         return Handling.DISCARD
 
-    def priority(self, request: Request, now: float, view: MemoryView) -> tuple:
-        """Sort key for admission; lower runs first. Also ranks preemption victims (highest goes first)."""
+    def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+        """Sort key for admission, lower runs first; ties keep queue order. Also
+        ranks preemption victims among running requests (highest goes first).
+        ``view`` is None when the key is filed for the waiting queue."""
         return (request.queue_key_time, request.arrival_time)
 
-    def order_waiting(self, waiting: Iterable[Request], now: float, view: MemoryView) -> list[Request]:
-        """Waiting (and swapped-out, returned) requests in the order to admit them."""
-        return sorted(waiting, key=lambda r: self.priority(r, now, view))
-
-    def iter_waiting(self, waiting: Iterable[Request], now: float, view: MemoryView) -> Iterable[Request]:
-        """The admission order as the scheduler consumes it: it stops at the
-        first request that does not fit, and removes each admitted request
-        (the one just yielded) from the queue while iterating."""
-        return self.order_waiting(waiting, now, view)
-
-    def waiting_rank(self, request: Request, now: float, view: MemoryView):
-        """A waiting request's position in the admission order, totally ordered
-        (ties in ``priority`` broken as ``order_waiting`` breaks them)."""
-        return (self.priority(request, now, view), self.scheduler.waiting.index(request))
+    # -------------------------------------------------------------------- hooks
+    def token_budget(self, default: int, view: MemoryView) -> int:
+        """Tokens this step may batch; ``default`` is the engine's ``max_num_batched_tokens``."""
+        if self.dynamic_budget is not None:
+            return self.dynamic_budget(default, view)
+        return default
 
     def order_running(self, running: Iterable[Request], now: float, view: MemoryView,
-                      budget: int | None = None) -> list[Request]:
+                      budget: int | None = None, iteration: int = 0) -> list[Request]:
         """Running requests in the order they get this step's ``budget`` tokens
         (a new list; leaving one out skips it this step, keeping its pages)."""
         return list(running)
@@ -125,18 +161,14 @@ class Policy:
         """Which in-progress swap-outs get this step's swap budget first."""
         return swapping
 
-    def token_budget(self, default: int, view: MemoryView) -> int:
-        """Tokens this step may batch; ``default`` is the engine's ``max_num_batched_tokens``."""
-        if self.dynamic_budget is not None:
-            return self.dynamic_budget(default, view)
-        return default
-
-    # -------------------------------------------------------------------- hooks
-    def attach(self, scheduler: "Scheduler") -> None:
-        """Hook: the scheduler that will drive this policy (called once, at construction)."""
-        if self.scheduler is not None and self.scheduler is not scheduler:
-            raise ValueError(f"policy {self.name!r} is already attached to another scheduler")
-        self.scheduler = scheduler
+    def redecide(self, now: float, preserved: Mapping[str, Request],
+                 view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
+        """Hook, at the start of every step: switch calls paused under Preserve.
+        ``preserved`` (read-only) holds those requests by id, call still out
+        and KV on device. Yield ``(request, handling)`` one at a time; the
+        scheduler applies each (Discard frees the pages, Swap starts a
+        swap-out) before asking for the next, so ``view()`` is current."""
+        return iter(())
 
     def on_arrival(self, request: Request, now: float, view: MemoryView) -> None:
         """Hook: a request entered the system (before it is queued)."""
@@ -144,95 +176,35 @@ class Policy:
     def on_api_return(self, request: Request, now: float, view: MemoryView) -> None:
         """Hook: ``request``'s API call returned; it is about to re-enter the waiting queue."""
 
-    def on_enqueue(self, request: Request, now: float) -> None:
-        """Hook: ``request`` entered the waiting queue (new, back from an API, preempted)."""
+    def on_enqueue(self, request: Request, now: float, iteration: int) -> None:
+        """Hook: ``request`` is entering the waiting queue (new, back from an API,
+        preempted); it is filed under ``priority`` right after."""
 
-    def on_dequeue(self, request: Request) -> None:
+    def on_dequeue(self, request: Request, iteration: int) -> None:
         """Hook: ``request`` left the waiting queue (admitted, or finished/aborted)."""
 
-    def on_requeue(self, request: Request, now: float) -> None:
-        """Hook: a waiting request's inputs changed in place (its KV was evicted)."""
-
-    def on_step(self, scheduler: "Scheduler", now: float) -> None:
-        """Hook: called at the start of every ``schedule()``."""
-
-    def on_plan(self, plan: StepPlan, now: float) -> None:
-        """Hook: ``plan`` is what this step runs (called at the end of ``schedule()``)."""
-
-    def on_finish(self, request: Request, now: float) -> None:
-        """Hook: ``request`` finished or was aborted; drop anything kept for it."""
-
-    def check_invariants(self, scheduler: "Scheduler") -> None:
-        """Hook for tests: assert the policy's own indexes agree with the scheduler."""
-
-
-class RankedPolicy(Policy):
-    """A policy whose waiting order is a cached key per request (see module doc).
-
-    Subclasses implement ``rank_key(request, now, view)``. Keys are recomputed
-    when a request (re-)enters the waiting queue, when the predictor's
-    ``version`` changes (at the next step), and, with ``refresh_interval=K``,
-    for the whole queue every ``K + 1`` steps instead of on predictor change.
-    ``priority`` returns the cached key while a request waits, else a fresh one.
-    """
-
-    def __init__(self, predictor: "Predictor | None" = None, *, refresh_interval: int | None = None,
-                 **options) -> None:
-        super().__init__(predictor, **options)
-        if refresh_interval is not None and refresh_interval < 0:
-            raise ValueError("refresh_interval must be >= 0 (re-score every K+1 steps) or None")
-        self.refresh_interval = refresh_interval
-        self.queue = RankedQueue()
-        self._scored_version = self.predictor.version
-        self._last_refresh = 0
-
-    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
-        """Sort key for a waiting request; lower runs first. ``view`` may be None
-        (keys must not depend on per-step memory state, or they go stale)."""
-        raise NotImplementedError
-
-    def priority(self, request: Request, now: float, view: MemoryView) -> tuple:
-        key = self.queue.key(request)
-        return key if key is not None else self.rank_key(request, now, view)
-
-    def order_waiting(self, waiting: Iterable[Request], now: float, view: MemoryView) -> list[Request]:
-        return sorted(waiting, key=lambda r: self.waiting_rank(r, now, view))
-
-    def waiting_rank(self, request: Request, now: float, view: MemoryView):
-        entry = self.queue.entry(request)
-        return entry if entry is not None else (*self.rank_key(request, now, view), float("inf"))
-
-    def iter_waiting(self, waiting: Iterable[Request], now: float, view: MemoryView) -> Iterable[Request]:
-        return iter(self.queue)
-
-    def on_enqueue(self, request: Request, now: float) -> None:
-        self.queue.add(request, self.rank_key(request, now, None))
-
-    def on_dequeue(self, request: Request) -> None:
-        self.queue.remove(request)
-
-    def on_requeue(self, request: Request, now: float) -> None:
-        if request in self.queue:
-            self.queue.add(request, self.rank_key(request, now, None))
-
-    def on_step(self, scheduler: "Scheduler", now: float) -> None:
-        it = scheduler.iteration
+    def rescore_due(self, iteration: int) -> bool:
+        """Whether every waiting key is stale at the start of step ``iteration``
+        (the predictor was retrained, or ``refresh_interval`` steps passed)."""
         if self.refresh_interval is None:
             due = self.predictor.version != self._scored_version
         else:
-            due = it - self._last_refresh > self.refresh_interval
+            due = iteration - self._last_refresh > self.refresh_interval
         if due:
-            self.rescore_all(now)
-            self._last_refresh = it
+            self._last_refresh = iteration
         self._scored_version = self.predictor.version
+        return due
 
-    def rescore_all(self, now: float) -> None:
-        requests = self.queue.ordered()
-        self.queue.clear()
-        for r in requests:
-            self.queue.add(r, self.rank_key(r, now, None))
+    def on_rescore(self, waiting: list[Request], now: float, view: MemoryView) -> None:
+        """Hook: ``waiting`` (in queue order) is about to be re-filed by fresh keys."""
 
-    def check_invariants(self, scheduler: "Scheduler") -> None:
-        assert len(self.queue) == len(scheduler.waiting), \
-            f"{self.name}: ranked queue has {len(self.queue)} entries, waiting {len(scheduler.waiting)}"
-        assert all(r in self.queue for r in scheduler.waiting), f"{self.name}: ranked queue out of step"
+    def on_step(self, now: float, iteration: int) -> Iterable[Request]:
+        """Hook, at the start of every ``schedule()``: returns requests whose key
+        changed (the scheduler re-files those still waiting)."""
+        return ()
+
+    def on_plan(self, plan: StepPlan, now: float, iteration: int) -> None:
+        """Hook: ``plan`` is what step ``iteration`` runs (called at the end of ``schedule()``)."""
+
+    def on_finish(self, request: Request, now: float) -> None:
+        """Hook: ``request`` finished or was aborted; drop anything kept for it."""

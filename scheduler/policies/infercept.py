@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, Iterator, Mapping
 
 from scheduler.cost_model import CostModel, waste_discard_chunked, waste_preserve, waste_swap
 from scheduler.plan import MemoryView
-from scheduler.policies.fcfs import FcfsOrder
-from scheduler.policies.base import register_policy
-from scheduler.request import Handling, Request, RequestState
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+from scheduler.policies.base import Policy, register_policy
+from scheduler.request import Handling, Request
 
 
 def min_waste_choice(cost: CostModel, context_tokens: int, other_tokens: int, num_running: int,
@@ -42,7 +38,7 @@ def min_waste_handling(request: Request, view: MemoryView, api_duration_s: float
 
 
 @register_policy("infercept")
-class InferceptPolicy(FcfsOrder):
+class InferceptPolicy(Policy):
     """Min-waste handling chosen when the call happens; FCFS by original arrival
     (a returning request keeps its arrival time); the swap-out budget goes to
     the paused requests with the largest waste first.
@@ -52,8 +48,8 @@ class InferceptPolicy(FcfsOrder):
     has one, or the predictor is ``elapsed``): it is estimated as
     ``t_now − t_call``, which is 0 at the call, so the call starts under
     Preserve; every step the choice is re-made with the grown estimate, and
-    once Discard or Swap wastes less the request is switched
-    (``Scheduler.change_handling``) — seed 003 §4.4.
+    once Discard or Swap wastes less the request is switched (``redecide``
+    yields it; the scheduler applies it) — seed 003 §4.4.
     """
 
     def __init__(self, predictor=None, **options) -> None:
@@ -69,28 +65,28 @@ class InferceptPolicy(FcfsOrder):
         best, waste = min_waste_handling(request, view, duration or 0.0)
         request.policy_state["waste"] = waste
         if best == Handling.PRESERVE and unknown:
-            self._watch[request.request_id] = request
+            self._watch[request.request_id] = request   # re-decided every step (``redecide``)
         return best
 
-    def on_step(self, scheduler: "Scheduler", now: float) -> None:
-        super().on_step(scheduler, now)
+    def redecide(self, now: float, preserved: Mapping[str, Request],
+                 view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
         if not self._watch:
             return
-        view = scheduler.view()
+        current = view()
         for rid, request in list(self._watch.items()):
-            if request.state != RequestState.PAUSED or request.api_returned or not request.device_pages:
-                del self._watch[rid]
+            if rid not in preserved:
+                del self._watch[rid]   # returned, evicted, switched or ended
                 continue
             elapsed = max(0.0, now - request.api_calls[-1].call_time)
             c_i = request.num_computed_tokens
-            swap_ok = view.free_host_pages * view.page_size >= c_i
-            best, waste = min_waste_choice(view.cost, c_i, view.running_tokens, view.num_running,
+            swap_ok = current.free_host_pages * current.page_size >= c_i
+            best, waste = min_waste_choice(current.cost, c_i, current.running_tokens, current.num_running,
                                            elapsed, swap_ok)
             request.policy_state["waste"] = waste
             if best != Handling.PRESERVE:
                 del self._watch[rid]
-                scheduler.change_handling(request, best, now)
-                view = scheduler.view()
+                yield request, best
+                current = view()
 
     def on_finish(self, request: Request, now: float) -> None:
         self._watch.pop(request.request_id, None)

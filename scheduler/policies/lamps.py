@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Iterable
 
 from scheduler.cost_model import CostModel
 from scheduler.plan import MemoryView
-from scheduler.policies.base import RankedPolicy, register_policy
+from scheduler.policies.base import Policy, register_policy
 from scheduler.policies.infercept import min_waste_choice, min_waste_handling
 from scheduler.request import Handling, Request, RequestState
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
 
 
 def step_time(cost: CostModel) -> float:
@@ -62,7 +59,7 @@ def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens
 
 
 @register_policy("lamps", "mars")
-class LampsPolicy(RankedPolicy):
+class LampsPolicy(Policy):
     """Rank waiting and swapped requests by the memory-over-time integral of
     their current segment under its predicted handling, smallest first.
 
@@ -74,7 +71,8 @@ class LampsPolicy(RankedPolicy):
       when the host pool has room then. ``handling()`` returns that decision.
     - Score: ``memory_time_integral`` with chunk size
       ``max_num_batched_tokens``; filed once per queue entry (see
-      ``RankedPolicy``; ``refresh_interval=K`` re-scores every ``K+1`` steps).
+      ``scheduler.policies.base``; ``refresh_interval=K`` re-scores every
+      ``K+1`` steps).
     - Starvation (seed 001 §3): a request that has been scheduled once and
       then waits ``starvation_threshold`` iterations (default 100) in the
       queue is marked starving and ranked ahead of every non-starving request
@@ -131,56 +129,51 @@ class LampsPolicy(RankedPolicy):
         return min_waste_handling(request, view, duration)[0]
 
     # ------------------------------------------------------------- ranking
-    def rescore_all(self, now: float) -> None:
-        """Refresh: re-predict every waiting request's handling and API duration, then re-file."""
-        view = self.scheduler.view()
-        for request in self.queue.ordered():
+    def on_rescore(self, waiting: list[Request], now: float, view: MemoryView) -> None:
+        """Refresh: re-predict every waiting request's handling and API duration."""
+        for request in waiting:
             self._classify(request, now, view)
-        super().rescore_all(now)
 
     def score(self, request: Request, now: float) -> float:
-        """Memory-over-time integral (byte-seconds) of the current segment."""
-        sched = self.scheduler
-        cost = sched.cost
+        """Memory-over-time integral (byte-seconds) of the current segment
+        (``on_arrival`` must have classified ``request``)."""
+        ctx = self.context
         state = request.policy_state
-        if "lamps_handling" not in state:   # added without on_arrival (e.g. re-attached)
-            self._classify(request, now, sched.view())
         swapped = request.num_computed_tokens if request.state == RequestState.SWAPPED else 0
         return memory_time_integral(
-            cost, request.num_tokens, request.num_uncomputed_tokens,
+            ctx.cost, request.num_tokens, request.num_uncomputed_tokens,
             self.predictor.segment_output_len(request), state["lamps_handling"],
-            state["lamps_api_s"], sched.config.max_num_batched_tokens, swapped)
+            state["lamps_api_s"], ctx.max_num_batched_tokens, swapped)
 
-    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+    def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
         return (0 if request.starving else 1, self.score(request, now))
 
     # ---------------------------------------------------------- starvation
-    def on_enqueue(self, request: Request, now: float) -> None:
-        super().on_enqueue(request, now)
+    def on_enqueue(self, request: Request, now: float, iteration: int) -> None:
         self._entries += 1
         request.policy_state["lamps_entry"] = self._entries
-        request.policy_state["lamps_enqueued_at"] = self.scheduler.iteration
+        request.policy_state["lamps_enqueued_at"] = iteration
         request.waiting_iterations = 0
         if (self.starvation_threshold is not None and not request.starving
                 and (request.first_scheduled_time is not None or self.count_before_first_schedule)):
-            due = self.scheduler.iteration + self.starvation_threshold + 1
+            due = iteration + self.starvation_threshold + 1
             self._deadlines.append((due, self._entries, request))
 
-    def on_dequeue(self, request: Request) -> None:
-        super().on_dequeue(request)
-        start = request.policy_state.get("lamps_enqueued_at", self.scheduler.iteration)
-        request.waiting_iterations = max(0, self.scheduler.iteration - start - 1)
+    def on_dequeue(self, request: Request, iteration: int) -> None:
+        request.policy_state["lamps_entry"] = None   # its pending deadline no longer applies
+        start = request.policy_state.get("lamps_enqueued_at", iteration)
+        request.waiting_iterations = max(0, iteration - start - 1)
 
-    def on_step(self, scheduler: "Scheduler", now: float) -> None:
-        super().on_step(scheduler, now)
-        it = scheduler.iteration
-        while self._deadlines and self._deadlines[0][0] <= it:
+    def on_step(self, now: float, iteration: int) -> Iterable[Request]:
+        starved = []
+        while self._deadlines and self._deadlines[0][0] <= iteration:
             _, entry, request = self._deadlines.popleft()
-            if request.policy_state.get("lamps_entry") != entry or request not in self.queue:
+            if request.policy_state.get("lamps_entry") != entry:
                 continue   # scheduled or called an API since: the counter was reset
             request.starving = True
             request.waiting_iterations = self.starvation_threshold
-            self.queue.add(request, self.rank_key(request, now, None))
+            starved.append(request)
+        return starved
 
     def on_finish(self, request: Request, now: float) -> None:
         request.starving = False

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from scheduler.plan import MemoryView, StepPlan
 from scheduler.policies.base import register_policy
 from scheduler.policies.infercept import InferceptPolicy
 from scheduler.request import Request
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
 
 PREFILL, DECODE = 1, 0   # within an MLFQ level, decode-phase requests go first
 
@@ -72,46 +69,47 @@ class ProphetPolicy(InferceptPolicy):
     def _last_run(self, request: Request) -> int:
         return request.policy_state.get("mlfq_last_run", 0)
 
-    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+    def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
         if in_prefill(request):
             value = 0 if request.policy_state.get("srpt_starved") else request.num_uncomputed_tokens
             return (0, PREFILL, value, request.arrival_time)
         return (self.level(request), DECODE, request.policy_state.get("mlfq_queued_at", now), 0.0)
 
-    def on_enqueue(self, request: Request, now: float) -> None:
+    def on_enqueue(self, request: Request, now: float, iteration: int) -> None:
         self._entries += 1
         state = request.policy_state
         state["mlfq_entry"] = self._entries
         state["mlfq_queued_at"] = now
-        it = self.scheduler.iteration
         if in_prefill(request):
-            self._prefill_due.append((it + self.prefill_starvation_limit + 1, self._entries, request))
+            self._prefill_due.append((iteration + self.prefill_starvation_limit + 1, self._entries, request))
         else:
-            state["mlfq_last_run"] = it   # runnable again from now: the idle clock restarts
-            self._decode_due.append((it + self.starvation_limit + 1, self._entries, request))
-        super().on_enqueue(request, now)
+            state["mlfq_last_run"] = iteration   # runnable again from now: the idle clock restarts
+            self._decode_due.append((iteration + self.starvation_limit + 1, self._entries, request))
 
-    def on_step(self, scheduler: "Scheduler", now: float) -> None:
-        super().on_step(scheduler, now)
-        it = scheduler.iteration
-        while self._prefill_due and self._prefill_due[0][0] <= it:
+    def on_dequeue(self, request: Request, iteration: int) -> None:
+        request.policy_state["mlfq_entry"] = None   # its pending deadlines no longer apply
+
+    def on_step(self, now: float, iteration: int) -> Iterable[Request]:
+        changed = []
+        while self._prefill_due and self._prefill_due[0][0] <= iteration:
             _, entry, r = self._prefill_due.popleft()
-            if r.policy_state.get("mlfq_entry") == entry and r in self.queue and in_prefill(r):
+            if r.policy_state.get("mlfq_entry") == entry and in_prefill(r):
                 r.policy_state["srpt_starved"] = True
-                self.queue.add(r, self.rank_key(r, now, None))
-        while self._decode_due and self._decode_due[0][0] <= it:
+                changed.append(r)
+        while self._decode_due and self._decode_due[0][0] <= iteration:
             _, entry, r = self._decode_due.popleft()
-            if r.policy_state.get("mlfq_entry") == entry and r in self.queue:
+            if r.policy_state.get("mlfq_entry") == entry:
                 self._set_level(r, 0)   # waited past the starvation limit: back to the top queue
-                self.queue.add(r, self.rank_key(r, now, None))
+                changed.append(r)
+        return changed
 
     @staticmethod
     def _set_level(request: Request, level: int) -> None:
         request.policy_state["mlfq_level"] = level
         request.policy_state["mlfq_runs"] = 0
 
-    def on_plan(self, plan: StepPlan, now: float) -> None:
-        it = self.scheduler.iteration
+    def on_plan(self, plan: StepPlan, now: float, iteration: int) -> None:
+        it = iteration
         last = len(self.quanta) - 1
         for chunk in plan.chunks:
             r = chunk.request
@@ -126,7 +124,7 @@ class ProphetPolicy(InferceptPolicy):
             state["mlfq_level"], state["mlfq_runs"] = level, runs
 
     def order_running(self, running: Iterable[Request], now: float, view: MemoryView,
-                      budget: int | None = None) -> list[Request]:
+                      budget: int | None = None, iteration: int = 0) -> list[Request]:
         requests = list(running)
         cap = self.decode_batch_size
         if (cap is None or len(requests) <= cap) and budget is not None:
@@ -135,7 +133,7 @@ class ProphetPolicy(InferceptPolicy):
                 demand += r.num_uncomputed_tokens
             if demand <= budget:
                 return requests   # everyone fits: the order does not matter
-        it = self.scheduler.iteration
+        it = iteration
         limit = self.starvation_limit
 
         def key(r: Request) -> int:

@@ -20,7 +20,7 @@ class SjfPolicy(InferceptPolicy):
     that is what the ranking baselines lack.
     """
 
-    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+    def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
         return (self.predictor.total_output_len(request), request.arrival_time)
 
 
@@ -30,7 +30,7 @@ class SjfTotalPolicy(InferceptPolicy):
     time ``T_fwd(S)`` plus the predicted durations of the API calls still
     ahead (seconds), shortest first; ties by arrival. Handling as ``sjf``."""
 
-    def rank_key(self, request: Request, now: float, view: MemoryView | None) -> tuple:
-        tau = step_time(self.scheduler.cost)
+    def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
+        tau = step_time(self.context.cost)
         total = self.predictor.total_output_len(request) * tau + self.predictor.total_api_duration(request, now)
         return (total, request.arrival_time)

@@ -1,0 +1,43 @@
+"""The scheduler's settings (per-step limits, forced handling, token budget mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import Handling
+from scheduler.token_budget import TOKEN_BUDGET_MODES, DynamicBudget
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Per-step limits. Tokens are query tokens batched into one forward.
+
+    ``token_budget`` picks the per-step token limit for every policy:
+    ``"policy"`` (default) lets the policy decide (``augserve`` and any policy
+    built with ``token_budget="dynamic"`` use AugServe's dynamic budget, the
+    others ``max_num_batched_tokens``), ``"static"`` always uses
+    ``max_num_batched_tokens``, ``"dynamic"`` always uses the dynamic budget
+    (``scheduler.token_budget``) with ``budget_gamma``/``budget_beta_low``/
+    ``budget_beta_high`` and ``max_num_batched_tokens`` as ``target_max``.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    swap_budget_tokens: int = 512      # KV tokens copied host<->device per step (both ways together)
+    handling: Handling | None = None   # force one handling for every call; None = the policy decides
+    token_budget: str = "policy"       # "policy" | "static" | "dynamic"
+    budget_gamma: float = 1.0
+    budget_beta_low: float = 0.25
+    budget_beta_high: float = 1.0
+    max_model_len: int | None = None   # context limit in tokens (None: unlimited, as in the simulator)
+
+    def __post_init__(self) -> None:
+        if self.token_budget not in TOKEN_BUDGET_MODES:
+            raise ValueError(f"token_budget must be one of {TOKEN_BUDGET_MODES}, got {self.token_budget!r}")
+        DynamicBudget(self.budget_gamma, self.budget_beta_low, self.budget_beta_high)  # validates
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be > 0")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be > 0")
+        if self.swap_budget_tokens <= 0:
+            raise ValueError("swap_budget_tokens must be > 0")
