@@ -27,7 +27,7 @@ from jaxserve.profiles import default_cost_model
 from jaxserve.runner import ModelRunner, RunnerConfig, kv_pool_pages
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_parser import make_tool_parser
-from jaxserve.tools import Tool, normalize_tools
+from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype
 from scheduler import (Handling, PageAllocator, Request, RequestState, Scheduler, SchedulerConfig, Segment,
                        make_policy, make_predictor)
@@ -362,14 +362,14 @@ class LLMEngine:
             return  # aborted meanwhile
         touched[result.request_id] = live
         live.tool_call = None
+        room = self.context_limit - len(live.token_ids) - 1
         if result.error is not None:
             live.call_info[-1]["error"] = result.error
-            ids = self._encode_tool_result(f"error: {result.error}")
+            ids = self._encode_tool_result(f"error: {result.error}", room, live.call_info[-1])
         elif result.token_ids is not None:
             ids = [int(t) for t in result.token_ids]
         else:
-            ids = self._encode_tool_result(result.text or "")
-        room = self.context_limit - len(live.token_ids) - 1
+            ids = self._encode_tool_result(result.text or "", room, live.call_info[-1], result.full_chars)
         if len(ids) > room:
             ids = ids[:max(0, room)]
         live.token_ids.extend(ids)
@@ -379,16 +379,23 @@ class LLMEngine:
         elif len(live.token_ids) >= self.context_limit:
             self._finish(live, "length")
 
-    def _encode_tool_result(self, text: str) -> list[int]:
-        """Tool output as context tokens, wrapped the way the chat template shows tool turns."""
+    def _encode_tool_result(self, text: str, room: int, info: dict, full_chars: int | None = None) -> list[int]:
+        """Tool output as context tokens, wrapped the way the chat template shows tool turns;
+        over ``MAX_TOOL_RESULT_TOKENS`` (or the ``room`` left) it is cut inside the wrapper."""
         if self.tokenizer is None:
             return []
         template = getattr(self.tokenizer, "chat_template", None) or ""
         if "<|im_start|>" in template:
-            text = f"<|im_end|>\n<|im_start|>tool\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            before, after = "<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"
         else:
-            text = f"<tool_response>{text}</tool_response>"
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            before, after = "<tool_response>", "</tool_response>"
+        wrapper = len(self.tokenizer.encode(before + after, add_special_tokens=False))
+        limit = min(MAX_TOOL_RESULT_TOKENS, room - wrapper - 2)   # 2: merges across the seams
+        text, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
+        if truncated:
+            info["truncated"] = True
+            log.info("tool result cut to %d tokens (%s characters in full)", limit, full_chars or len(text))
+        return self.tokenizer.encode(before + text + after, add_special_tokens=False)
 
     def _finish(self, live: _Live, reason: str) -> None:
         req = live.sched
@@ -414,7 +421,8 @@ class LLMEngine:
                 return_time=rec.return_time, resume_time=rec.resume_time, context_tokens=rec.context_tokens,
                 returned_tokens=rec.num_returned_tokens,
                 fell_back_from=rec.fell_back_from.value if rec.fell_back_from else None,
-                name=info.get("name"), arguments=info.get("arguments"), error=info.get("error")))
+                name=info.get("name"), arguments=info.get("arguments"), error=info.get("error"),
+                truncated=info.get("truncated", False)))
         metrics = {} if not final else {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
                    "first_token_time": req.first_token_time, "finish_time": req.finish_time,
                    "num_preemptions": req.num_preemptions, "prompt_tokens": len(live.prompt_token_ids),
