@@ -259,7 +259,7 @@ def test_latency_histograms_are_exported(demo):
 def test_malformed_json_and_schema_errors_are_400_naming_the_field(demo):
     bad = demo.post("/v1/chat/completions", content=b'{"model": "demo", "messages": [',
                     headers={"content-type": "application/json"})
-    assert_error(bad, 400, param=None)
+    assert_error(bad, 400, param="body")
     cases = [
         ({"model": "demo"}, "messages"),
         ({"model": "demo", "messages": "hi"}, "messages"),
