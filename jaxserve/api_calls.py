@@ -3,10 +3,19 @@ engine loop and hands results back at step boundaries (``poll(now)``).
 
 Three kinds: simulated calls (a timer on the engine's clock: return given
 tokens, or just a token count in the simulator, after a duration),
-registered tools (sync callables on a thread pool, async ones on an event loop
-thread; each with a timeout), and external calls resumed by the caller
-(``resume``). A tool that raises or times out yields an error text as its
-result, so a request never hangs on a tool.
+registered tools (sync callables each on its own thread, async ones on an
+event loop thread; each with a timeout), and external calls resumed by the
+caller (``resume``). A tool that raises or times out yields an error text as
+its result, so a request never hangs on a tool. The model sees a short,
+generic error unless the tool raised ``ToolError`` (text meant for it); the
+full exception goes to the log.
+
+A sync tool that hangs past its timeout keeps its thread (Python cannot stop
+one), but it no longer blocks anyone: every call gets a fresh thread, so
+later calls run at once. Only when ``max_tool_threads`` threads are still
+alive are new calls refused (an error result, at once). Results are turned
+into text and cut to ``max_result_chars`` on the tool's thread, so a huge
+result never reaches the engine thread whole.
 """
 
 from __future__ import annotations
@@ -14,10 +23,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import heapq
+import inspect
+import logging
 import threading
 from dataclasses import dataclass
 
+from jaxserve.tool_worker import ToolError
 from jaxserve.tools import Tool, call_arguments
+
+log = logging.getLogger("jaxserve")
 
 
 @dataclass
@@ -33,19 +47,37 @@ class ApiResult:
     error: str | None = None
     num_tokens: int = 0                  # returned tokens when no ids are known (simulator)
     time: float | None = None
+    full_chars: int | None = None        # length of the tool's text before the pool cut it
+
+
+def _bind(tool: Tool, kwargs: dict) -> None:
+    """``ValueError`` (for the model) if the call's arguments do not fit the tool's signature."""
+    try:
+        inspect.signature(tool.fn).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"tool {tool.name!r} called with wrong arguments: {e}") from None
+    except ValueError:   # no signature to check (some builtins): the call itself will tell
+        pass
 
 
 class ApiCalls:
-    """Timers, tool futures and external waits, keyed by request id."""
+    """Timers, tool threads and external waits, keyed by request id.
 
-    def __init__(self, max_workers: int = 16) -> None:
+    ``max_tool_threads``: sync tool calls alive at once (hung ones included);
+    ``max_result_chars``: longest tool result text kept (the engine then fits it
+    to its token budget)."""
+
+    def __init__(self, max_tool_threads: int = 64, max_result_chars: int = 64_000) -> None:
         self._timers: list[tuple[float, int, ApiResult]] = []
         self._seq = 0
         self._pending: dict[str, tuple[concurrent.futures.Future, float, str]] = {}
         self._external: set[str] = set()
         self._ready: list[ApiResult] = []
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxserve-tool")
+        self.max_tool_threads = max_tool_threads
+        self.max_result_chars = max_result_chars
+        self.tool_threads_alive = 0
+        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -------------------------------------------------------------- submit
@@ -60,19 +92,46 @@ class ApiCalls:
     def call_tool(self, request_id: str, tool: Tool, arguments: str, now: float) -> None:
         try:
             kwargs = call_arguments(arguments)
+            _bind(tool, kwargs)
         except ValueError as e:
             self.fail(request_id, str(e))
             return
         if tool.is_async:
-            try:
-                coroutine = tool.fn(**kwargs)   # binds the arguments here, on the engine thread
-            except TypeError as e:
-                self.fail(request_id, f"tool {tool.name!r} failed: {e}")
-                return
-            future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
+            future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), self._event_loop())
         else:
-            future = self._pool.submit(tool.fn, **kwargs)
+            future = self._start_thread(tool, kwargs)
         self._pending[request_id] = (future, now + tool.timeout_s, tool.name)
+
+    def _start_thread(self, tool: Tool, kwargs: dict) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self.tool_threads_alive >= self.max_tool_threads:
+                future.set_exception(ToolError(f"tool {tool.name!r} is unavailable: too many tool calls still "
+                                               f"running ({self.tool_threads_alive})"))
+                return future
+            self.tool_threads_alive += 1
+
+        def run() -> None:
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(self._cap(tool.fn(**kwargs)))
+                    except BaseException as e:  # noqa: BLE001 - handed to poll()
+                        future.set_exception(e)
+            finally:
+                with self._lock:
+                    self.tool_threads_alive -= 1
+
+        threading.Thread(target=run, name=f"jaxserve-tool-{tool.name}", daemon=True).start()
+        return future
+
+    def _cap(self, value) -> tuple[str, int]:
+        """``(text cut to max_result_chars, full length in characters)``, on the tool's thread."""
+        text = value if isinstance(value, str) else str(value)
+        return text[:self.max_result_chars], len(text)
+
+    async def _as_text(self, coroutine) -> tuple[str, int]:
+        return self._cap(await coroutine)
 
     def fail(self, request_id: str, error: str) -> None:
         """Answer a call with an error right away (e.g. a malformed call)."""
@@ -114,12 +173,17 @@ class ApiCalls:
             if future.done():
                 del self._pending[request_id]
                 try:
-                    out.append(ApiResult(request_id, text=str(future.result())))
-                except Exception as e:  # the tool's own failure becomes the call's result
-                    out.append(ApiResult(request_id, error=f"tool {name!r} failed: {type(e).__name__}: {e}"))
+                    text, full = future.result()
+                    out.append(ApiResult(request_id, text=text, full_chars=full))
+                except ToolError as e:   # written for the model
+                    out.append(ApiResult(request_id, error=f"tool {name!r}: {str(e)[:500]}"))
+                except Exception as e:  # noqa: BLE001 - the tool's own failure: generic for the model
+                    log.warning("tool %r failed for %s", name, request_id, exc_info=e)
+                    out.append(ApiResult(request_id, error=f"tool {name!r} failed (internal error)"))
             elif now >= deadline:
                 del self._pending[request_id]
                 future.cancel()
+                log.warning("tool %r timed out for %s", name, request_id)
                 out.append(ApiResult(request_id, error=f"tool {name!r} timed out"))
         return out
 
@@ -142,6 +206,7 @@ class ApiCalls:
         return self._loop
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -70,8 +70,10 @@ class AsyncEngine:
         try:
             await self._call(lambda: self.engine.add_request(
                 request_id, prompt, sampling_params, prompt_token_ids, api_calls, parse_tool_calls))
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            if isinstance(e, asyncio.CancelledError):  # the command may have run: never leave it orphaned
+                self._post_abort(request_id)
             raise
         async for out in self._drain(request_id, stream):
             yield out
@@ -84,8 +86,10 @@ class AsyncEngine:
         try:
             await self._call(lambda: self.engine.resume(request_id, token_ids=token_ids, text=text,
                                                         max_tokens=max_tokens))
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            if isinstance(e, asyncio.CancelledError):
+                self._post_abort(request_id)
             raise
         async for out in self._drain(request_id, stream):
             yield out
@@ -142,11 +146,21 @@ class AsyncEngine:
             self._inbox.put((fn, future))
         return await asyncio.wrap_future(future)
 
+    def _post_abort(self, request_id: str) -> None:
+        """Queue an abort without waiting (usable while the caller is being cancelled);
+        commands run in order, so it lands after any command already queued for the request."""
+        with self._closing:
+            if self.is_alive:
+                self._inbox.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
+
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                self._streams.pop(request_id, None)
 
     def _run_commands(self, timeout: float | None) -> None:
         try:
@@ -155,10 +169,13 @@ class AsyncEngine:
             return
         while item is not None:
             fn, future = item
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - delivered to the caller
-                future.set_exception(e)
+            # A caller cancelled while its command was queued no longer wants it run; once
+            # running, the future cannot be cancelled, so setting its outcome cannot fail.
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                    future.set_exception(e)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -179,7 +196,7 @@ class AsyncEngine:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         break
-                    if item is not None:
+                    if item is not None and item[1].set_running_or_notify_cancel():
                         item[1].set_exception(EngineDeadError(self._dead_reason))
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(self._dead_reason))

@@ -30,7 +30,7 @@ from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_parser import make_tool_parser
-from jaxserve.tools import Tool, normalize_tools
+from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype
 from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent, RequestState, Scheduler,
                        SchedulerConfig, Segment, make_policy, make_predictor)
@@ -307,16 +307,26 @@ class LLMEngine:
         record.name, record.arguments = parsed.name, parsed.arguments
 
     def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
-        """Tool output as context tokens, wrapped the way the chat template shows tool turns."""
+        """Tool output as context tokens, wrapped the way the chat template shows tool turns;
+        over ``MAX_TOOL_RESULT_TOKENS`` (or the room left in the context) it is cut inside
+        the wrapper, and the call is marked ``truncated``."""
         if self.tokenizer is None:
             return []
         text = f"error: {result.error}" if result.error is not None else (result.text or "")
+        room = self.context_limit - request.num_tokens - 1
+        full_chars = result.full_chars if result.error is None else None
         template = getattr(self.tokenizer, "chat_template", None) or ""
         if "<|im_start|>" in template:
-            text = f"<|im_end|>\n<|im_start|>tool\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            before, after = "<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"
         else:
-            text = f"<tool_response>{text}</tool_response>"
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            before, after = "<tool_response>", "</tool_response>"
+        wrapper = len(self.tokenizer.encode(before + after, add_special_tokens=False))
+        limit = min(MAX_TOOL_RESULT_TOKENS, room - wrapper - 2)   # 2: merges across the seams
+        text, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
+        if truncated:
+            request.api_calls[-1].truncated = True
+            log.info("tool result cut to %d tokens (%s characters in full)", limit, full_chars or len(text))
+        return self.tokenizer.encode(before + text + after, add_special_tokens=False)
 
     # -------------------------------------------------------------- outputs
     def _output(self, request: Request) -> RequestOutput:
@@ -333,7 +343,8 @@ class LLMEngine:
             return_time=rec.return_time, resume_time=rec.resume_time, context_tokens=rec.context_tokens,
             returned_tokens=rec.num_returned_tokens,
             fell_back_from=rec.fell_back_from.value if rec.fell_back_from else None,
-            name=rec.name, arguments=rec.arguments, error=rec.error) for rec in request.api_calls]
+            name=rec.name, arguments=rec.arguments, error=rec.error, truncated=rec.truncated)
+            for rec in request.api_calls]
         metrics = {} if not final else {
             "arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time,
             "first_token_time": request.first_token_time, "finish_time": request.finish_time,

@@ -40,6 +40,7 @@ class ApiCallOutput:
     name: str | None = None        # tool name for parsed calls
     arguments: str | None = None   # JSON arguments for parsed calls
     error: str | None = None
+    truncated: bool = False        # the result was cut to fit (jaxserve.tools.truncate_tool_result)
 
 
 @dataclass

@@ -3,7 +3,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The engine step holds these in fixed-width arrays (``jaxserve.sampling.SamplingArrays``):
+# top_k and step counts as int32, temperature/top_p as float32, seeds as uint32.
+INT32_MAX = 2**31 - 1
+MAX_TEMPERATURE = 100.0     # far above any useful value, far below float32's range
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 
 
 @dataclass
@@ -30,20 +38,34 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+        """Raise ``ValueError`` naming the first bad field. Every value that passes
+        fits the step's arrays (int32, float32, uint32): nothing can overflow there."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be an integer in [-1, {INT32_MAX}] (0 or -1 disable it), "
+                             f"got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}]")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,5 +1,7 @@
 """Server-side tools: Python callables the engine runs when the model calls them,
-and the built-in ``calculator`` (arithmetic parsed with ``ast``, never ``eval``)."""
+the built-in ``calculator`` (arithmetic parsed with ``ast``, never ``eval``, run
+in a killable worker process), and the cut of an over-long tool result to a
+token budget."""
 
 from __future__ import annotations
 
@@ -10,6 +12,12 @@ import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from jaxserve.tool_worker import IsolatedFunction, ToolError
+
+MAX_TOOL_RESULT_TOKENS = 1024  # a tool result's share of the context, by default
+MAX_INT_BITS = 10_000          # largest integer the calculator computes (about 3,000 digits)
+TRUNCATION_MARK = "\n[tool result truncated: {dropped} of {total} characters omitted]"
 
 
 @dataclass(frozen=True)
@@ -43,8 +51,9 @@ _CONSTS = {"pi": math.pi, "e": math.e}
 
 def evaluate_arithmetic(expression: str) -> float | int:
     """Evaluate ``+ - * / // % **``, parentheses, numbers, ``pi``/``e`` and a few
-    math functions. Anything else is a ``ValueError``. Exponents are capped so a
-    request cannot make the server compute a gigantic power."""
+    math functions. Anything else is a ``ValueError``. Exponents are capped, and
+    so is the size of every integer result (``MAX_INT_BITS``, checked before a
+    power is computed), so a request cannot make it compute a gigantic number."""
     if not isinstance(expression, str) or len(expression) > 1000:
         raise ValueError("expression must be a string of at most 1000 characters")
     try:
@@ -59,33 +68,61 @@ def evaluate_arithmetic(expression: str) -> float | int:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 100:
-                raise ValueError("exponent too large")
-            return _BINARY[type(node.op)](left, right)
+            if isinstance(node.op, ast.Pow):
+                if abs(right) > 100:
+                    raise ValueError("exponent too large")
+                if isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_INT_BITS:
+                    raise ValueError("result too large")
+            return _check_size(_BINARY[type(node.op)](left, right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](ev(node.operand))
+            return _check_size(_UNARY[type(node.op)](ev(node.operand)))
         if isinstance(node, ast.Name) and node.id in _CONSTS:
             return _CONSTS[node.id]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS \
                 and not node.keywords:
-            return _FUNCS[node.func.id](*[ev(a) for a in node.args])
+            return _check_size(_FUNCS[node.func.id](*[ev(a) for a in node.args]))
         raise ValueError(f"unsupported element in expression: {ast.dump(node)[:60]}")
 
     try:
         return ev(tree)
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
+    except (OverflowError, TypeError) as e:   # float overflow, math domain/arity errors
+        raise ValueError(f"cannot evaluate: {e}") from None
 
 
-def calculator(expression: str) -> str:
-    value = evaluate_arithmetic(expression)
+def _check_size(value):
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise ValueError("result too large")
+    return value
+
+
+def calculator_text(expression: str) -> str:
+    """The calculator's answer as text, computed in this process (the worker's entry point).
+    A bad expression is a ``ToolError`` whose message the model sees."""
+    try:
+        value = evaluate_arithmetic(expression)
+    except ValueError as e:
+        raise ToolError(str(e)) from None
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         value = int(value)
     return str(value)
 
 
+CALCULATOR_TIMEOUT_S = 5.0
+_CALCULATOR_WORKERS = IsolatedFunction("jaxserve.tools", "calculator_text", workers=2, max_result_chars=4_000)
+
+
+def calculator(expression: str) -> str:
+    """The built-in tool: ``calculator_text`` in a worker process, killed after
+    ``CALCULATOR_TIMEOUT_S`` seconds; the server's threads never run the arithmetic."""
+    if not isinstance(expression, str) or len(expression) > 1000:
+        raise ToolError("expression must be a string of at most 1000 characters")
+    return _CALCULATOR_WORKERS.call(expression, CALCULATOR_TIMEOUT_S)
+
+
 CALCULATOR = Tool(
-    name="calculator", fn=calculator, api_type="math", timeout_s=5.0,
+    name="calculator", fn=calculator, api_type="math", timeout_s=CALCULATOR_TIMEOUT_S + 1.0,
     description="Evaluate an arithmetic expression.",
     parameters={"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
 )
@@ -116,3 +153,22 @@ def call_arguments(arguments: str) -> dict:
     if not isinstance(args, dict):
         raise ValueError("tool arguments must be a JSON object")
     return args
+
+
+def truncate_tool_result(text: str, max_tokens: int, tokenizer, total_chars: int | None = None) -> tuple[str, bool]:
+    """Cut a tool's rendered result text to at most about ``max_tokens`` tokens, before it is
+    wrapped in the chat template's tool turn (so the wrapper stays intact), ending with a
+    note of what was dropped. ``total_chars``: the result's full length when ``text`` is
+    already a prefix of it. Returns ``(text, truncated)``. Only a prefix of at most
+    ``16 * max_tokens`` characters is ever tokenized, however long ``text`` is."""
+    total = max(total_chars or 0, len(text))
+    head = text[:16 * max(0, max_tokens) + 1]
+    ids = tokenizer.encode(head, add_special_tokens=False) if max_tokens > 0 else []
+    if max_tokens > 0 and len(ids) <= max_tokens and len(head) == total:
+        return text, False
+    mark_tokens = len(tokenizer.encode(TRUNCATION_MARK.format(dropped=total, total=total), add_special_tokens=False))
+    if mark_tokens > max_tokens:   # not even the note fits: the shortest one, or nothing
+        short = "[truncated]" if len(tokenizer.encode("[truncated]", add_special_tokens=False)) <= max_tokens else ""
+        return short, True
+    keep = tokenizer.decode(ids[:max_tokens - mark_tokens], skip_special_tokens=False)
+    return keep + TRUNCATION_MARK.format(dropped=total - len(keep), total=total), True

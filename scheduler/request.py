@@ -80,6 +80,7 @@ class ApiCallRecord:
     name: str | None = None             # parsed tool calls: tool name, raw JSON arguments, error text
     arguments: str | None = None
     error: str | None = None
+    truncated: bool = False             # the tool's result was cut to fit (inside its wrapper)
 
 
 @dataclass(eq=False, slots=True)

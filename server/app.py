@@ -14,10 +14,9 @@ itself are client-side: the response stops with ``finish_reason:
 from __future__ import annotations
 
 import asyncio
-import copy
+import hashlib
 import json
 import logging
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -33,19 +32,22 @@ from server.errors import APIError, from_value_error, install_handlers, sse_erro
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
                                wait_or_disconnect)
 from server.metrics import ServerMetrics
-from server.middleware import GuardMiddleware
+from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts
 from server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
                              Usage)
+from server.tokenizers import TokenizerPool
 
 log = logging.getLogger("jaxserve.server")
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
+MAX_FANOUT = 16                # engine requests one HTTP request may become (prompts x n)
 ARGUMENT_FRAGMENT_CHARS = 16   # streamed tool-call arguments arrive in pieces of this size
 
 
 class ConcurrencyLimit:
-    """Counts HTTP generation requests in flight; over the limit is a 429."""
+    """Counts engine requests in flight for HTTP requests (one per choice: prompts x n);
+    a request that would take the count over the limit is a 429."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -53,23 +55,24 @@ class ConcurrencyLimit:
         self.limit = limit
         self.in_flight = 0
 
-    def acquire(self) -> "_Slot":
-        if self.in_flight >= self.limit:
-            raise APIError(429, f"too many concurrent requests (limit {self.limit}); retry later",
-                           code="too_many_requests", headers={"Retry-After": "1"})
-        self.in_flight += 1
-        return _Slot(self)
+    def acquire(self, count: int = 1) -> "_Slot":
+        if self.in_flight + count > self.limit:
+            raise APIError(429, f"too many concurrent requests (limit {self.limit} engine requests, this one "
+                           f"needs {count}); retry later", code="too_many_requests", headers={"Retry-After": "1"})
+        self.in_flight += count
+        return _Slot(self, count)
 
 
 class _Slot:
-    def __init__(self, owner: ConcurrencyLimit) -> None:
+    def __init__(self, owner: ConcurrencyLimit, count: int) -> None:
         self.owner = owner
+        self.count = count
         self.held = True
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.owner.in_flight -= 1
+            self.owner.in_flight -= self.count
 
 
 class _ManagedStream(StreamingResponse):
@@ -94,36 +97,50 @@ class ServerState:
     """Everything the routes share."""
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
-                 tools: dict[str, Tool], paused_context_ttl_s: float) -> None:
+                 tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
+                 tokenizer_pool_size: int = 4) -> None:
+        if max_fanout < 1:
+            raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.limit = ConcurrencyLimit(max_concurrent_requests)
+        self.max_fanout = max_fanout
         self.tools = tools
         self.parked = ParkedContexts(engine, paused_context_ttl_s)
         self.metrics = ServerMetrics(engine, lambda: len(self.parked))
-        # A private tokenizer: the engine thread uses its own for detokenization,
-        # and a fast tokenizer must not be used from two threads at once.
-        self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        self._tokenizer_lock = threading.Lock()
+        # Private copies: the engine thread uses its own tokenizer for detokenization.
+        self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_pool_size) if engine.tokenizer is not None \
+            else None
+
+    @property
+    def tokenizer(self):
+        return self.tokenizers.template if self.tokenizers is not None else None
 
     async def tokenize(self, fn):
-        """Run a tokenizer call off the event loop, one at a time."""
-        def locked():
-            with self._tokenizer_lock:
-                return fn(self.tokenizer)
-        return await asyncio.to_thread(locked)
+        """Run a tokenizer call on a worker thread with one of the pool's tokenizers."""
+        return await self.tokenizers.run(fn)
+
+    def check_prompt_bytes(self, texts: list[str], param: str) -> None:
+        """Refuse text that cannot fit the context window before tokenizing it (cheap bound)."""
+        low = sum(self.tokenizers.min_tokens(t) for t in texts)
+        if low >= self.max_model_len:
+            raise APIError(400, f"{param}: the prompt has at least {low} tokens; the context window is "
+                           f"{self.max_model_len} tokens", param=param, code="context_length_exceeded")
 
 
 def create_app(engine, *, served_model_name: str, api_key: str | None = None, max_concurrent_requests: int = 256,
                tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
-               max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0) -> FastAPI:
     """Build the app.
 
     ``tools``: the server-side tools to advertise; each must already be
     registered in the engine (``AsyncEngine(..., tools=...)``). ``None``
     advertises every tool the engine has. ``max_model_len``: the context window
-    in tokens (prompt + generated); required.
+    in tokens (prompt + generated); required. ``max_fanout``: engine requests
+    one HTTP request may become (prompts x ``n``). ``body_timeout_s``: seconds
+    allowed to receive a request body (408 after).
     """
     if max_model_len is None or max_model_len < 2:
         raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")
@@ -138,7 +155,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                 raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
                                  f"AsyncEngine(..., tools=...) so the engine can run them")
     state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
-                        paused_context_ttl_s)
+                        paused_context_ttl_s, max_fanout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -146,10 +163,12 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         yield
         await state.parked.close()
 
-    app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json is served (fuzzers and client generators read it) behind the API key like every route.
+    app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(CatchAllMiddleware)
 
     @app.get("/health")
     async def health():
@@ -187,9 +206,10 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         raise APIError(400, "this model has no tokenizer; only token-id prompts to /v1/completions work"
                        if chat else "this model has no tokenizer: send prompt as token ids", param="prompt")
     start = time.monotonic()
-    slot = state.limit.acquire()
+    slot = state.limit.acquire(_fanout(state, body, chat))
     try:
-        jobs = await (_chat_jobs(state, body) if chat else _completion_jobs(state, body))
+        owner = _owner(request, body)
+        jobs = await (_chat_jobs(state, body, owner) if chat else _completion_jobs(state, body))
         merger = ChoiceMerger(state.engine, jobs)
         choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat)
                    for i, job in enumerate(jobs)]
@@ -206,7 +226,7 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
             raise
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            stream = _stream(state, request, body, chat, merger, choices, response_id)
+            stream = _stream(state, request, body, chat, merger, choices, response_id, owner)
             response = _ManagedStream(stream, on_close=slot.release, media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             slot = None   # released by the stream
@@ -216,7 +236,7 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
                 await wait_or_disconnect(request, _collect(merger, choices))
             finally:
                 await merger.aclose()
-            await _park_paused(state, choices)
+            await _park_paused(state, choices, owner)
         except ClientDisconnected:
             return Response(status_code=499)
         except EngineDeadError:
@@ -234,6 +254,28 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
             slot.release()
 
 
+def _fanout(state: ServerState, body, chat: bool) -> int:
+    """Engine requests this HTTP request becomes (prompts x n); over ``max_fanout`` is a 400,
+    decided before anything is tokenized or queued."""
+    prompts = 1
+    if not chat and isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+        prompts = len(body.prompt)
+    fanout = prompts * body.n
+    if fanout > state.max_fanout:
+        param = "prompt" if prompts > state.max_fanout else "n"
+        raise APIError(400, f"{param}: this request would run {prompts} prompt(s) x n={body.n} = {fanout} "
+                       f"generations; the server allows at most {state.max_fanout} per request (--max-fanout)",
+                       param=param, code="fanout_exceeded")
+    return fanout
+
+
+def _owner(request: Request, body) -> str:
+    """Who may resume a paused tool context: the API key sent and the ``user`` field.
+    Hashed so the key is not kept in memory next to the contexts."""
+    key = request.headers.get("authorization", "")
+    return hashlib.sha256(f"{key}\0{body.user or ''}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
 async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], bool]:
     """Chat template -> token ids; and whether to parse tool calls."""
     use_tools = body.tool_choice != "none"
@@ -243,6 +285,7 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
         names = {t["function"]["name"] for t in declared}
         tools = declared + [t.openai_schema() for name, t in state.tools.items() if name not in names]
     messages = [m.template_dict() for m in body.messages]
+    state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)], "messages")
 
     def render(tok):
         text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
@@ -276,7 +319,7 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
         raise from_value_error(e, prompt_param) from None
 
 
-async def _chat_jobs(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str) -> list[Job]:
     ids, parse = await _render_chat(state, body)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = []
@@ -284,7 +327,7 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest) -> list[Jo
         params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages")
         job = Job(f"{base}-{i}", ids, params, parse)
         if body.n == 1 and parse:
-            job.resume_from = await state.parked.take(ids, sampling_key(params))
+            job.resume_from = await state.parked.take(ids, sampling_key(params), owner)
             if job.resume_from is not None:
                 job.request_id = job.resume_from.request_id
                 state.metrics.resumed.inc()
@@ -299,7 +342,12 @@ async def _completion_jobs(state: ServerState, body: CompletionRequest) -> list[
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     texts = [p for p in prompt if isinstance(p, str)]
-    encoded = await state.tokenize(lambda tok: [tok.encode(t, add_special_tokens=True) for t in texts])
+    for t in texts:
+        state.check_prompt_bytes([t], "prompt")
+    try:
+        encoded = await state.tokenize(lambda tok: [tok.encode(t, add_special_tokens=True) for t in texts])
+    except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's input
+        raise APIError(400, f"prompt: the tokenizer rejected it ({type(e).__name__})", param="prompt") from None
     base = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for p in prompt:
@@ -316,7 +364,7 @@ async def _collect(merger: ChoiceMerger, choices: list[ChoiceState]) -> None:
         choices[index].on_output(out)
 
 
-async def _park_paused(state: ServerState, choices: list[ChoiceState]) -> None:
+async def _park_paused(state: ServerState, choices: list[ChoiceState], owner: str) -> None:
     """Keep the contexts of choices that paused on a client-side tool call."""
     for c in choices:
         if c.tool_call is None or c.settled:
@@ -326,7 +374,7 @@ async def _park_paused(state: ServerState, choices: list[ChoiceState]) -> None:
             await state.engine.abort(c.job.request_id)
         else:
             await state.parked.park(c.job.request_id, context, sampling_key(c.job.params),
-                                    calls_seen=len(c.last.api_calls) - 1)
+                                    calls_seen=len(c.last.api_calls) - 1, owner=owner)
         c.settled = True
 
 
@@ -377,7 +425,7 @@ def _sse(obj: dict) -> str:
 
 
 async def _stream(state: ServerState, request: Request, body, chat: bool, merger: ChoiceMerger,
-                  choices: list[ChoiceState], response_id: str) -> AsyncIterator[str]:
+                  choices: list[ChoiceState], response_id: str, owner: str) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -420,7 +468,7 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
             final["finish_reason"] = c.finish_reason
             yield chunk(final)
         finished = True
-        await _park_paused(state, choices)
+        await _park_paused(state, choices, owner)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
                         "choices": [], "usage": _usage(choices).dump()})

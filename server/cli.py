@@ -31,6 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "/health and /metrics")
     net.add_argument("--max-concurrent-requests", type=int, default=256,
                      help="generation requests in flight before answering 429")
+    net.add_argument("--max-fanout", type=int, default=16,
+                     help="engine requests one HTTP request may become (prompts x n); more is a 400")
+    net.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                     help="largest request body accepted (bytes); more is a 413")
+    net.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection may take to send a request's headers before it is closed")
+    net.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request may take to send its body (408 after)")
+    net.add_argument("--keep-alive-timeout", type=int, default=5,
+                     help="seconds an idle keep-alive connection is kept open")
+    net.add_argument("--max-connections", type=int, default=1024,
+                     help="open connections; one more is answered 503 and closed")
     net.add_argument("--paused-context-ttl", type=float, default=60.0,
                      help="seconds a request paused on a client-side tool call is kept for its follow-up")
     net.add_argument("--tools", default=None,
@@ -72,21 +84,26 @@ def build_app(args: argparse.Namespace):
     name = args.served_model_name or ("demo" if args.model == "demo" else Path(args.model).name)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
                      max_concurrent_requests=args.max_concurrent_requests,
-                     paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len)
+                     paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
+                     max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
     return async_engine, app
 
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from server.connections import guarded_h11_protocol
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        protocol = guarded_h11_protocol(args.header_timeout, args.max_connections)
         engine, app = build_app(args)
     except ValueError as e:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    http=protocol, timeout_keep_alive=args.keep_alive_timeout)
     finally:
         engine.shutdown()
     return 0

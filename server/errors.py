@@ -73,9 +73,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}")
-    if first.get("type") == "model_attributes_type" or first.get("loc") == ("body",):
-        return APIError(400, "request body must be a JSON object sent with Content-Type: application/json")
+        return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}", param="body")
+    if tuple(first.get("loc", ())) in (("body",), ()):
+        return APIError(400, "request body must be a JSON object sent with Content-Type: application/json",
+                        param="body")
     param = _loc_to_param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):

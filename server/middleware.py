@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: API-key check and request-body limit.
+"""ASGI middleware in front of every route: API-key check, request-body size and
+read-time limits, and a last-resort 500 that keeps the connection usable.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so streaming responses and client
 disconnects pass through untouched.
@@ -6,10 +7,15 @@ disconnects pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
+import time
 
 from server.errors import APIError
+
+log = logging.getLogger("jaxserve.server")
 
 UNGUARDED_PATHS = frozenset({"/health", "/metrics"})
 
@@ -27,10 +33,11 @@ class GuardMiddleware:
     bodies over ``max_body_bytes`` (413). The body is read here, bounded, and
     replayed to the app; later ``receive`` calls (disconnect) pass through."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -40,17 +47,24 @@ class GuardMiddleware:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 return await _send_error(send, APIError(
-                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'", param="authorization",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-        too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+        too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", param="body",
+                             code="request_too_large")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_error(send, too_large)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = time.monotonic() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await _send_error(send, APIError(
+                    408, f"request body not received within {self.body_timeout_s:g} s", param="body",
+                    code="request_timeout", headers={"Connection": "close"}))
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
@@ -71,3 +85,32 @@ class GuardMiddleware:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+class CatchAllMiddleware:
+    """An exception no handler took becomes a 500 answered here, so it is not re-raised
+    to the server (which would drop the keep-alive connection). Logged in full; the
+    client gets only the exception's type. After the response started there is
+    nothing to answer: the exception propagates and the server closes the stream."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001 - the last line of defence
+            if started:
+                raise
+            log.exception("unhandled error on %s", scope.get("path"))
+            await _send_error(send, APIError(500, f"internal error: {type(e).__name__}"))

@@ -6,8 +6,10 @@ or discarded). The client then sends the whole conversation again with the
 tool's result. If that conversation, rendered with the chat template, starts
 with the paused request's context token ids (prompt + generated), the server
 resumes the paused request with only the remaining tokens instead of
-computing the conversation from scratch. Contexts nobody comes back for are
-aborted after ``ttl_s`` seconds, which frees their pages.
+computing the conversation from scratch. A context belongs to its ``owner``
+(the API key and ``user`` that created it): another owner's follow-up never
+matches it. Contexts nobody comes back for are aborted after ``ttl_s``
+seconds, which frees their pages.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ParkedContext:
     sampling_key: tuple         # sampling settings the continuation must share (all but max_tokens)
     calls_seen: int             # API calls of the request whose pause time was already observed
     expires_at: float
+    owner: str = ""             # who created it (a hash of API key and user); only they may resume it
 
 
 class ParkedContexts:
@@ -42,22 +45,24 @@ class ParkedContexts:
     def __len__(self) -> int:
         return len(self._contexts)
 
-    async def park(self, request_id: str, context_ids: list[int], sampling_key: tuple, calls_seen: int) -> None:
+    async def park(self, request_id: str, context_ids: list[int], sampling_key: tuple, calls_seen: int,
+                   owner: str = "") -> None:
         """Keep a paused request for resumption (aborted at once when the TTL is 0)."""
         if self.ttl_s == 0:
             await self._abort(request_id)
             return
         self._contexts[request_id] = ParkedContext(request_id, list(context_ids), sampling_key, calls_seen,
-                                                   self.clock() + self.ttl_s)
+                                                   self.clock() + self.ttl_s, owner)
 
-    async def take(self, token_ids: list[int], sampling_key: tuple) -> ParkedContext | None:
-        """Remove and return the parked context with the longest context that is a
+    async def take(self, token_ids: list[int], sampling_key: tuple, owner: str = "") -> ParkedContext | None:
+        """Remove and return ``owner``'s parked context with the longest context that is a
         strict prefix of ``token_ids``; ``None`` when none is. A matching context
-        with other sampling settings cannot continue this request: it is aborted."""
+        with other sampling settings cannot continue this request: it is aborted.
+        Other owners' contexts are neither matched nor touched."""
         best = None
         for ctx in self._contexts.values():
             n = len(ctx.context_ids)
-            if n < len(token_ids) and (best is None or n > len(best.context_ids)) \
+            if ctx.owner == owner and n < len(token_ids) and (best is None or n > len(best.context_ids)) \
                     and token_ids[:n] == ctx.context_ids:
                 best = ctx
         if best is None:

@@ -2,20 +2,41 @@
 
 Requests ignore unknown fields (clients send many); fields we know but do
 not implement are rejected when set to a non-default value, so a client is
-never silently given something other than what it asked for. Responses are
-serialized with ``exclude_none`` so no ``null`` fields reach the client.
+never silently given something other than what it asked for. Types are
+strict, as the OpenAI contract says, not Python's truthiness: ``"yes"`` is not
+a boolean, ``true`` is not an integer, an integer is a valid number. Every
+numeric field is bounded by what the engine can hold (``jaxserve.sampling_params``)
+and every string must be valid Unicode (no lone surrogates such as ``"\ud800"``).
+Responses are serialized with ``exclude_none`` so no ``null`` fields reach the client.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jaxserve.sampling_params import INT32_MAX, MAX_STOP_CHARS
+
+MAX_N = 16
+
+
+def _valid_unicode(v: str) -> str:
+    """Reject strings the tokenizer cannot encode (lone UTF-16 surrogates survive JSON decoding)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -23,20 +44,20 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    model: Text
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=0, lt=2**32)
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    stop: Text | list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    user: Text | None = Field(default=None, max_length=256)
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -49,8 +70,8 @@ class _SamplingFields(_Request):
     @classmethod
     def _stop_list(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 8 or any(not s for s in stops):
-            raise ValueError("at most 8 non-empty stop strings")
+        if len(stops) > 8 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most 8 non-empty stop strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
     @model_validator(mode="after")
@@ -61,10 +82,10 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[Text, list[Text], list[TokenId], list[list[TokenId]]]
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -84,27 +105,27 @@ class CompletionRequest(_SamplingFields):
 
 
 class FunctionCall(_Request):
-    name: str
-    arguments: str | dict = "{}"
+    name: Text
+    arguments: Text | dict = "{}"
 
 
 class ToolCall(_Request):
-    id: str = ""
+    id: Text = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ContentPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: Text | None = None
 
     def template_dict(self) -> dict:
         """The message as the chat template sees it (text parts joined)."""
@@ -125,7 +146,7 @@ class ChatMessage(_Request):
 
 class FunctionDef(_Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
+    description: Text | None = None
     parameters: dict | None = None
 
 
@@ -143,7 +164,7 @@ class ToolDef(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     logprobs: bool = False

@@ -259,7 +259,7 @@ def test_latency_histograms_are_exported(demo):
 def test_malformed_json_and_schema_errors_are_400_naming_the_field(demo):
     bad = demo.post("/v1/chat/completions", content=b'{"model": "demo", "messages": [',
                     headers={"content-type": "application/json"})
-    assert_error(bad, 400, param=None)
+    assert_error(bad, 400, param="body")
     cases = [
         ({"model": "demo"}, "messages"),
         ({"model": "demo", "messages": "hi"}, "messages"),
@@ -493,4 +493,25 @@ def test_follow_up_that_does_not_match_is_computed_fresh_and_stale_context_expir
     assert late.status_code == 200
     assert late.json()["choices"][0]["message"]["content"] == WEATHER_ANSWER
     assert "prompt_tokens_details" not in late.json()["usage"]
+    wait_idle(tools)
+
+
+def test_parked_context_is_resumed_only_by_the_user_that_created_it(servers, tools):
+    """Issue 13: parked contexts were matched by prefix only; another user (or key) could
+    continue someone else's paused conversation."""
+    first_request = chat(WEATHER_USER, tools=[WEATHER_TOOL], user="alice")
+    r = tools.post("/v1/chat/completions", json=first_request)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
+    message = r.json()["choices"][0]["message"]
+    before = metrics(tools)
+    assert before["jaxserve:num_parked_tool_contexts"] == 1
+    stranger = tools.post("/v1/chat/completions", json={**_follow_up(first_request, message), "user": "mallory"})
+    assert stranger.status_code == 200, stranger.text
+    assert "prompt_tokens_details" not in stranger.json()["usage"]           # computed fresh, nothing reused
+    after_stranger = metrics(tools)
+    assert after_stranger["jaxserve:resumed_requests_total"] == before["jaxserve:resumed_requests_total"]
+    assert after_stranger["jaxserve:num_parked_tool_contexts"] == 1          # still waiting for alice
+    owner = tools.post("/v1/chat/completions", json=_follow_up(first_request, message))
+    assert owner.status_code == 200 and owner.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert metrics(tools)["jaxserve:resumed_requests_total"] == before["jaxserve:resumed_requests_total"] + 1
     wait_idle(tools)

@@ -163,3 +163,89 @@ def test_error_after_the_stream_started_is_an_error_event_then_done():
         assert json.loads(events[0])["choices"][0]["text"] == "b"
         r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]})
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+
+
+def test_parked_contexts_belong_to_their_owner():
+    """Issue 13: contexts were matched by prefix alone; another key or user could resume them."""
+    async def run():
+        engine = _FakeEngine()
+        parked = ParkedContexts(engine, ttl_s=10)
+        await parked.park("alice", [1, 2, 3], ("greedy",), calls_seen=0, owner="key-a/alice")
+        assert await parked.take([1, 2, 3, 4], ("greedy",), owner="key-b/alice") is None
+        assert await parked.take([1, 2, 3, 4], ("greedy",), owner="key-a/bob") is None
+        assert engine.aborted == [] and len(parked) == 1        # untouched by the others
+        assert (await parked.take([1, 2, 3, 4], ("greedy",), owner="key-a/alice")).request_id == "alice"
+    asyncio.run(run())
+
+
+def test_owner_hash_depends_on_api_key_and_user():
+    from types import SimpleNamespace
+
+    from server.app import _owner
+
+    def req(key):
+        return SimpleNamespace(headers={"authorization": key} if key else {})
+    owners = {_owner(req(k), SimpleNamespace(user=u)) for k in ("Bearer a", "Bearer b", None) for u in ("x", None)}
+    assert len(owners) == 6 and all("Bearer" not in o for o in owners)
+
+
+def test_fan_out_counts_against_the_concurrency_limit():
+    from server.app import ConcurrencyLimit
+    from server.errors import APIError
+
+    limit = ConcurrencyLimit(8)
+    big = limit.acquire(6)
+    with pytest.raises(APIError) as e:
+        limit.acquire(3)
+    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+    small = limit.acquire(2)
+    big.release()
+    big.release()   # idempotent
+    assert limit.in_flight == 2
+    small.release()
+    assert limit.in_flight == 0
+
+
+def test_unhandled_exception_is_a_500_that_keeps_the_connection():
+    """Starlette re-raises unhandled exceptions to the server, which drops the keep-alive
+    connection; the catch-all answers them itself."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.errors import install_handlers
+    from server.middleware import CatchAllMiddleware
+
+    app = FastAPI()
+    install_handlers(app)
+    app.add_middleware(CatchAllMiddleware)
+
+    @app.get("/boom")
+    async def boom():
+        raise KeyError("secret-detail")
+
+    with TestClient(app, raise_server_exceptions=True) as client:   # a re-raise would surface here
+        r = client.get("/boom")
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: KeyError"
+    assert "secret-detail" not in r.text
+
+
+def test_cheap_prompt_bound_never_exceeds_the_real_token_count():
+    from transformers import AutoTokenizer
+
+    from jaxserve.demo import demo_dir
+    from server.tokenizers import TokenizerPool
+
+    tok = AutoTokenizer.from_pretrained(str(demo_dir()))
+    pool = TokenizerPool(tok, size=2)
+    for text in ["hello world", "ééé ü 日本語 🙂" * 50, "<|im_start|>" * 40, " " * 3000, "x" * 10_000]:
+        assert pool.min_tokens(text) <= len(tok.encode(text, add_special_tokens=True)), text
+
+    async def concurrent():   # two copies: two calls run at once
+        import threading
+        barrier = threading.Barrier(2, timeout=10)
+
+        def meet(t):
+            barrier.wait()
+            return len(t.encode("hi"))
+        return await asyncio.gather(pool.run(meet), pool.run(meet))
+    assert asyncio.run(concurrent()) == [len(tok.encode("hi"))] * 2

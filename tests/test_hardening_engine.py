@@ -1,0 +1,154 @@
+"""Hostile and careless callers of the in-process engine (issue 13): cancellation at
+every point of a request's life, values the step's arrays cannot hold.
+
+One ``AsyncEngine`` over the demo model for the module, with a pool small enough
+that requests wait, and ``--handling swap`` so paused requests move their pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.outputs import ApiCall
+from jaxserve.sampling_params import INT32_MAX, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine("demo", max_num_batched_tokens=32, max_num_seqs=2, num_pages=32, max_model_len=256,
+                      handling="swap", policy="fcfs")
+    yield eng
+    eng.shutdown()
+
+
+def _idle(engine: AsyncEngine) -> bool:
+    u = engine.engine.usage()
+    return (u["running"] == u["waiting"] == u["swapping"] == 0 and not any(u["paused"].values())
+            and u["device_pages_used"] == 0 and u["host_pages_used"] == 0 and not engine.engine.scheduler.requests
+            and not engine._streams)
+
+
+async def _wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _idle(engine):
+        assert time.monotonic() < deadline, (engine.engine.usage(), list(engine.engine.scheduler.requests), list(engine._streams))
+        await asyncio.sleep(0.02)
+
+
+async def _consume(engine: AsyncEngine, request_id: str, params: SamplingParams, api_calls=None) -> list:
+    outs = []
+    async for out in engine.generate(prompt="hello there", sampling_params=params, request_id=request_id,
+                                      api_calls=api_calls):
+        outs.append(out)
+    return outs
+
+
+async def _fresh_request_completes(engine: AsyncEngine) -> None:
+    outs = await asyncio.wait_for(_consume(engine, f"fresh-{random.random()}",
+                                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)), 30)
+    assert outs[-1].finished and len(outs[-1].token_ids) == 4
+
+
+def test_cancel_while_the_add_command_is_queued_keeps_the_engine_alive(engine):
+    """Defect 1: a client that hangs up while its ``add_request`` waits in the inbox
+    made the engine thread call ``set_result`` on a cancelled future and die."""
+    async def scenario():
+        busy = asyncio.ensure_future(engine._call(lambda: time.sleep(0.3)))   # hold the engine thread
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.ensure_future(_consume(engine, f"q-{i}", SamplingParams(max_tokens=50, ignore_eos=True)))
+                 for i in range(8)]
+        await asyncio.sleep(0.05)   # every add_request is queued behind the sleep
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await busy
+        await asyncio.sleep(0.2)
+        assert engine.is_alive
+        await _wait_idle(engine)
+        await _fresh_request_completes(engine)
+    asyncio.run(scenario())
+
+
+def test_cancel_after_the_add_command_ran_leaves_no_orphan(engine):
+    """A generate() cancelled between its command running and its first await: the
+    request was added, nobody will read it, so it must be aborted, not left running."""
+    async def scenario():
+        for delay in (0.0, 0.001, 0.003, 0.01):
+            task = asyncio.ensure_future(_consume(engine, f"o-{delay}",
+                                                  SamplingParams(max_tokens=200, ignore_eos=True)))
+            await asyncio.sleep(delay)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await _wait_idle(engine)
+        assert engine.is_alive
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("point", ["waiting", "running", "paused", "swapping"])
+def test_cancellation_is_safe_at_every_point_of_a_request_life(engine, point):
+    """Cancel requests while they wait for a slot, run, sit paused in an API call
+    (swap handling: pages on the host) or move their pages; everything is freed."""
+    async def scenario():
+        rng = random.Random(point)
+        long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        calls = [ApiCall(after_tokens=3, duration_s=0.4, returned_token_ids=[5, 6, 7])]
+        tasks = {}
+        for i in range(6):   # max_num_seqs=2: four of these wait
+            rid = f"{point}-{i}"
+            api = calls if point in ("paused", "swapping") else None
+            tasks[rid] = asyncio.ensure_future(_consume(engine, rid, long, api))
+        deadline = time.monotonic() + 10
+        seen = False
+        while time.monotonic() < deadline and not seen:
+            u = engine.engine.usage()
+            seen = {"waiting": u["waiting"] > 0, "running": u["running"] > 0,
+                    "paused": u["paused"].get("swap", 0) > 0, "swapping": u["swapping"] > 0 or
+                    u["host_pages_used"] > 0}[point]
+            await asyncio.sleep(0.001)
+        assert seen, f"never saw a request {point}"
+        for rid, task in tasks.items():
+            await asyncio.sleep(rng.random() * 0.01)
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await _wait_idle(engine)
+        assert engine.is_alive
+        await _fresh_request_completes(engine)
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 2**31), ("top_k", 2**63), ("max_tokens", 2**31),
+                                         ("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", 1e39), ("top_p", float("nan")), ("seed", 2**32),
+                                         ("stop_token_ids", [2**31])])
+def test_values_the_step_cannot_hold_are_refused_before_the_step(engine, field, value):
+    """Defect 2: ``top_k >= 2**31`` overflowed the int32 sampling array inside the step
+    and aborted every request in the batch. The engine refuses it at add_request."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+    params = SamplingParams(max_tokens=4)
+    setattr(params, field, value)   # bypass the constructor: add_request validates again
+
+    async def scenario():
+        bystander = asyncio.ensure_future(_consume(engine, f"by-{field}-{value}",
+                                                   SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match=field):
+            async for _ in engine.generate(prompt="x", sampling_params=params):
+                pass
+        outs = await bystander
+        assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 30
+        assert engine.is_alive
+    asyncio.run(scenario())
+
+
+def test_largest_representable_top_k_samples_fine(engine):
+    async def scenario():
+        outs = await _consume(engine, "topk-max", SamplingParams(max_tokens=3, top_k=INT32_MAX, seed=1,
+                                                                 ignore_eos=True))
+        assert len(outs[-1].token_ids) == 3
+    asyncio.run(scenario())

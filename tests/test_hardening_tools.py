@@ -1,0 +1,189 @@
+"""Tools under hostile input (issue 13, defects 3, 6, 7): the calculator cannot be
+made to compute for long and runs in a killable worker; hung tools do not starve
+later calls; a huge result is cut inside the tool-turn wrapper, mostly off the
+engine thread, and the cut is reported."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from jaxserve.api_calls import ApiCalls, ApiResult
+from scheduler import ApiCallRecord, Handling, Request
+from jaxserve.tool_worker import IsolatedFunction, ToolError, ToolTimeout
+from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, TRUNCATION_MARK, Tool, evaluate_arithmetic, truncate_tool_result
+
+
+def _results(ex: ApiCalls, n: int, timeout: float = 10.0) -> dict:
+    out, deadline = {}, time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out.update({r.request_id: r for r in ex.poll(time.monotonic())})
+        time.sleep(0.01)
+    return out
+
+
+@pytest.mark.parametrize("expr", ["(((9**99)**99)**99)**8", "(((9**99)**99)**99)**50", "((2**100)**100)**100",
+                                  "9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99"
+                                  "*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99"
+                                  "*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99*9**99"])
+def test_calculator_refuses_gigantic_integers_before_computing_them(expr):
+    """Defect 3: each exponent passed the cap and the nested power took 17 s to 4 min."""
+    with pytest.raises(ValueError, match="too large"):
+        evaluate_arithmetic(expr)
+
+
+def test_isolated_worker_is_killed_at_its_time_limit_and_replaced():
+    """A worker that runs over is killed (a thread could not be), and the next call gets a fresh one."""
+    fn = IsolatedFunction("time", "sleep", workers=1)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ToolTimeout):
+            fn.call(60, timeout_s=1.0)
+        assert time.monotonic() - start < 10 and fn.kills == 1
+        assert fn.call(0, timeout_s=30) == "None"
+    finally:
+        fn.close()
+
+
+def test_isolated_worker_refuses_results_over_its_size_limit():
+    fn = IsolatedFunction("math", "factorial", workers=1, max_result_chars=100)
+    try:
+        with pytest.raises(ToolError, match="result too long"):
+            fn.call(1000, timeout_s=30)     # 2,568 digits
+        assert fn.call(10, timeout_s=30) == "3628800"
+    finally:
+        fn.close()
+
+
+def test_calculator_tool_runs_in_the_worker_and_reports_bad_input_to_the_model():
+    ex = ApiCalls()
+    from jaxserve.tools import CALCULATOR
+    now = time.monotonic()
+    ex.call_tool("ok", CALCULATOR, '{"expression": "6*7"}', now)
+    ex.call_tool("big", CALCULATOR, '{"expression": "(((9**99)**99)**99)**8"}', now)
+    ex.call_tool("zero", CALCULATOR, '{"expression": "1/0"}', now)
+    res = _results(ex, 3, timeout=30)
+    ex.shutdown()
+    assert res["ok"].text == "42"
+    assert res["big"].error == "tool 'calculator': result too large"
+    assert res["zero"].error == "tool 'calculator': division by zero"
+
+
+def test_hung_tools_do_not_starve_later_calls():
+    """Defect 6: 16 hung calls held all 16 pool threads; every later call 'timed out' unrun."""
+    release = threading.Event()
+    ran = []
+
+    def hang():
+        release.wait(30)
+        return "late"
+
+    def quick(x: int):
+        ran.append(x)
+        return f"ran {x}"
+
+    ex = ApiCalls(max_tool_threads=24)
+    try:
+        now = time.monotonic()
+        for i in range(16):
+            ex.call_tool(f"hung-{i}", Tool("hang", hang, timeout_s=0.2), "{}", now)
+        timed_out = _results(ex, 16, timeout=10)
+        assert all("timed out" in r.error for r in timed_out.values()) and len(timed_out) == 16
+        for i in range(4):
+            ex.call_tool(f"q-{i}", Tool("quick", quick, timeout_s=5), f'{{"x": {i}}}', time.monotonic())
+        res = _results(ex, 4)
+        assert {r.text for r in res.values()} == {f"ran {i}" for i in range(4)}, res
+        # At the cap of live threads a call is refused at once, with a clear error.
+        for i in range(9):   # 16 hung + 8 = the cap of 24; the ninth is refused
+            ex.call_tool(f"more-{i}", Tool("hang", hang, timeout_s=5), "{}", time.monotonic())
+        refused = _results(ex, 1, timeout=2)
+        assert list(refused) == ["more-8"] and "too many tool calls" in refused["more-8"].error, refused
+    finally:
+        release.set()
+        ex.shutdown()
+
+
+def test_tool_exception_text_goes_to_the_log_not_the_model(caplog):
+    def leaky():
+        raise RuntimeError("password=hunter2 at /srv/secret/path.py")
+
+    ex = ApiCalls()
+    ex.call_tool("a", Tool("leaky", leaky), "{}", time.monotonic())
+    res = _results(ex, 1)
+    ex.shutdown()
+    assert res["a"].error == "tool 'leaky' failed (internal error)"
+    assert "hunter2" in caplog.text
+
+
+def test_huge_results_are_cut_on_the_tool_thread():
+    """Defect 7: the whole 1-10 MB result reached the engine thread."""
+    ex = ApiCalls(max_result_chars=5000)
+    ex.call_tool("a", Tool("huge", lambda: "x" * 10_000_000), "{}", time.monotonic())
+    res = _results(ex, 1)
+    ex.shutdown()
+    assert len(res["a"].text) == 5000 and res["a"].full_chars == 10_000_000
+
+
+class _CountingTokenizer:
+    """The demo tokenizer, recording the length of every text it encodes."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.encoded = tok, []
+
+    def encode(self, text, **kw):
+        self.encoded.append(len(text))
+        return self.tok.encode(text, **kw)
+
+    def decode(self, ids, **kw):
+        return self.tok.decode(ids, **kw)
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from transformers import AutoTokenizer
+
+    from jaxserve.demo import demo_dir
+    return AutoTokenizer.from_pretrained(str(demo_dir()))
+
+
+def test_truncation_keeps_a_well_formed_result_and_tokenizes_only_a_prefix(demo_tokenizer):
+    tok = _CountingTokenizer(demo_tokenizer)
+    text = "the weather is sunny and warm. " * 40_000      # 1.2 MB
+    cut, truncated = truncate_tool_result(text, 100, tok)
+    assert truncated and cut.startswith("the weather is sunny")
+    assert cut.endswith(TRUNCATION_MARK.format(dropped=len(text) - cut.index("\n[tool result"), total=len(text)))
+    assert len(demo_tokenizer.encode(cut, add_special_tokens=False)) <= 100 + 2
+    assert max(tok.encoded) <= 16 * 100 + 1
+    short, truncated = truncate_tool_result("sunny", 100, tok)
+    assert (short, truncated) == ("sunny", False)
+    # a result the executor already cut is reported as cut even when the rest fits
+    _, truncated = truncate_tool_result("sunny", 100, tok, total_chars=10_000_000)
+    assert truncated
+
+
+def test_engine_cuts_a_huge_result_inside_the_tool_turn_wrapper():
+    """The cut happens before wrapping: the context still closes the tool turn and
+    opens the assistant's, and the call's output reports the truncation."""
+    from jaxserve.engine import LLMEngine
+    engine = LLMEngine("demo", max_num_batched_tokens=32, num_pages=64, max_model_len=512, warmup=False)
+    try:
+        def paused(context_tokens: int) -> Request:
+            request = Request("r", 0.0, prompt_len=context_tokens, max_tokens=1)
+            request.api_calls.append(ApiCallRecord("tool", Handling.DISCARD, 0.0))
+            return request
+
+        big = paused(10)   # room: 512 - 10 - 1 tokens, more than the result cap
+        ids = engine.result_token_ids(big, ApiResult("r", text="y" * 60_000, full_chars=3_000_000))
+        text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+        assert text.startswith("<|im_end|>\n<|im_start|>tool\nyyyy")
+        assert text.endswith("omitted]<|im_end|>\n<|im_start|>assistant\n")
+        assert big.api_calls[-1].truncated and len(ids) <= min(MAX_TOOL_RESULT_TOKENS, 501) + 16
+        small = paused(engine.context_limit - 41)   # room: 40 tokens
+        ids = engine.result_token_ids(small, ApiResult("r", text="y" * 60_000))
+        assert len(ids) <= 40 and engine.tokenizer.decode(ids, skip_special_tokens=False).endswith(
+            "<|im_start|>assistant\n")
+        assert small.api_calls[-1].truncated
+    finally:
+        engine.shutdown()
