@@ -114,7 +114,7 @@ class LLMEngine:
         self.clock = clock
         self.seed = seed
         self.check_invariants_each_step = check_invariants
-        attention_impl = attention_impl or kernels.default_impl()
+        attention_impl = attention_impl or kernels.default_impl(parse_dtype(dtype))
         if interpret is None:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"
         dt = parse_dtype(dtype)
