@@ -47,10 +47,18 @@ def test_mosaic_gpu_matches_reference(name):
     np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(batch.q_lens):], 0.0)
 
 
-@pytest.mark.parametrize("pages_per_step,num_stages,num_kv_splits", [(4, 2, 3), (8, 3, 2)])
-def test_mosaic_gpu_pipeline_depths_and_kv_splits(pages_per_step, num_stages, num_kv_splits):
-    """Multi-page tiles, ring depths 2 and 3, the split-KV merge; no data races."""
-    batch, options = mosaic_batch("gqa4_window_softcap_f32", seed=2)
+# Contexts of up to 19 pages: 5 steps of a 64-token tile, so the ring of
+# shared-memory slots wraps around (and each of 2 splits still takes several).
+LONG = dict(q_lens=[1, 16, 1, 3], kv_lens=[300, 200, 129, 64], num_tokens=32, max_num_seqs=6,
+            pages_per_seq=19)
+
+
+@pytest.mark.parametrize("pages_per_step,num_stages,num_kv_splits,window",
+                         [(4, 2, 1, None), (4, 3, 2, 100), (8, 2, 1, None)])
+def test_mosaic_gpu_pipeline_ring_and_kv_splits(pages_per_step, num_stages, num_kv_splits, window):
+    """Long contexts: the K/V ring wraps, multi-page tiles, the split-KV merge; no data races."""
+    batch = make_batch(2, **LONG, num_q_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, dtype=jnp.bfloat16)
+    options = dict(sliding_window=window, soft_cap=2.0)
     expected = jitted("reference", **options)(*batch.args)
     interpret_pallas_call.reset_gpu_interpret_mode_state()
     fn = jax.jit(functools.partial(
