@@ -70,6 +70,25 @@ def test_mosaic_gpu_pipeline_ring_and_kv_splits(pages_per_step, num_stages, num_
     assert_close(out, expected, jnp.bfloat16, sum(batch.q_lens))
 
 
+ON_HOPPER = kernels.default_impl(jnp.bfloat16) == IMPL
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiling a Mosaic GPU kernel needs a Hopper GPU (CPU: see the "
+                                          "interpreter and lowering tests in this file)")
+@pytest.mark.parametrize("name", list(CASES) + ["long"])
+def test_mosaic_gpu_compiled_matches_reference(name):
+    """On an H100/H200: the same cases compiled for real (wgmma, TMA, default splits)."""
+    if name == "long":
+        batch = make_batch(2, **LONG, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+        options = dict(sliding_window=100, soft_cap=2.0)
+    else:
+        batch, options = mosaic_batch(name, head_dim=128)
+    expected = jitted("reference", **options)(*batch.args)
+    out = jax.jit(functools.partial(kernels.ragged_paged_attention, impl=IMPL, **options))(*batch.args)
+    assert_close(out, expected, jnp.bfloat16, sum(batch.q_lens))
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(batch.q_lens):], 0.0)
+
+
 def test_mosaic_gpu_empty_batch_gives_zeros():
     batch = make_batch(4, [], [], num_tokens=32, max_num_seqs=8, pages_per_seq=4,
                        num_q_heads=2, num_kv_heads=2, head_dim=HEAD_DIM, dtype=jnp.bfloat16)
