@@ -26,7 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
 HANDLINGS = ("preserve", "discard", "swap")
 # The kernels' implementation names (kernels.IMPLS; a test keeps the two in step without importing JAX here).
-ATTENTION_IMPLS = ("reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_IMPLS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
 
 
 def _flag(help_text: str, *, group: str = "engine", choices: tuple | None = None, cli: bool = True) -> dict:

@@ -70,7 +70,7 @@ class LLMEngine:
         if config.compilation_cache:
             enable_compilation_cache()
         self.model_dir = resolve_model_dir(config.model)
-        attention_impl = config.attention_impl or kernels.default_impl()
+        attention_impl = config.attention_impl or kernels.default_impl(parse_dtype(config.dtype))
         interpret = config.interpret
         if interpret is None:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"

@@ -7,15 +7,21 @@ Public entry points (the contract in DESIGN.md section 8):
 - ``write_kv_pages`` / ``write_kv_pages_donated``: scatter this step's K/V
   into the pages.
 - ``default_impl``: the implementation to use on the current backend.
+
+The Pallas kernels are imported on first use, so a JAX without Pallas Triton
+(announced for removal) still imports this package and uses the others.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 import math
 
 import jax
 
-from kernels import pallas_gpu, pallas_tpu, reference
+from kernels import reference
 from kernels.kv_write import write_kv_pages, write_kv_pages_donated
 from kernels.validate import IMPLS, check_attention_args
 
@@ -23,14 +29,85 @@ __all__ = [
     "IMPLS",
     "default_impl",
     "ragged_paged_attention",
+    "select_impl",
+    "triton_available",
     "write_kv_pages",
     "write_kv_pages_donated",
 ]
 
+log = logging.getLogger(__name__)
+MOSAIC_GPU_CAPABILITIES = (9.0, 10.0)  # [lo, hi): Hopper (wgmma is sm_90a only; Blackwell has tcgen05).
+MOSAIC_GPU_DTYPES = ("bfloat16", "float16")
 
-def default_impl() -> str:
-    """``"pallas_gpu"`` on a GPU backend, ``"pallas_tpu"`` on TPU, else ``"reference"``."""
-    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the installed JAX can still lower Pallas kernels to Triton."""
+    try:
+        from jax.experimental.pallas import triton as pallas_triton
+    except ImportError:
+        return False
+    return hasattr(pallas_triton, "CompilerParams")
+
+
+def select_impl(platform: str, compute_capability: float | None, dtype: str | None,
+                has_triton: bool) -> tuple[str, str | None]:
+    """The attention implementation for a device, and why, if it is a fallback.
+
+    ``platform``: ``jax.default_backend()`` ("gpu", "tpu", "cpu" …);
+    ``compute_capability``: the GPU's, e.g. 9.0 (None off GPU); ``dtype``:
+    the KV cache dtype name, None if unknown; ``has_triton``: see
+    ``triton_available``. Returns ``(impl, reason)``; ``reason`` is None
+    when the native kernel for the device was chosen.
+    """
+    if platform == "tpu":
+        return "pallas_tpu", None
+    if platform != "gpu":
+        return "reference", None
+    lo, hi = MOSAIC_GPU_CAPABILITIES
+    hopper = compute_capability is not None and lo <= compute_capability < hi
+    if hopper and (dtype is None or dtype in MOSAIC_GPU_DTYPES):
+        return "pallas_mosaic_gpu", None
+    why = (f"the Mosaic GPU kernel needs a bfloat16/float16 cache, not {dtype}" if hopper else
+           f"compute capability {compute_capability} is not Hopper (9.x), the only "
+           f"generation the Mosaic GPU kernel (wgmma) is written for")
+    if has_triton:
+        return "pallas_gpu", f"{why}; using the Pallas Triton kernel"
+    return "reference", f"{why}, and this JAX has no Pallas Triton backend; using the reference attention"
+
+
+def default_impl(dtype=None) -> str:
+    """The attention implementation for the default device and a KV cache of ``dtype``.
+
+    TPU: ``"pallas_tpu"``. GPU of compute capability 9.x (Hopper) with a
+    bfloat16/float16 cache (or ``dtype=None``): ``"pallas_mosaic_gpu"``;
+    other GPUs (Ampere, Blackwell) or a float32 cache: ``"pallas_gpu"``
+    while the installed JAX has Pallas Triton, else ``"reference"``. Anything
+    else: ``"reference"``. A fallback is logged once, with its reason.
+    """
+    platform = jax.default_backend()
+    capability = None
+    if platform == "gpu":
+        capability = _compute_capability(jax.devices()[0])
+    name = None if dtype is None else jax.numpy.dtype(dtype).name
+    impl, reason = select_impl(platform, capability, name,
+                               triton_available() if platform == "gpu" else False)
+    if reason:
+        _log_once(f"attention: {reason}")
+    return impl
+
+
+def _compute_capability(device) -> float | None:
+    """``device.compute_capability`` ("9.0") as a float; None if absent or unparsable."""
+    try:
+        return float(device.compute_capability)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
 
 
 def ragged_paged_attention(
@@ -62,7 +139,8 @@ def ragged_paged_attention(
       sliding_window: if set, query at position ``p`` sees only positions
         ``> p - sliding_window``.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
-      impl: ``"reference"``, ``"pallas_gpu"`` or ``"pallas_tpu"``.
+      impl: ``"reference"``, ``"pallas_gpu"`` (Triton), ``"pallas_mosaic_gpu"``
+        (Hopper+, bfloat16/float16) or ``"pallas_tpu"``.
       interpret: run a Pallas kernel in interpret mode (any backend).
 
     Query ``j`` of sequence ``s`` sits at cache position
@@ -86,5 +164,5 @@ def ragged_paged_attention(
     )
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **options)
-    kernel = pallas_gpu if impl == "pallas_gpu" else pallas_tpu
+    kernel = importlib.import_module(f"kernels.{impl}")
     return kernel.ragged_paged_attention(*args, **options, interpret=interpret)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("reference", "pallas_gpu", "pallas_tpu")
+IMPLS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -101,6 +101,25 @@ def check_attention_args(
         for name, n in (("head_dim", head_dim), ("page_size", page_size)):
             if not _is_power_of_two(n) or n < 16:
                 raise ValueError(f"impl='pallas_gpu' needs a power-of-two {name} >= 16, got {n}")
+    if impl == "pallas_mosaic_gpu":
+        _check_mosaic_gpu_tiling(jnp.result_type(q), head_dim, page_size, num_q_heads // num_kv_heads)
+
+
+def _check_mosaic_gpu_tiling(dtype: jnp.dtype, head_dim: int, page_size: int, group: int) -> None:
+    """What ``kernels.pallas_mosaic_gpu`` can tile (wgmma + 128-byte swizzled TMA)."""
+    from kernels import pallas_mosaic_gpu as mosaic  # Its limits live with the kernel.
+
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"impl='pallas_mosaic_gpu' needs a bfloat16 or float16 cache (tensor cores "
+                         f"have no float32 wgmma), got {dtype}; use 'pallas_gpu' or 'reference' for float32")
+    if head_dim % mosaic.HEAD_DIM_MULTIPLE or head_dim > mosaic.MAX_HEAD_DIM:
+        raise ValueError(f"impl='pallas_mosaic_gpu' needs head_dim a multiple of {mosaic.HEAD_DIM_MULTIPLE} "
+                         f"up to {mosaic.MAX_HEAD_DIM}, got {head_dim}")
+    if page_size not in mosaic.PAGE_SIZES:
+        raise ValueError(f"impl='pallas_mosaic_gpu' needs page_size in {mosaic.PAGE_SIZES}, got {page_size}")
+    if group > mosaic.ROWS:
+        raise ValueError(f"impl='pallas_mosaic_gpu' packs a GQA group into {mosaic.ROWS} rows; "
+                         f"num_q_heads / num_kv_heads = {group} is larger")
 
 
 def check_kv_write_args(

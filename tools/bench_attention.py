@@ -6,12 +6,18 @@ prefill chunks of ``--chunk-len`` tokens continuing a cached prefix), for the
 reference and for the Pallas kernel of the current backend. Bandwidth counts
 the bytes that must move: K and V of every valid cached token, plus q and the
 output. The copy bandwidth is measured in the same run (read + write of a
-large on-device array). Times are medians over ``--iters`` runs after
+large on-device array). On a Hopper GPU the default set is the reference,
+the Mosaic GPU kernel and, while this JAX has Pallas Triton, the Triton
+kernel; ``vs ref`` and ``vs triton`` are speedups over those two. A kernel
+that cannot take the requested shapes/dtype (e.g. Mosaic GPU with float32)
+prints its validation error instead of a time. Times are medians over ``--iters`` runs after
 ``--warmup`` runs, each ended by ``jax.block_until_ready``.
 
     python tools/bench_attention.py                      # defaults per backend
     python tools/bench_attention.py --check              # also compare with reference
     python tools/bench_attention.py --impl pallas_gpu --context-lens 2048,8192 --batch 64
+    python tools/bench_attention.py --impl pallas_mosaic_gpu --interpret --dtype bfloat16 \
+        --head-dim 64 --context-lens 128 --batch 2 --iters 1 --warmup 0   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import kernels  # noqa: E402
 
 ON_ACCELERATOR = jax.default_backend() in ("gpu", "tpu")
 DEFAULTS = dict(  # (accelerator, cpu)
-    batch=(32, 4), context_lens=("2048,4096,8192", "256,512"), num_q_heads=(32, 4),
+    batch=(64, 4), context_lens=("2048,4096,8192", "256,512"), num_q_heads=(32, 4),
     num_kv_heads=(8, 2), head_dim=(128, 64), dtype=("bfloat16", "float32"),
     chunk_len=(512, 32), copy_mib=(2048, 64), iters=(20, 5),
 )
@@ -111,6 +117,14 @@ def make_cases(opts) -> list[Case]:
     return cases
 
 
+def default_impls(native: str) -> list[str]:
+    """Reference, the backend's kernel and, next to Mosaic GPU, Triton while JAX has it."""
+    impls = ["reference"] if native == "reference" else ["reference", native]
+    if native == "pallas_mosaic_gpu" and kernels.triton_available():
+        impls.append("pallas_gpu")
+    return impls
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     native = kernels.default_impl()
@@ -125,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunks", type=int, default=2, help="prefill chunks in 'mixed'")
     parser.add_argument("--chunk-len", type=int, default=default("chunk_len"),
                         help="query tokens per prefill chunk")
-    parser.add_argument("--dtype", default=default("dtype"), choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default=default("dtype"), choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-q-heads", type=int, default=default("num_q_heads"))
     parser.add_argument("--num-kv-heads", type=int, default=default("num_kv_heads"))
@@ -138,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="check each kernel against the reference at every size")
     opts = parser.parse_args(argv)
     opts.context_lens = [int(x) for x in opts.context_lens.split(",")]
-    impls = opts.impl or (["reference"] if native == "reference" else ["reference", native])
+    impls = opts.impl or default_impls(native)
     opts.impl = sorted(set(impls), key=lambda impl: (impl != "reference", impl))  # Reference first.
     return opts
 
@@ -151,27 +165,33 @@ def main(argv=None) -> None:
     copy_bw = copy_bandwidth(opts.copy_mib, opts.warmup, opts.iters)
     print(f"copy bandwidth: {copy_bw / 1e9:.1f} GB/s ({opts.copy_mib} MiB read + written)\n")
     tolerance = 1e-4 if opts.dtype == "float32" else 3e-2
-    header = (f"{'case':<7}{'ctx':>7}{'tokens':>8}  {'impl':<11}{'ms':>9}{'GB/s':>9}"
-              f"{'% copy':>8}{'vs ref':>8}" + ("  check" if opts.check else ""))
+    header = (f"{'case':<7}{'ctx':>7}{'tokens':>8}  {'impl':<18}{'ms':>9}{'GB/s':>9}"
+              f"{'% copy':>8}{'vs ref':>8}{'vs triton':>10}" + ("  check" if opts.check else ""))
     print(header)
     print("-" * len(header))
     failures = 0
     for case in make_cases(opts):
-        reference_seconds = reference_out = None
+        baseline = {}  # impl -> seconds, for "reference" and "pallas_gpu"
+        reference_out = None
         if "reference" in opts.impl or opts.check:
             ref_fn = jax.jit(functools.partial(kernels.ragged_paged_attention, impl="reference"))
             reference_out = ref_fn(*case.args)
         for impl in opts.impl:
             fn = jax.jit(functools.partial(kernels.ragged_paged_attention, impl=impl,
                                            interpret=opts.interpret))
-            seconds = median_seconds(fn, *case.args, warmup=opts.warmup, iters=opts.iters)
-            if impl == "reference":
-                reference_seconds = seconds
+            prefix = f"{case.name:<7}{case.context_len:>7}{case.num_tokens:>8}  {impl:<18}"
+            try:
+                seconds = median_seconds(fn, *case.args, warmup=opts.warmup, iters=opts.iters)
+            except ValueError as error:  # Validation: shapes/dtype this kernel cannot take.
+                print(f"{prefix}skipped: {error}")
+                continue
+            if impl in ("reference", "pallas_gpu"):
+                baseline[impl] = seconds
             bandwidth = case.bytes_moved / seconds
-            speedup = f"{reference_seconds / seconds:.2f}x" if reference_seconds else "-"
-            line = (f"{case.name:<7}{case.context_len:>7}{case.num_tokens:>8}  {impl:<11}"
-                    f"{seconds * 1e3:>9.3f}{bandwidth / 1e9:>9.1f}"
-                    f"{100 * bandwidth / copy_bw:>7.1f}%{speedup:>8}")
+            speedups = "".join(f"{f'{baseline[b] / seconds:.2f}x' if b in baseline else '-':>{w}}"
+                               for b, w in (("reference", 8), ("pallas_gpu", 10)))
+            line = (f"{prefix}{seconds * 1e3:>9.3f}{bandwidth / 1e9:>9.1f}"
+                    f"{100 * bandwidth / copy_bw:>7.1f}%{speedups}")
             if opts.check:
                 out = np.asarray(fn(*case.args), np.float32)[:case.num_tokens]
                 expected = np.asarray(reference_out, np.float32)[:case.num_tokens]
