@@ -22,6 +22,7 @@ import kernels
 from jaxserve.api_executor import ApiExecutor, ApiResult
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.runner import ModelRunner, RunnerConfig, kv_pool_pages
@@ -33,17 +34,6 @@ from scheduler import (Handling, PageAllocator, Request, RequestState, Scheduler
                        make_policy, make_predictor)
 
 log = logging.getLogger("jaxserve")
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    """``"demo"`` -> the built-in demo checkpoint; else a directory that must exist."""
-    if str(model) == "demo":
-        from jaxserve.demo import demo_dir
-        return demo_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model {str(model)!r} is neither 'demo' nor an existing checkpoint directory")
-    return path
 
 
 @dataclass
@@ -95,7 +85,7 @@ class LLMEngine:
     ``keep_logits`` keeps the last step's logits in ``last_logits``.
     """
 
-    def __init__(self, model: str | Path = "demo", *, dtype: str = "float32", page_size: int = 16,
+    def __init__(self, model: str | Path = "demo", *, dtype: str = "auto", page_size: int = 16,
                  num_pages: int | None = None, host_num_pages: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 256, max_model_len: int | None = None,
                  policy: str = "fcfs", handling: str | Handling | None = None, predictor: str = "oracle",
@@ -110,7 +100,7 @@ class LLMEngine:
             enable_compilation_cache()
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {page_size}")
-        self.model_dir = resolve_model_dir(model)
+        self.model_dir = resolve_model(model)
         self.clock = clock
         self.seed = seed
         self.check_invariants_each_step = check_invariants
@@ -142,7 +132,7 @@ class LLMEngine:
             sched_cfg, make_policy(policy, predictor=make_predictor(predictor, seed), **(policy_options or {})),
             PageAllocator(num_pages, page_size, "device"),
             PageAllocator(num_pages if host_num_pages is None else host_num_pages, page_size, "host"), self.cost)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -445,13 +435,4 @@ class LLMEngine:
         self.api.shutdown()
 
 
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as e:
-        log.warning("no tokenizer in %s (%s): prompts must be token ids", model_dir, e)
-        return None
-
-
-__all__ = ["LLMEngine", "RequestState", "resolve_model_dir"]
+__all__ = ["LLMEngine", "RequestState"]
