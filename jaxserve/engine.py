@@ -27,7 +27,7 @@ from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.runner import ModelRunner, RunnerConfig, kv_pool_pages
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tool_parser import make_tool_parser
+from jaxserve.tool_format import select_format
 from jaxserve.tools import Tool, normalize_tools
 from jaxserve.weights import load_model, parse_dtype
 from scheduler import (Handling, PageAllocator, Request, RequestState, Scheduler, SchedulerConfig, Segment,
@@ -91,7 +91,7 @@ class LLMEngine:
                  policy: str = "fcfs", handling: str | Handling | None = None, predictor: str = "oracle",
                  policy_options: dict | None = None, seed: int = 0, attention_impl: str | None = None,
                  interpret: bool | None = None, load_format: str = "safetensors",
-                 tools: dict | list | None = None, tool_parser: str = "hermes",
+                 tools: dict | list | None = None, tool_parser: str | None = None,
                  cost_profile: str | None = None, swap_budget_tokens: int | None = None,
                  warmup: bool = True, compilation_cache: bool = True, check_invariants: bool = False,
                  keep_logits: bool = False,
@@ -137,8 +137,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.tools: dict[str, Tool] = normalize_tools(tools)
-        self.tool_parser_name = tool_parser
-        make_tool_parser(tool_parser)  # validate the name now
+        self.tool_format = select_format(tool_parser, getattr(self.tokenizer, "chat_template", None))
         self.api = ApiExecutor()
         self.stats = EngineStats()
         self._live: dict[str, _Live] = {}
@@ -197,7 +196,7 @@ class LLMEngine:
         self._live[request_id] = _Live(
             sched=req, token_ids=list(ids), prompt_token_ids=list(ids), params=params, seed=seed,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
-            declared_calls=calls, parser=make_tool_parser(self.tool_parser_name) if parse and self.tokenizer else None)
+            declared_calls=calls, parser=self.tool_format.parser() if parse and self.tokenizer else None)
         self.scheduler.add_request(req, now)
         self.stats.prompt_tokens += len(ids)
         return request_id
@@ -373,11 +372,7 @@ class LLMEngine:
         """Tool output as context tokens, wrapped the way the chat template shows tool turns."""
         if self.tokenizer is None:
             return []
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if "<|im_start|>" in template:
-            text = f"<|im_end|>\n<|im_start|>tool\n{text}<|im_end|>\n<|im_start|>assistant\n"
-        else:
-            text = f"<tool_response>{text}</tool_response>"
+        text = self.tool_format.wrap_result(text, getattr(self.tokenizer, "chat_template", None))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _finish(self, live: _Live, reason: str) -> None:

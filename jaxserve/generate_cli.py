@@ -9,7 +9,7 @@ import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory, .gguf file, or a built-in name (smollm2-135m, demo)")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt with the chat template")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(applies to every prompt; repeatable)")
     parser.add_argument("--policy", default="infercept")
     parser.add_argument("--handling", default=None, choices=["preserve", "discard", "swap"])
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              policy=args.policy, handling=args.handling, seed=args.seed)
+              policy=args.policy, handling=args.handling, seed=args.seed, warmup=False)
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
 from server.errors import APIError, from_value_error, install_handlers, sse_error_event
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
@@ -105,6 +106,8 @@ class ServerState:
         # A private tokenizer: the engine thread uses its own for detokenization,
         # and a fast tokenizer must not be used from two threads at once.
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        # The engine parses calls in this format; the app hides its markup and renders tools with it.
+        self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
         self._tokenizer_lock = threading.Lock()
 
     async def tokenize(self, fn):
@@ -191,7 +194,8 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
     try:
         jobs = await (_chat_jobs(state, body) if chat else _completion_jobs(state, body))
         merger = ChoiceMerger(state.engine, jobs)
-        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat)
+        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat,
+                               tool_format=state.tool_format)
                    for i, job in enumerate(jobs)]
         try:
             await wait_or_disconnect(request, merger.prime())
@@ -245,7 +249,8 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     messages = [m.template_dict() for m in body.messages]
 
     def render(tok):
-        text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        msgs, tool_defs = prepare_chat(messages, tools or None, state.tool_format, tok.chat_template)
+        text = tok.apply_chat_template(msgs, tools=tool_defs, add_generation_prompt=True, tokenize=False)
         return tok.encode(text, add_special_tokens=False)
 
     try:

