@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     eng.add_argument("--max-num-seqs", type=int, default=256, help="requests per engine step")
     eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--no-warmup", action="store_true",
+                     help="compile step shapes on first use instead of before serving")
 
 
 def load_tools(spec: str | None) -> dict:
@@ -84,7 +86,8 @@ def build_app(args: argparse.Namespace):
                        host_num_pages=args.host_num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, policy=args.policy,
                        handling=args.handling, predictor=args.predictor, seed=args.seed,
-                       tools=load_tools(args.tools), tool_parser=args.tool_call_parser)
+                       tools=load_tools(args.tools), tool_parser=args.tool_call_parser,
+                       warmup=not args.no_warmup)
     async_engine = AsyncEngine(engine=engine)
     usage = async_engine.usage_snapshot
     pool_tokens = usage["device_pages_total"] * args.page_size

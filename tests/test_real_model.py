@@ -90,3 +90,26 @@ def test_greedy_matches_transformers_batched(llm, prompts, reference):
 def test_answers_in_english(llm, prompts):
     out = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_openai_client_chat_answer_is_english(gguf_path, tmp_path):
+    """The official ``openai`` client against ``jaxserve serve smollm2-135m`` in a subprocess."""
+    import openai
+    from conftest_server import ServerProcess
+
+    server = ServerProcess("smollm2-135m", ["--max-model-len", "512", "--num-pages", "48",
+                                            "--max-num-batched-tokens", "64", "--no-warmup"],
+                           log_path=tmp_path / "server.log").start()
+    try:
+        server.wait_ready(timeout=300)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+        reply = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+        assert choice.message.content.strip() == "The capital of France is Paris."
+        assert "Traceback" not in server.log_tail() and "WARNING" not in server.log_tail()
+    finally:
+        server.stop()
