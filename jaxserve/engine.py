@@ -81,7 +81,11 @@ class LLMEngine:
     as many as device pages); ``max_num_batched_tokens`` per step;
     ``swap_budget_tokens`` KV tokens copied host<->device per step.
     ``handling`` forces Preserve/Discard/Swap for every API call (None: the
-    policy decides). ``tools`` registers server-side tools for parsed calls.
+    policy decides). ``tools`` registers server-side tools for parsed calls;
+    ``tool_parser`` names their format (``jaxserve.tool_format``; None: detected
+    from the chat template). ``model``: a checkpoint directory, a ``.gguf`` file
+    or a built-in name (``jaxserve.model_source``). ``dtype="auto"``: float32 on
+    CPU, bfloat16 on accelerators.
     ``keep_logits`` keeps the last step's logits in ``last_logits``.
     """
 
