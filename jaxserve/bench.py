@@ -100,8 +100,8 @@ def main(args: argparse.Namespace) -> int:
     if shape is not None:
         model_dir, load_format, vocab = str(_shape_checkpoint(shape)), "dummy", shape["vocab_size"]
     else:
-        from jaxserve.engine import resolve_model_dir
-        model_dir, load_format = str(resolve_model_dir(args.model)), "safetensors"
+        from jaxserve.model_source import resolve_model
+        model_dir, load_format = str(resolve_model(args.model)), "safetensors"
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]

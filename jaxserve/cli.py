@@ -14,7 +14,7 @@ import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("jaxserve.generate_cli", "generate text from prompts (the main job on the demo model)"),
+    "generate": ("jaxserve.generate_cli", "generate text from prompts (the main job: smollm2-135m, see README)"),
     "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
     "replay": ("jaxserve.replay.cli", "replay a workload trace and compare scheduling policies"),
     "profile": ("jaxserve.profiling", "measure the cost model (T_fwd, host<->device bandwidth) of this device"),

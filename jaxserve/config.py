@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_POLICY = "infercept"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
 HANDLINGS = ("preserve", "discard", "swap")
 # The kernels' implementation names (kernels.IMPLS; a test keeps the two in step without importing JAX here).
@@ -44,8 +44,9 @@ class EngineConfig:
 
     # ---------------------------------------------------------------- model
     model: str = field(default="demo", metadata=_flag(
-        "checkpoint directory, or 'demo' (the built-in tiny model)", cli=False))
-    dtype: str = field(default="float32", metadata=_flag("weights and KV cache dtype", choices=DTYPES))
+        "checkpoint directory, .gguf file, or a built-in name (smollm2-135m; demo: tiny random model)", cli=False))
+    dtype: str = field(default="auto", metadata=_flag(
+        "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)", choices=DTYPES))
     load_format: str = field(default="safetensors", metadata=_flag(
         "'safetensors' (the checkpoint's weights) or 'dummy' (random weights of the checkpoint's shapes)",
         choices=LOAD_FORMATS))
@@ -80,7 +81,9 @@ class EngineConfig:
         "cost model for the waste equations: a built-in name or a JSON from `jaxserve profile` "
         "(default: the shipped profile of this backend)"))
     # ---------------------------------------------------------------- tools
-    tool_parser: str = field(default="hermes", metadata=_flag("tool-call format the model writes"))
+    tool_call_parser: str | None = field(default=None, metadata=_flag(
+        "tool-call format the model writes: hermes (qwen), llama3_json, mistral (default: detected from the "
+        "chat template, else hermes)"))
     # ------------------------------------------------------------- executor
     warmup: bool = field(default=True, metadata=_flag("compile the step programs before serving"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
@@ -128,10 +131,12 @@ class EngineConfig:
             raise ValueError(f"predictor: {e}") from None
         if not isinstance(self.policy_options, dict):
             raise ValueError("policy_options must be a dict of keyword options")
-        from jaxserve.tool_parser import TOOL_PARSERS
-        if self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
-                             f"got {self.tool_parser!r}")
+        if self.tool_call_parser is not None:
+            from jaxserve.tool_format import get_format
+            try:
+                get_format(self.tool_call_parser)
+            except ValueError as e:
+                raise ValueError(f"tool_call_parser: {e}") from None
 
     # --------------------------------------------------------------- derived
     @property

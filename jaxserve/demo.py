@@ -101,7 +101,9 @@ def demo_dir() -> Path:
 def build_tokenizer():
     """Byte-level BPE with ``DEMO_VOCAB`` entries, trained on ``CORPUS``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from jaxserve.hf_import import quiet_transformers
+
+    PreTrainedTokenizerFast = quiet_transformers().PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -26,10 +26,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages
+from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tool_parser import make_tool_parser
+from jaxserve.tool_format import select_format
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype
 from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent, RequestState, Scheduler,
@@ -38,15 +39,6 @@ from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent
 log = logging.getLogger("jaxserve")
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """``"demo"`` -> the built-in demo checkpoint; else a directory that must exist."""
-    if str(model) == "demo":
-        from jaxserve.demo import demo_dir
-        return demo_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model {str(model)!r} is neither 'demo' nor an existing checkpoint directory")
-    return path
 
 
 class LLMEngine:
@@ -69,7 +61,7 @@ class LLMEngine:
         self.tools: dict[str, Tool] = normalize_tools(tools)
         if config.compilation_cache:
             enable_compilation_cache()
-        self.model_dir = resolve_model_dir(config.model)
+        self.model_dir = resolve_model(config.model)
         attention_impl = config.attention_impl or kernels.default_impl(parse_dtype(config.dtype))
         interpret = config.interpret
         if interpret is None:
@@ -97,10 +89,11 @@ class LLMEngine:
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
         scheduler = Scheduler(sched_cfg, policy, PageAllocator(num_pages, config.page_size, "device"),
                               PageAllocator(host_pages, config.page_size, "host"), self.cost)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
         self.core = EngineCore(scheduler, executor, clock or WallClock(), frontend=self,
                                check_invariants=config.check_invariants)
         self._ids = itertools.count()
@@ -203,7 +196,7 @@ class LLMEngine:
             sampling_params=params, seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
             if self.tokenizer is not None else None,
-            tool_parser=make_tool_parser(self.config.tool_parser) if parse and self.tokenizer else None)
+            tool_parser=self.tool_format.parser() if parse and self.tokenizer else None)
         return request
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -315,18 +308,14 @@ class LLMEngine:
         text = f"error: {result.error}" if result.error is not None else (result.text or "")
         room = self.context_limit - request.num_tokens - 1
         full_chars = result.full_chars if result.error is None else None
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if "<|im_start|>" in template:
-            before, after = "<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"
-        else:
-            before, after = "<tool_response>", "</tool_response>"
-        wrapper = len(self.tokenizer.encode(before + after, add_special_tokens=False))
+        template = getattr(self.tokenizer, "chat_template", None)
+        wrapper = len(self.tokenizer.encode(self.tool_format.wrap_result("", template), add_special_tokens=False))
         limit = min(MAX_TOOL_RESULT_TOKENS, room - wrapper - 2)   # 2: merges across the seams
         text, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
         if truncated:
             request.api_calls[-1].truncated = True
             log.info("tool result cut to %d tokens (%s characters in full)", limit, full_chars or len(text))
-        return self.tokenizer.encode(before + text + after, add_special_tokens=False)
+        return self.tokenizer.encode(self.tool_format.wrap_result(text, template), add_special_tokens=False)
 
     # -------------------------------------------------------------- outputs
     def _output(self, request: Request) -> RequestOutput:
@@ -382,13 +371,4 @@ class LLMEngine:
         self.api.shutdown()
 
 
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as e:
-        log.warning("no tokenizer in %s (%s): prompts must be token ids", model_dir, e)
-        return None
-
-
-__all__ = ["LLMEngine", "RequestState", "resolve_model_dir"]
+__all__ = ["LLMEngine", "RequestState"]

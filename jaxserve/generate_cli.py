@@ -11,7 +11,7 @@ from jaxserve.config import EngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory, .gguf file, or a built-in name (smollm2-135m, demo)")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt with the chat template")
     parser.add_argument("--max-tokens", type=int, default=32)

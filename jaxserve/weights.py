@@ -1,9 +1,12 @@
-"""Load a Hugging Face checkpoint directory into a ``flax.nnx`` model.
+"""Load a checkpoint into a ``flax.nnx`` model.
 
-Reads ``config.json`` and ``*.safetensors`` (single file or sharded with
-``model.safetensors.index.json``), renames Hugging Face tensors to nnx
-parameter paths, transposes linear weights, casts to the requested dtype.
-``load_format="dummy"`` builds random weights of the checkpoint's shapes.
+A Hugging Face directory: reads ``config.json`` and ``*.safetensors`` (single
+file or sharded with ``model.safetensors.index.json``), renames Hugging Face
+tensors to nnx parameter paths, transposes linear weights. A ``.gguf`` file:
+config from its metadata, weights dequantized (``jaxserve.gguf_checkpoint``).
+Either way the weights are cast to the requested dtype; ``"auto"`` is float32
+on CPU and bfloat16 on accelerators. ``load_format="dummy"`` builds random
+weights of the checkpoint's shapes.
 """
 
 from __future__ import annotations
@@ -18,19 +21,31 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from jaxserve import gguf_checkpoint
 from jaxserve.models import ModelConfig, model_class_for
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``"auto"`` -> ``"float32"`` on CPU, ``"bfloat16"`` on GPU/TPU; other names unchanged."""
+    if str(dtype) == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return str(dtype)
 
 
 def parse_dtype(dtype: str) -> jnp.dtype:
     try:
-        return DTYPES[str(dtype)]
+        return DTYPES[resolve_dtype(dtype)]
     except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}") from None
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}") from None
 
 
 def read_config(model_dir: Path) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory or ``.gguf`` file."""
+    if gguf_checkpoint.is_gguf_path(model_dir):
+        return ModelConfig.from_hf(gguf_checkpoint.hf_config(gguf_checkpoint.open_gguf(model_dir)))
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} is not a Hugging Face checkpoint directory: no config.json")
@@ -75,20 +90,28 @@ def abstract_model(cfg: ModelConfig, dtype, attention_impl: str):
     return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0)))
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", attention_impl: str = "reference",
+def load_model(model_dir: str | Path, dtype: str = "auto", attention_impl: str = "reference",
                load_format: str = "safetensors", seed: int = 0, progress: bool = True):
-    """Build the model for ``model_dir`` with weights on the default device.
+    """Build the model for ``model_dir`` (a checkpoint directory or a ``.gguf``
+    file) with weights on the default device.
 
     Returns ``(model, config)``. Raises ``ValueError`` naming any missing or
-    mis-shaped tensor.
+    mis-shaped tensor, or an unsupported GGUF architecture or quantization.
     """
     model_dir = Path(model_dir)
-    cfg = read_config(model_dir)
     jdtype = parse_dtype(dtype)
+    reader = gguf_checkpoint.open_gguf(model_dir) if gguf_checkpoint.is_gguf_path(model_dir) else None
+    if reader is not None:
+        raw = gguf_checkpoint.hf_config(reader)
+        cfg = ModelConfig.from_hf(raw)
+    else:
+        cfg = read_config(model_dir)
     graphdef, state = nnx.split(abstract_model(cfg, jdtype, attention_impl))
     flat = list(nnx.to_flat_state(state))
     if load_format == "dummy":
         values = _dummy_values(flat, seed)
+    elif reader is not None:
+        values = gguf_checkpoint.tensor_values(reader, raw, flat, progress)
     elif load_format == "safetensors":
         values = _checkpoint_values(model_dir, flat, progress)
     else:

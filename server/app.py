@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
 from server.errors import APIError, from_value_error, install_handlers, sse_error_event
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
@@ -112,6 +113,8 @@ class ServerState:
         # Private copies: the engine thread uses its own tokenizer for detokenization.
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_pool_size) if engine.tokenizer is not None \
             else None
+        # The engine parses calls in this format; the app hides its markup and renders tools with it.
+        self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
 
     @property
     def tokenizer(self):
@@ -211,7 +214,8 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         owner = _owner(request, body)
         jobs = await (_chat_jobs(state, body, owner) if chat else _completion_jobs(state, body))
         merger = ChoiceMerger(state.engine, jobs)
-        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat)
+        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat,
+                               tool_format=state.tool_format)
                    for i, job in enumerate(jobs)]
         try:
             await wait_or_disconnect(request, merger.prime())
@@ -288,7 +292,8 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)], "messages")
 
     def render(tok):
-        text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        msgs, tool_defs = prepare_chat(messages, tools or None, state.tool_format, tok.chat_template)
+        text = tok.apply_chat_template(msgs, tools=tool_defs, add_generation_prompt=True, tokenize=False)
         return tok.encode(text, add_special_tokens=False)
 
     try:

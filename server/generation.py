@@ -21,7 +21,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server.metrics import ResponseTimer, ServerMetrics
 from server.parked import ParkedContext
-from server.tool_text import ToolMarkupFilter
+from jaxserve.tool_format import ToolFormat, get_format
 
 
 def sampling_key(params: SamplingParams) -> tuple:
@@ -149,11 +149,12 @@ class ChoiceState:
     server_calls: int = 0        # server-side tool calls completed in this response
     last: RequestOutput | None = None
     settled: bool = False        # a paused tool call was parked for the follow-up, or aborted
-    _filter: ToolMarkupFilter | None = None
+    tool_format: ToolFormat = field(default_factory=lambda: get_format("hermes"))
+    _filter: object | None = None   # the format's markup filter when hiding markup
 
     def __post_init__(self) -> None:
         if self.hide_tool_markup:
-            self._filter = ToolMarkupFilter()
+            self._filter = self.tool_format.markup_filter()
 
     @property
     def text(self) -> str:

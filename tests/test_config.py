@@ -13,7 +13,7 @@ BAD_SETTINGS = [
     ("page_size", 3), ("page_size", 0), ("num_pages", 0), ("num_host_pages", -1), ("max_model_len", 0),
     ("max_num_batched_tokens", -5), ("max_num_seqs", 0), ("swap_budget_tokens", 0), ("seed", -1),
     ("dtype", "int8"), ("load_format", "pickle"), ("attention_impl", "flash"), ("handling", "keep"),
-    ("policy", "lifo"), ("predictor", "psychic"), ("tool_parser", "xml"), ("max_num_seqs", True),
+    ("policy", "lifo"), ("predictor", "psychic"), ("tool_call_parser", "xml"), ("max_num_seqs", True),
 ]
 
 # Settings whose default a subcommand changes on purpose (documented in its --help).

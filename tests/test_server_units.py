@@ -13,11 +13,11 @@ from jaxserve.cli import apply_env_defaults
 from server.cli import add_arguments, load_tools
 from server.errors import from_value_error
 from server.parked import ParkedContexts
-from server.tool_text import ToolMarkupFilter
+from jaxserve.tool_format import get_format
 
 
 def _feed_all(pieces: list[str]) -> str:
-    f = ToolMarkupFilter()
+    f = get_format("hermes").markup_filter()
     return "".join(f.feed(p) for p in pieces) + f.flush()
 
 
@@ -35,7 +35,7 @@ def test_tool_markup_filter(pieces, visible):
 
 
 def test_tool_markup_filter_holds_back_only_possible_tag_prefixes():
-    f = ToolMarkupFilter()
+    f = get_format("hermes").markup_filter()
     assert f.feed("abc <to") == "abc "
     assert f.feed("day") == "<today"
 

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from jaxserve.api_calls import ApiCalls
-from jaxserve.tool_parser import HermesToolParser, make_tool_parser
+from jaxserve.tool_format import get_format
+from jaxserve.tool_format.hermes import HermesParser
 from jaxserve.tools import Tool, calculator, evaluate_arithmetic, normalize_tools
 
 
@@ -31,12 +32,12 @@ def test_calculator_tool_text():
 
 
 def test_hermes_parser_fires_once_per_complete_call_across_deltas():
-    parser = make_tool_parser("hermes")
+    parser = get_format("hermes").parser()
     text = 'sure <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call> ok'
     fired = [c for c in (parser.feed(ch) for ch in text) if c is not None]
     assert len(fired) == 1 and fired[0].name == "calculator"
     assert fired[0].arguments == '{"expression": "6*7"}'
-    bad = HermesToolParser().feed("<tool_call>{not json}</tool_call>")
+    bad = HermesParser().feed("<tool_call>{not json}</tool_call>")
     assert bad is not None and bad.name == ""
 
 

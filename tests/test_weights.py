@@ -83,7 +83,7 @@ def test_bfloat16_and_dummy_weights_run(hf_checkpoints):
 
 
 def test_not_a_checkpoint(tmp_path):
-    with pytest.raises(ValueError, match="neither 'demo' nor an existing checkpoint"):
+    with pytest.raises(ValueError, match="neither a built-in name \\(demo, smollm2-135m\\), a checkpoint directory"):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="no config.json"):
         LLM(str(tmp_path))

@@ -24,7 +24,7 @@ DEFAULT_RATES = "2,5,8"
 DEFAULT_DURATION_S = 1800.0       # the original InferCept driver's window
 DEFAULT_MODEL_REQUESTS = 32       # --model without --num-requests/--duration
 # Engine settings a replay sets per run (--policies), takes from --profile, or never uses.
-REPLAY_EXCLUDES = ("policy", "cost_profile", "tool_parser", "seed")
+REPLAY_EXCLUDES = ("policy", "cost_profile", "tool_call_parser", "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

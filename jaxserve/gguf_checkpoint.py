@@ -1,0 +1,183 @@
+"""Read a llama.cpp GGUF file: model config from its metadata, weights dequantized
+to numpy with the ``gguf`` package, tokenizer and chat template through
+transformers' GGUF tokenizer support.
+
+Only the ``llama`` architecture is supported (Llama 2/3, Mistral, SmolLM…: the
+GGUF converter writes all of them as ``llama``). llama.cpp stores the query and
+key projections with their rotary halves interleaved; ``_unpermute`` undoes that
+so the weights match the Hugging Face layout the model code uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# nnx parameter path pieces -> GGUF tensor name pieces (per layer: ``blk.{i}.``).
+_LAYER_NAMES = {
+    ("input_layernorm", "weight"): "attn_norm.weight",
+    ("post_attention_layernorm", "weight"): "ffn_norm.weight",
+    ("self_attn", "q_proj", "kernel"): "attn_q.weight",
+    ("self_attn", "k_proj", "kernel"): "attn_k.weight",
+    ("self_attn", "v_proj", "kernel"): "attn_v.weight",
+    ("self_attn", "o_proj", "kernel"): "attn_output.weight",
+    ("self_attn", "q_proj", "bias"): "attn_q.bias",
+    ("self_attn", "k_proj", "bias"): "attn_k.bias",
+    ("self_attn", "v_proj", "bias"): "attn_v.bias",
+    ("self_attn", "o_proj", "bias"): "attn_output.bias",
+    ("mlp", "gate_proj", "kernel"): "ffn_gate.weight",
+    ("mlp", "up_proj", "kernel"): "ffn_up.weight",
+    ("mlp", "down_proj", "kernel"): "ffn_down.weight",
+}
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """True when ``path`` names a ``.gguf`` file (existing or not)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def open_gguf(path: str | Path):
+    """A ``gguf.GGUFReader`` for ``path``; a missing or non-GGUF file is a ``ValueError``."""
+    import gguf
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    with path.open("rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - truncated or corrupt file: say which
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: {type(e).__name__}: {e}") from None
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def hf_config(reader) -> dict:
+    """The checkpoint's hyper-parameters as a Hugging Face ``config.json`` dict.
+
+    Raises ``ValueError`` for a non-llama architecture or missing required keys.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only none and linear)")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with per-frequency rope factors (rope_freqs.weight, Llama 3.1 style) are not supported")
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    cfg = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count") or hidden // heads),
+        "max_position_embeddings": int(need("context_length")),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    return cfg
+
+
+def gguf_name(path: tuple) -> tuple[str, bool]:
+    """nnx parameter path -> (GGUF tensor name, needs transpose to the nnx layout)."""
+    parts = tuple(str(p) for p in path)
+    if parts[0] == "embed_tokens":
+        return "token_embd.weight", False
+    if parts[0] == "lm_head":
+        return "output.weight", True
+    if parts[0] == "norm":
+        return "output_norm.weight", False
+    if parts[0] == "layers" and parts[2:] in _LAYER_NAMES:
+        name = _LAYER_NAMES[parts[2:]]
+        return f"blk.{parts[1]}.{name}", parts[-1] == "kernel"
+    raise ValueError(f"no GGUF tensor for model parameter {'.'.join(parts)}")
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary interleave of a q/k projection (rows ``[heads*head_dim]``)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def check_quant_types(reader) -> None:
+    """Raise ``ValueError`` naming any tensor whose quantization ``gguf`` cannot dequantize."""
+    import gguf
+
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    known = plain | set(getattr(gguf.quants, "_type_traits", {}).keys())
+    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in known})
+    if bad:
+        raise ValueError(f"GGUF quantization type(s) {', '.join(bad)} are not supported by the installed gguf "
+                         f"package; supported: {', '.join(sorted(k.name for k in known))}")
+
+
+def tensor_values(reader, cfg: dict, flat: list, progress: bool = False) -> list[np.ndarray]:
+    """float32 numpy arrays for the nnx parameters ``flat`` (``(path, variable)``
+    pairs, nnx layout: linear kernels ``[in, out]``), dequantized from ``reader``."""
+    import gguf
+    from tqdm.auto import tqdm
+
+    check_quant_types(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    values = []
+    for path, var in tqdm(flat, desc="loading GGUF", disable=not progress, leave=False):
+        name, transpose = gguf_name(path)
+        if name not in tensors:
+            raise ValueError(f"GGUF file is missing tensor {name!r}")
+        t = tensors[name]
+        arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if name.endswith(("attn_q.weight", "attn_q.bias")):
+            arr = _unpermute(arr, cfg["num_attention_heads"])
+        elif name.endswith(("attn_k.weight", "attn_k.bias")):
+            arr = _unpermute(arr, cfg["num_key_value_heads"])
+        if transpose:
+            arr = arr.T
+        want = tuple(var.get_value().shape)
+        if tuple(arr.shape) != want:
+            raise ValueError(f"GGUF tensor {name!r} has shape {tuple(arr.shape)}, the model expects {want}")
+        values.append(arr)
+    return values
+
+
+def load_tokenizer(path: str | Path):
+    """The file's tokenizer (with its chat template) as a transformers fast tokenizer."""
+    from jaxserve.hf_import import quiet_transformers
+
+    transformers = quiet_transformers()
+    path = Path(path).expanduser().resolve()
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                local_files_only=True)

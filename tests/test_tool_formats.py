@@ -1,0 +1,164 @@
+"""Tool-call formats (``jaxserve.tool_format``): parsing streamed calls, hiding their
+markup from chat text, wrapping results, detection, and tools for templates without
+tool support. No model needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.tool_format import (FORMATS, detect_format, get_format, prepare_chat, select_format,
+                                  template_supports_tools)
+
+ARGS = {"expression": "6*7", "note": "a } and a \" in a string"}
+CALL_TEXT = {
+    "hermes": f'<tool_call>{{"name": "calculator", "arguments": {json.dumps(ARGS)}}}</tool_call>',
+    "llama3_json": f'{{"name": "calculator", "parameters": {json.dumps(ARGS)}}}',
+    "mistral": f'[TOOL_CALLS][{{"name": "calculator", "arguments": {json.dumps(ARGS)}}}]',
+}
+PROSE = {"hermes": "Let me compute. ", "llama3_json": "", "mistral": "Let me compute. "}
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_parser_fires_once_per_complete_call_in_any_split(name, size):
+    parser = get_format(name).parser()
+    text = PROSE[name] + CALL_TEXT[name]
+    fired = [(i, c) for i, p in enumerate(pieces(text, size)) if (c := parser.feed(p)) is not None]
+    assert len(fired) == 1
+    index, call = fired[0]
+    assert index == len(pieces(text, size)) - 1          # fires on the delta that completes the call
+    assert call.name == "calculator" and json.loads(call.arguments) == ARGS
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", "<tool_call>{not json}</tool_call>"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),
+    ("mistral", "[TOOL_CALLS][{bad json}]"),
+    ("mistral", "[TOOL_CALLS] no json here"),
+    ("llama3_json", '<|python_tag|>{"nam": "x"}'),
+])
+def test_malformed_calls_are_reported_as_nameless(name, text):
+    parser = get_format(name).parser()
+    fired = [c for c in (parser.feed(ch) for ch in text) if c is not None]
+    assert len(fired) == 1 and fired[0].name == ""
+
+
+@pytest.mark.parametrize("text", ["The answer is 42.", '{"city": "Paris"} is JSON, not a call.', "  {\"a\": [1, {}]}"])
+def test_llama3_plain_text_and_plain_json_are_not_calls(text):
+    parser = get_format("llama3_json").parser()
+    assert all(parser.feed(ch) is None for ch in text)
+
+
+def test_llama3_second_call_after_a_result_fires_again():
+    parser = get_format("llama3_json").parser()
+    first = [c for c in (parser.feed(ch) for ch in CALL_TEXT["llama3_json"]) if c]
+    second = [c for c in (parser.feed(ch) for ch in ' {"name": "search", "parameters": {"q": "x"}}') if c]
+    assert [c.name for c in first + second] == ["calculator", "search"]
+
+
+def test_mistral_array_runs_its_first_call():
+    parser = get_format("mistral").parser()
+    call = parser.feed('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]')
+    assert call.name == "a" and json.loads(call.arguments) == {"x": 1}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_markup_filter_shows_prose_and_hides_the_call(name, size):
+    filt = get_format(name).markup_filter()
+    text = PROSE[name] + CALL_TEXT[name]
+    visible = "".join(filt.feed(p) for p in pieces(text, size)) + filt.flush()
+    assert visible == PROSE[name]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("mistral", "Brackets [like this] and [TOOL_CALL are fine."),
+    ("llama3_json", '{"city": "Paris", "country": "France"}'),
+    ("llama3_json", "Use {braces} in text."),
+    ("hermes", "1 < 2 and <b>bold</b>"),
+])
+def test_markup_filter_leaves_ordinary_text_alone(name, text):
+    for size in (1, 4, 1000):
+        filt = get_format(name).markup_filter()
+        assert "".join(filt.feed(p) for p in pieces(text, size)) + filt.flush() == text
+
+
+def test_markup_filter_hides_an_unfinished_marked_call():
+    filt = get_format("mistral").markup_filter()
+    assert filt.feed('ok [TOOL_CALLS][{"name": "x", "argu') + filt.flush() == "ok "
+
+
+@pytest.mark.parametrize("name, template, expect", [
+    ("hermes", "<|im_start|>{{ m }}", "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
+    ("hermes", "[INST]", "<tool_response>42</tool_response>"),
+    ("llama3_json", "<|start_header_id|>", "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"
+                                           "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("mistral", "[INST]", '[TOOL_RESULTS]{"content": "42"}[/TOOL_RESULTS]'),
+    ("mistral", "<|im_start|>", "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
+])
+def test_wrap_result(name, template, expect):
+    assert get_format(name).wrap_result("42", template) == expect
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_render_call_is_what_the_parser_reads(name):
+    fmt = get_format(name)
+    call = fmt.parser().feed(fmt.render_call("calculator", json.dumps(ARGS)))
+    assert call.name == "calculator" and json.loads(call.arguments) == ARGS
+
+
+@pytest.mark.parametrize("template, name", [
+    ("{% for t in tools %}...<tool_call>{{ t }}</tool_call>{% endfor %}", "hermes"),
+    ("{{ '<|python_tag|>' }} ipython", "llama3_json"),
+    ("{{ '[TOOL_CALLS]' }}", "mistral"),
+    ("<|im_start|>{{ message['content'] }}", "hermes"),
+    (None, "hermes"),
+])
+def test_detect_format_from_template(template, name):
+    assert detect_format(template).name == name
+    assert select_format(None, template).name == name
+    assert select_format("mistral", template).name == "mistral"
+
+
+def test_unknown_parser_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'xml'.*hermes"):
+        get_format("xml")
+    assert get_format("qwen").name == "hermes"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+NO_TOOLS_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_template_without_tools_gets_definitions_in_a_system_message(name):
+    fmt = get_format(name)
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    out, tools = prepare_chat(messages, TOOLS, fmt, NO_TOOLS_TEMPLATE)
+    assert tools is None and not template_supports_tools(NO_TOOLS_TEMPLATE)
+    assert out[0]["role"] == "system" and fmt.system_prompt(TOOLS) == out[0]["content"]
+    assert '"name": "get_weather"' in out[0]["content"] and '"city"' in out[0]["content"]
+    call = fmt.parser().feed(out[2]["content"])
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert out[3] == {"role": "tool", "content": "sunny"}
+    assert messages[1]["content"] is None        # the caller's messages are not modified
+
+
+def test_system_message_is_extended_and_tool_templates_are_left_alone():
+    fmt = get_format("hermes")
+    out, _ = prepare_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                          TOOLS, fmt, NO_TOOLS_TEMPLATE)
+    assert len(out) == 2 and out[0]["content"].startswith("Be brief.\n\n") and "get_weather" in out[0]["content"]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert prepare_chat(msgs, TOOLS, fmt, "{% if tools %}{{ tools }}{% endif %}") == (msgs, TOOLS)
+    assert prepare_chat(msgs, None, fmt, NO_TOOLS_TEMPLATE) == (msgs, None)
