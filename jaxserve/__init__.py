@@ -1,10 +1,12 @@
 """jaxserve: a JAX/Pallas LLM inference engine for requests that call tools mid-generation."""
 
+from jaxserve.constraints import StructuredOutput
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tools import Tool
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "ApiCall", "ApiCallOutput", "RequestOutput", "Tool"]
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "ApiCall", "ApiCallOutput", "RequestOutput", "Tool",
+           "StructuredOutput"]
 
 
 def __getattr__(name: str):

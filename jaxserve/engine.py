@@ -26,6 +26,7 @@ from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.runner import ModelRunner, RunnerConfig, kv_pool_pages
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_parser import make_tool_parser
 from jaxserve.tools import Tool, normalize_tools
 from jaxserve.weights import load_model, parse_dtype
@@ -81,6 +82,7 @@ class _Live:
     tool_call: dict | None = None    # pending client-side call
     last_reported_tokens: int = 0
     last_reported_text: int = 0
+    grammar: RequestGrammar | None = None   # structured output state (kept across API pauses)
 
 
 class LLMEngine:
@@ -150,6 +152,8 @@ class LLMEngine:
         self.tool_parser_name = tool_parser
         make_tool_parser(tool_parser)  # validate the name now
         self.api = ApiExecutor()
+        self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self.eos_token_ids) \
+            if self.tokenizer is not None else None
         self.stats = EngineStats()
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
@@ -203,14 +207,25 @@ class LLMEngine:
                       max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,
                       predictions=dict(predictions or {}))
         parse = bool(self.tools) if parse_tool_calls is None else parse_tool_calls
+        grammar = self._start_grammar(params)
+        if grammar is not None:   # a forced call must be parsed; markup inside JSON strings must not be
+            parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**32
         self._live[request_id] = _Live(
             sched=req, token_ids=list(ids), prompt_token_ids=list(ids), params=params, seed=seed,
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
-            declared_calls=calls, parser=make_tool_parser(self.tool_parser_name) if parse and self.tokenizer else None)
+            declared_calls=calls, parser=make_tool_parser(self.tool_parser_name) if parse and self.tokenizer else None,
+            grammar=grammar)
         self.scheduler.add_request(req, now)
         self.stats.prompt_tokens += len(ids)
         return request_id
+
+    def _start_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.structured is None:
+            return None
+        if self.structured is None:
+            raise ValueError(f"{params.structured.param}: structured output needs a model with a tokenizer")
+        return self.structured.start(params.structured)
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -291,7 +306,10 @@ class LLMEngine:
                           l.seed, l.sched.num_generated) for rid, l in live.items()}
             inputs = self.runner.prepare(plan.chunks, {rid: l.token_ids for rid, l in live.items()}, rows)
             dispatch_start = time.perf_counter()
-            device_tokens, self.last_logits = self.runner.execute(inputs)
+            fill = self.structured and self.structured.bitmask_fn(
+                [live[c.request.request_id].grammar for c in plan.chunks], len(inputs.logits_indices))
+            device_tokens, self.last_logits = (self.runner.execute_masked(inputs, fill) if fill
+                                               else self.runner.execute(inputs))
             wait_start = time.perf_counter()
             self.stats.dispatch_s += wait_start - dispatch_start
             tokens = np.asarray(device_tokens)
@@ -324,6 +342,8 @@ class LLMEngine:
         delta, hit_stop = live.detok.add(token) if self.tokenizer is not None else ("", False)
         if hit_stop:
             return self._finish(live, "stop")
+        if live.grammar is not None and (reason := live.grammar.accept(token)) is not None:
+            return self._finish(live, reason)
         event = self.scheduler.declared_event(req)
         if event == "api":
             call = live.declared_calls[len(req.api_calls)]

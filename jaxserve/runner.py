@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import AttentionMetadata, ModelConfig
-from jaxserve.sampling import SamplingArrays, sample
+from jaxserve.sampling import SamplingArrays, sample, sample_masked
 from scheduler import ScheduledChunk, SwapOp
 
 
@@ -86,14 +86,19 @@ class ModelRunner:
         self.kv = jax.device_put([(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
                                   for _ in range(c.num_hidden_layers)], self.device_sharding)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))   # structured output: sample apart
+        self._sample_masked = jax.jit(sample_masked)
         self._gather = jax.jit(_gather_pages)
         self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
         self._host_store: dict[int, tuple[jax.Array, int]] = {}  # host page -> (host chunk, row in it)
 
     # ----------------------------------------------------------------- forward
-    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
+    def _forward_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices):
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
-        logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+        return model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+
+    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
+        logits, kv = self._forward_fn(params, kv, input_ids, meta, logits_indices)
         return sample(logits, sampling), (logits if self.config.keep_logits else None), kv
 
     def prepare(self, chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
@@ -158,6 +163,17 @@ class ModelRunner:
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits
+
+    def execute_masked(self, inputs: StepInputs, fill_bitmask) -> tuple[jax.Array, jax.Array]:
+        """``execute`` with the sampler restricted by a token bitmask: dispatch the
+        forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
+        the device computes (dispatch is asynchronous), then sample under the mask."""
+        logits, self.kv = self._forward(
+            self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
+            jnp.asarray(inputs.logits_indices))
+        bitmask = fill_bitmask()
+        tokens = self._sample_masked(logits, jnp.asarray(bitmask), SamplingArrays(**inputs.sampling))
+        return tokens, (logits if self.config.keep_logits else None)
 
     def synthetic_inputs(self, token_bucket: int) -> StepInputs:
         """A full batch for ``token_bucket`` that writes nothing to the cache: as many

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.constraints import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -14,6 +16,9 @@ class SamplingParams:
     those filters. ``seed`` makes sampling reproducible per request: the same
     seed gives the same tokens whether the request runs alone or in a batch.
     ``max_tokens`` counts generated tokens only (not API-returned ones).
+    ``structured`` constrains the output (JSON Schema, JSON object, forced tool
+    call; see ``jaxserve.constraints``); a constraint that cannot be completed
+    within ``max_tokens`` ends with ``finish_reason == "length"``.
     """
 
     max_tokens: int = 16
@@ -25,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,3 +53,7 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError("structured must be a jaxserve.StructuredOutput")
+            self.structured.validate()
