@@ -12,6 +12,7 @@ queues the request.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -109,11 +110,25 @@ class StructuredOutput:
 
 
 def check_schema(schema, param: str, what: str = "schema") -> None:
-    """Raise ``ValueError("<param>: ...")`` unless ``schema`` is a valid JSON Schema object."""
+    """Raise ``ValueError("<param>: ...")`` unless ``schema`` is a valid JSON Schema object.
+    Checking against the metaschema takes ~20 ms, so valid schemas are remembered."""
     if not isinstance(schema, dict):
         raise ValueError(f"{param}: {what} must be a JSON object, got {type(schema).__name__}")
     try:
+        key = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{param}: {what} is not JSON: {e}") from None
+    error = _schema_error(key)
+    if error is not None:
+        raise ValueError(f"{param}: {what} is not a valid JSON Schema at {error}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_error(schema_json: str) -> str | None:
+    """Where and why the schema (as sorted JSON text) breaks its metaschema; None if valid."""
+    schema = json.loads(schema_json)
+    try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise ValueError(f"{param}: {what} is not a valid JSON Schema at {where}: {e.message}") from None
+        return f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
+    return None
