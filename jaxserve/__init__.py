@@ -1,11 +1,13 @@
 """jaxserve: a JAX/Pallas LLM inference engine for requests that call tools mid-generation."""
 
 from jaxserve.config import EngineConfig
+from jaxserve.constraints import StructuredOutput
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tools import Tool
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "ApiCall", "ApiCallOutput", "RequestOutput", "Tool"]
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "ApiCall", "ApiCallOutput",
+           "RequestOutput", "StructuredOutput", "Tool"]
 
 
 def __getattr__(name: str):

@@ -30,6 +30,7 @@ from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_format import select_format
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype
@@ -94,6 +95,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
+        # Structured output: the executor asks it for the token bitmask of constrained rows.
+        self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self.eos_token_ids) \
+            if self.tokenizer is not None else None
+        executor.constraints = self.structured
         self.core = EngineCore(scheduler, executor, clock or WallClock(), frontend=self,
                                check_invariants=config.check_invariants)
         self._ids = itertools.count()
@@ -186,6 +191,9 @@ class LLMEngine:
         # A call at after_tokens == max_tokens is the request's last step: it ends when the call returns.
         now = self.clock.now()
         parse = bool(self.tools) if parse_tool_calls is None else parse_tool_calls
+        grammar = self._start_grammar(params)
+        if grammar is not None:   # a forced call must be parsed; markup inside JSON strings must not be
+            parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else \
             (self.config.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**32
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -196,8 +204,15 @@ class LLMEngine:
             sampling_params=params, seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
             if self.tokenizer is not None else None,
-            tool_parser=self.tool_format.parser() if parse and self.tokenizer else None)
+            tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar)
         return request
+
+    def _start_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.structured is None:
+            return None
+        if self.structured is None:
+            raise ValueError(f"{params.structured.param}: structured output needs a model with a tokenizer")
+        return self.structured.start(params.structured)
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -277,6 +292,10 @@ class LLMEngine:
         delta, hit_stop = request.detokenizer.add(token)
         if hit_stop:
             self.core.finish(request, "stop")
+            return
+        if request.grammar is not None and not request.is_finished \
+                and (reason := request.grammar.accept(token)) is not None:
+            self.core.finish(request, reason)
             return
         if event.kind is EventKind.TOKEN and request.tool_parser is not None and delta:
             parsed = request.tool_parser.feed(delta)

@@ -1,4 +1,5 @@
-"""The jitted sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""The jitted sampler: greedy, temperature, top-k, top-p, per-request seeds;
+optionally under a packed token bitmask (structured output)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,18 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
     sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(params.temperature > 0, sampled, greedy)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Set disallowed tokens' logits to -inf. ``logits [S, V]`` float32; ``bitmask
+    [S, ceil(V / 32)]`` int32, bit ``j`` of word ``i`` set = token ``32 * i + j``
+    allowed (all ones: row unconstrained)."""
+    rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def sample_masked(logits: jax.Array, bitmask: jax.Array, params: SamplingArrays) -> jax.Array:
+    """``sample`` over the tokens ``bitmask`` allows (greedy: the best allowed token)."""
+    return sample(apply_token_bitmask(logits, bitmask), params)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from jaxserve.constraints import StructuredOutput
+
 # The engine step holds these in fixed-width arrays (``jaxserve.sampling.SamplingArrays``):
 # top_k and step counts as int32, temperature/top_p as float32, seeds as uint32.
 INT32_MAX = 2**31 - 1
@@ -22,6 +24,9 @@ class SamplingParams:
     those filters. ``seed`` makes sampling reproducible per request: the same
     seed gives the same tokens whether the request runs alone or in a batch.
     ``max_tokens`` counts generated tokens only (not API-returned ones).
+    ``structured`` constrains the output (JSON Schema, JSON object, forced tool
+    call; see ``jaxserve.constraints``); a constraint that cannot be completed
+    within ``max_tokens`` ends with ``finish_reason == "length"``.
     """
 
     max_tokens: int = 16
@@ -33,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +66,10 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}]")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError("structured must be a jaxserve.StructuredOutput")
+            self.structured.validate()
 
 
 def _is_int(v) -> bool:

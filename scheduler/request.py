@@ -109,6 +109,7 @@ class Request:
     seed: int = 0
     detokenizer: object | None = None
     tool_parser: object | None = None
+    grammar: object | None = None           # structured-output state (kept across API pauses)
     pending_tool_call: dict | None = None   # a client-side call the caller must answer (resume)
     max_computed_tokens: int = 0            # high-water mark of computed context (recompute accounting)
     reported_tokens: int = 0                # streamed so far: generated tokens, text characters

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.async_engine import EngineDeadError
+from jaxserve.constraints import StructuredOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
@@ -36,7 +37,7 @@ from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts
 from server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
-                             Usage)
+                             ToolChoice, Usage)
 from server.tokenizers import TokenizerPool
 
 log = logging.getLogger("jaxserve.server")
@@ -280,14 +281,40 @@ def _owner(request: Request, body) -> str:
     return hashlib.sha256(f"{key}\0{body.user or ''}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict]:
+    """The request's tools, then the server's that it does not shadow (OpenAI tool dicts)."""
+    declared = [t.schema_dict() for t in body.tools or []]
+    names = {t["function"]["name"] for t in declared}
+    return declared + [t.openai_schema() for name, t in state.tools.items() if name not in names]
+
+
+def _structured(state: ServerState, body) -> StructuredOutput | None:
+    """The output constraint a request asks for: a forced tool call (``tool_choice``
+    ``"required"`` or a named function; it wins over ``response_format``), else
+    ``response_format`` json_object / json_schema. Bad schemas and unknown function
+    names are 400s naming the field."""
+    choice = getattr(body, "tool_choice", None)
+    try:
+        if choice == "required" or isinstance(choice, ToolChoice):
+            spec = StructuredOutput.tool_call(_advertised_tools(state, body),
+                                              choice.function.name if isinstance(choice, ToolChoice) else None,
+                                              parallel=body.parallel_tool_calls is not False)
+        elif body.response_format is None or body.response_format.type == "text":
+            return None
+        elif body.response_format.type == "json_object":
+            spec = StructuredOutput.json_object()
+        else:
+            spec = StructuredOutput.json(body.response_format.json_schema.schema_)
+        spec.validate()
+    except ValueError as e:
+        raise from_value_error(e) from None
+    return spec
+
+
 async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], bool]:
     """Chat template -> token ids; and whether to parse tool calls."""
     use_tools = body.tool_choice != "none"
-    tools = None
-    if use_tools:
-        declared = [t.schema_dict() for t in body.tools or []]
-        names = {t["function"]["name"] for t in declared}
-        tools = declared + [t.openai_schema() for name, t in state.tools.items() if name not in names]
+    tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
     state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)], "messages")
 
@@ -304,7 +331,7 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
 
 
 def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None, seed_offset: int = 0,
-              prompt_param: str = "prompt") -> SamplingParams:
+              prompt_param: str = "prompt", structured: StructuredOutput | None = None) -> SamplingParams:
     if prompt_len >= state.max_model_len:
         raise APIError(400, f"{prompt_param}: the prompt has {prompt_len} tokens; the context window is "
                        f"{state.max_model_len} tokens", param=prompt_param, code="context_length_exceeded")
@@ -319,19 +346,20 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
     try:
         return SamplingParams(max_tokens=limit, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                               seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
-                              stop=list(body.stop or []), ignore_eos=body.ignore_eos)
+                              stop=list(body.stop or []), ignore_eos=body.ignore_eos, structured=structured)
     except ValueError as e:
         raise from_value_error(e, prompt_param) from None
 
 
 async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str) -> list[Job]:
+    structured = _structured(state, body)
     ids, parse = await _render_chat(state, body)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = []
     for i in range(body.n):
-        params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages")
+        params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages", structured=structured)
         job = Job(f"{base}-{i}", ids, params, parse)
-        if body.n == 1 and parse:
+        if body.n == 1 and parse and structured is None:   # a paused request cannot take a new grammar
             job.resume_from = await state.parked.take(ids, sampling_key(params), owner)
             if job.resume_from is not None:
                 job.request_id = job.resume_from.request_id
@@ -353,12 +381,13 @@ async def _completion_jobs(state: ServerState, body: CompletionRequest) -> list[
         encoded = await state.tokenize(lambda tok: [tok.encode(t, add_special_tokens=True) for t in texts])
     except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's input
         raise APIError(400, f"prompt: the tokenizer rejected it ({type(e).__name__})", param="prompt") from None
+    structured = _structured(state, body)
     base = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for p in prompt:
         ids = encoded.pop(0) if isinstance(p, str) else list(p)
         for i in range(body.n):
-            params = _sampling(state, body, len(ids), 16, seed_offset=i)
+            params = _sampling(state, body, len(ids), 16, seed_offset=i, structured=structured)
             jobs.append(Job(f"{base}-{len(jobs)}", ids, params, parse_tool_calls=False))
     return jobs
 

@@ -43,6 +43,40 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the answer must validate against."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only allowed with it")
+        return self
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class ToolChoice(_Request):
+    """``{"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class _SamplingFields(_Request):
     model: Text
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -58,6 +92,7 @@ class _SamplingFields(_Request):
     presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
     user: Text | None = Field(default=None, max_length=256)
+    response_format: ResponseFormat | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -166,7 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     logprobs: bool = False
     parallel_tool_calls: bool | None = None
 

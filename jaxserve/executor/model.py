@@ -21,7 +21,7 @@ from flax import nnx
 import time
 
 from jaxserve.models import AttentionMetadata, ModelConfig
-from jaxserve.sampling import SamplingArrays, sample
+from jaxserve.sampling import SamplingArrays, sample, sample_masked
 from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
 
 
@@ -97,6 +97,8 @@ class ModelExecutor:
         self.kv = jax.device_put([(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
                                   for _ in range(c.num_hidden_layers)], self.device_sharding)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))   # structured output: sample apart
+        self._sample_masked = jax.jit(sample_masked)
         self._gather = jax.jit(_gather_pages)
         self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
         # request id -> host page -> (host chunk, row in it): the host copies of swapped-out pages.
@@ -104,6 +106,9 @@ class ModelExecutor:
         self.dispatch_s = 0.0
         self.device_wait_s = 0.0
         self.last_logits = None
+        # Structured output (``jaxserve.structured.StructuredDecoding``, set by the engine): gives the
+        # token bitmask of a batch's constrained rows; None, or no constrained row: the plain step.
+        self.constraints = None
 
     # ------------------------------------------------------------------- step
     def execute(self, plan: StepPlan) -> StepResult:
@@ -118,7 +123,9 @@ class ModelExecutor:
             return StepResult()
         inputs = self.prepare(plan.chunks)
         start = time.perf_counter()
-        device_tokens, self.last_logits = self.forward(inputs)
+        fill = self.constraints and self.constraints.bitmask_fn(
+            [c.request.grammar for c in plan.chunks], len(inputs.logits_indices))
+        device_tokens, self.last_logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
         waited = time.perf_counter()
         tokens = np.asarray(device_tokens)
         self.dispatch_s += waited - start
@@ -130,9 +137,12 @@ class ModelExecutor:
         self._host_store.pop(request.request_id, None)
 
     # ----------------------------------------------------------------- forward
-    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
+    def _forward_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices):
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
-        logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+        return model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+
+    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
+        logits, kv = self._forward_fn(params, kv, input_ids, meta, logits_indices)
         return sample(logits, sampling), (logits if self.config.keep_logits else None), kv
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
@@ -196,6 +206,17 @@ class ModelExecutor:
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits
+
+    def forward_masked(self, inputs: StepInputs, fill_bitmask) -> tuple[jax.Array, jax.Array]:
+        """``forward`` with the sampler restricted by a token bitmask: dispatch the
+        forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
+        the device computes (dispatch is asynchronous), then sample under the mask."""
+        logits, self.kv = self._forward(
+            self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
+            jnp.asarray(inputs.logits_indices))
+        bitmask = fill_bitmask()
+        tokens = self._sample_masked(logits, jnp.asarray(bitmask), SamplingArrays(**inputs.sampling))
+        return tokens, (logits if self.config.keep_logits else None)
 
     def synthetic_inputs(self, token_bucket: int) -> StepInputs:
         """A full batch for ``token_bucket`` that writes nothing to the cache: as many

@@ -1,0 +1,134 @@
+"""What a request's output must look like (``SamplingParams.structured``):
+a JSON value matching a JSON Schema, any JSON object, or a forced tool call.
+
+Pure Python (no JAX, no grammar library), so ``SamplingParams`` can validate
+a constraint at the edge: JSON Schemas are checked against their metaschema
+with ``jsonschema``, tool names against the tools given. Errors are
+``ValueError`` naming the request field first (``response_format: ...``,
+``tools: ...``, ``tool_choice: ...``) so the server answers 400 with ``param``.
+The grammar itself is compiled by ``jaxserve.structured`` when the engine
+queues the request.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import jsonschema
+
+KINDS = ("json_schema", "json_object", "tool_call")
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    """One function a forced call may name, with its arguments' JSON Schema."""
+
+    name: str
+    parameters: dict
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text.
+
+    ``json_schema``: the text is one JSON value valid against ``schema``.
+    ``json_object``: the text is one JSON object (any keys).
+    ``tool_call``: the text is a tool call in the engine's tool-call format
+    (Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) to one
+    of ``tools``, its arguments valid against that tool's ``parameters``. Once
+    the call is complete the constraint ends: the request pauses on the call
+    and, after the tool's result, continues unconstrained.
+    ``parallel``: the OpenAI ``parallel_tool_calls`` flag. Several calls are
+    permitted, not required, so one call per turn honours both values.
+
+    Build with ``json(schema)``, ``json_object()`` or ``tool_call(tools, name)``.
+    """
+
+    kind: Literal["json_schema", "json_object", "tool_call"]
+    schema: dict | None = None
+    tools: tuple[ToolSchema, ...] = ()
+    parallel: bool = True
+
+    @classmethod
+    def json(cls, schema: dict) -> "StructuredOutput":
+        return cls("json_schema", schema=schema)
+
+    @classmethod
+    def json_object(cls) -> "StructuredOutput":
+        return cls("json_object")
+
+    @classmethod
+    def tool_call(cls, tools: list[dict] | dict[str, dict], name: str | None = None,
+                  parallel: bool = True) -> "StructuredOutput":
+        """``tools``: OpenAI tool definitions (``{"type": "function", "function": {"name",
+        "parameters"}}`` or just the ``function`` part), or ``{name: parameters}``.
+        ``name``: force this function (``tool_choice`` naming one); None: any of them
+        (``tool_choice: "required"``)."""
+        if isinstance(tools, dict):
+            specs = [ToolSchema(n, p if p is not None else {"type": "object"}) for n, p in tools.items()]
+        else:
+            specs = []
+            for t in tools:
+                fn = t.get("function", t) if isinstance(t, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ValueError("tools: each tool needs a function name")
+                specs.append(ToolSchema(fn["name"], fn.get("parameters") or {"type": "object", "properties": {}}))
+        if name is not None:
+            chosen = [s for s in specs if s.name == name]
+            if not chosen:
+                known = ", ".join(s.name for s in specs) or "none"
+                raise ValueError(f"tool_choice: function {name!r} is not among the tools ({known})")
+            specs = chosen
+        return cls("tool_call", tools=tuple(specs), parallel=parallel)
+
+    @property
+    def param(self) -> str:
+        """The request field an error in this constraint belongs to."""
+        return "tools" if self.kind == "tool_call" else "response_format"
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (field name first) if the constraint is malformed."""
+        if self.kind not in KINDS:
+            raise ValueError(f"structured: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "json_schema":
+            check_schema(self.schema, "response_format")
+        elif self.kind == "tool_call":
+            if not self.tools:
+                raise ValueError("tool_choice: a forced tool call needs at least one tool")
+            if len({t.name for t in self.tools}) != len(self.tools):
+                raise ValueError("tools: two tools have the same name")
+            for t in self.tools:
+                check_schema(t.parameters, "tools", f"parameters of {t.name!r}")
+
+    def key(self) -> str:
+        """A stable text key (for caching compiled grammars)."""
+        return json.dumps([self.kind, self.schema, [[t.name, t.parameters] for t in self.tools], self.parallel],
+                          sort_keys=True)
+
+
+def check_schema(schema, param: str, what: str = "schema") -> None:
+    """Raise ``ValueError("<param>: ...")`` unless ``schema`` is a valid JSON Schema object.
+    Checking against the metaschema takes ~20 ms, so valid schemas are remembered."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"{param}: {what} must be a JSON object, got {type(schema).__name__}")
+    try:
+        key = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{param}: {what} is not JSON: {e}") from None
+    error = _schema_error(key)
+    if error is not None:
+        raise ValueError(f"{param}: {what} is not a valid JSON Schema at {error}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_error(schema_json: str) -> str | None:
+    """Where and why the schema (as sorted JSON text) breaks its metaschema; None if valid."""
+    schema = json.loads(schema_json)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
+    return None

@@ -1,0 +1,186 @@
+"""Structured output in the engine, on the demo model (random weights: only the
+constraint can make its text valid). JSON Schema features, greedy and sampled,
+forced tool calls, API pauses mid-answer, unsatisfiable constraints, bad input,
+the masked sampler itself, and that unconstrained rows in the same batch are
+untouched."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxserve import LLM, ApiCall, SamplingParams, StructuredOutput, Tool
+from jaxserve.sampling import SamplingArrays, apply_token_bitmask, sample_masked
+
+SIZES = dict(num_pages=256, max_num_batched_tokens=128, max_num_seqs=16, max_model_len=512, warmup=False,
+             check_invariants=True)
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "minLength": 2, "maxLength": 8},
+    "age": {"type": "integer", "minimum": 18, "maximum": 99},
+    "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+    "active": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3},
+    "address": {"type": "object", "properties": {"zip": {"type": "integer", "minimum": 1000, "maximum": 9999}},
+                "required": ["zip"], "additionalProperties": False}},
+    "required": ["name", "age", "role", "active", "tags", "address"], "additionalProperties": False}
+SCORES = {"type": "array", "items": {"type": "integer", "minimum": -3, "maximum": 3}, "minItems": 2, "maxItems": 4}
+CHOICE = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+          "required": ["ok"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "unit", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "lookup", "parameters": CHOICE}}]
+
+
+ADD = Tool("add", lambda a, b: str(a + b), api_type="math", parameters={
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"], "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM("demo", tools=[ADD], **SIZES)
+    yield engine
+    engine.engine.shutdown()
+
+
+def valid(text: str, schema: dict) -> dict:
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    return value
+
+
+def test_json_schema_answers_validate_greedy_and_sampled_in_one_batch(llm):
+    prompts = ["Tell me about Ada.", "Scores please", "Yes or no?", "Another person", "x", "JSON!"]
+    specs = [PERSON, SCORES, CHOICE, PERSON, SCORES, CHOICE]
+    params = [SamplingParams(max_tokens=120, temperature=0.0 if i % 2 == 0 else 1.0, seed=i,
+                             structured=StructuredOutput.json(s)) for i, s in enumerate(specs)]
+    outs = llm.generate(prompts, params)
+    for out, schema in zip(outs, specs):
+        assert out.finish_reason == "stop", out.text
+        valid(out.text, schema)
+    # Sampling under the mask still varies with the seed: two seeds, same prompt, different answers.
+    a, b = llm.generate(["Tell me"] * 2, [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
+                                                         structured=StructuredOutput.json(PERSON)) for s in (1, 2)])
+    assert valid(a.text, PERSON) != valid(b.text, PERSON)
+
+
+def test_unconstrained_neighbours_are_untouched(llm):
+    plain = SamplingParams(max_tokens=24, temperature=0.0)
+    alone = llm.generate(["Hello there"], plain)[0]
+    outs = llm.generate(["Hello there", "Give JSON", "Hello there"],
+                        [plain, SamplingParams(max_tokens=60, temperature=0.0, structured=StructuredOutput.json(CHOICE)),
+                         SamplingParams(max_tokens=24, temperature=0.7, seed=5)])
+    assert outs[0].token_ids == alone.token_ids          # same greedy tokens beside a constrained row
+    valid(outs[1].text, CHOICE)
+    # Without a constraint the random model writes no JSON (so the constraint is what made it valid).
+    with pytest.raises(ValueError):
+        json.loads(alone.text)
+
+
+def test_json_object_on_a_model_that_writes_json(tool_checkpoint):
+    # json_object leaves strings unbounded, so a random model may never close one; the
+    # tool model, trained to write a call's JSON, does. Its markup is banned: only the object remains.
+    path, convs = tool_checkpoint
+    llm = LLM(str(path), **{**SIZES, "max_model_len": 640})
+    spec = StructuredOutput.json_object()
+    outs = llm.generate(prompt_token_ids=[c.prompt_ids for c in convs],
+                        sampling_params=SamplingParams(max_tokens=80, temperature=0.0, structured=spec))
+    for out in outs:
+        assert out.finish_reason == "stop" and not out.api_calls, out.text
+        assert isinstance(json.loads(out.text), dict)
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("handling", ["preserve", "discard", "swap"])
+def test_grammar_state_survives_an_api_pause_mid_answer(handling):
+    llm = LLM("demo", handling=handling, **SIZES)
+    calls = [ApiCall(after_tokens=6, duration_s=0.02, returned_token_ids=[40, 41, 42, 43])]
+    out = llm.generate(["Who?"], SamplingParams(max_tokens=120, temperature=0.0, structured=StructuredOutput.json(PERSON)),
+                       api_calls=[calls])[0]
+    assert [c.handling for c in out.api_calls] == [handling]
+    assert out.finish_reason == "stop"
+    valid(out.text, PERSON)          # the returned tokens are context, not part of the JSON
+    llm.engine.shutdown()
+
+
+def test_forced_tool_calls_named_and_required(llm):
+    named = StructuredOutput.tool_call(TOOLS, "get_weather")
+    required = StructuredOutput.tool_call(TOOLS)
+    outs = llm.generate(["Weather?", "Anything", "Call something"],
+                        [SamplingParams(max_tokens=80, temperature=0.0, structured=named),
+                         SamplingParams(max_tokens=80, temperature=1.0, seed=7, structured=required),
+                         SamplingParams(max_tokens=80, temperature=0.0, structured=required)])
+    for out in outs:
+        assert out.finish_reason == "tool_calls", out.text
+        schema = {"get_weather": WEATHER, "lookup": CHOICE}[out.tool_call["name"]]
+        valid(out.tool_call["arguments"], schema)
+    assert outs[0].tool_call["name"] == "get_weather"
+
+
+def test_forced_server_side_call_runs_then_generation_continues_free(llm):
+    spec = StructuredOutput.tool_call([ADD.openai_schema()], "add")
+    out = llm.generate(["Compute"], SamplingParams(max_tokens=60, temperature=0.0, structured=spec))[0]
+    [call] = out.api_calls
+    assert call.name == "add" and call.error is None
+    args = valid(call.arguments, ADD.parameters)
+    assert out.text.startswith(f'<tool_call>{{"name":"add","arguments":{json.dumps(args, separators=(",", ":"))}}}')
+    assert out.finish_reason in ("stop", "length")
+    after = out.text.split("</tool_call>", 1)[1]
+    assert after          # it went on writing after the tool's result, no longer constrained
+
+
+def test_unsatisfiable_within_max_tokens_ends_with_length(llm):
+    long_string = {"type": "string", "minLength": 200}
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.json(s))
+                                     for s in (long_string, PERSON)])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert all(len(o.token_ids) == 8 for o in outs)
+
+
+def test_bad_constraints_are_value_errors_naming_the_field_and_queue_nothing(llm):
+    with pytest.raises(ValueError, match=r"^response_format: .*not a valid JSON Schema"):
+        SamplingParams(structured=StructuredOutput.json({"type": "strng"}))
+    with pytest.raises(ValueError, match=r"^tool_choice: function 'nope'"):
+        StructuredOutput.tool_call(TOOLS, "nope")
+    with pytest.raises(ValueError, match=r"^tools: .*parameters of 'f'"):
+        SamplingParams(structured=StructuredOutput.tool_call({"f": {"type": 3}}))
+    unsatisfiable = SamplingParams(structured=StructuredOutput.json({"type": "string", "minLength": 5, "maxLength": 2}))
+    with pytest.raises(ValueError, match=r"^response_format: the schema cannot be compiled"):
+        llm.generate(["x"], unsatisfiable)
+    assert not llm.engine.has_unfinished()
+
+
+def test_masked_sampler_only_picks_allowed_tokens():
+    rng = np.random.default_rng(0)
+    rows, vocab = 4, 70
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    allowed = rng.random((rows, vocab)) < 0.1
+    allowed[:, 3] = True
+    allowed[3] = True                                   # an unconstrained row
+    padded = np.zeros((rows, 96), bool)
+    padded[:, :vocab] = allowed
+    bitmask = np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+    masked = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(bitmask)))
+    assert np.array_equal(np.isfinite(masked), allowed)
+    assert np.array_equal(masked[allowed], logits[allowed])
+    sample = jax.jit(sample_masked)
+    for temp in (0.0, 1.0):
+        params = SamplingArrays(temperature=jnp.full(rows, temp, jnp.float32), top_k=jnp.zeros(rows, jnp.int32),
+                                top_p=jnp.ones(rows, jnp.float32), seed=jnp.arange(rows, dtype=jnp.uint32),
+                                step=jnp.zeros(rows, jnp.int32))
+        for step in range(5):
+            params = SamplingArrays(**{**params.__dict__, "step": jnp.full(rows, step, jnp.int32)})
+            tokens = np.asarray(sample(jnp.asarray(logits), jnp.asarray(bitmask), params))
+            assert allowed[np.arange(rows), tokens].all()
+        if temp == 0.0:
+            assert np.array_equal(tokens, np.where(allowed, logits, -np.inf).argmax(1))
