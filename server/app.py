@@ -285,7 +285,8 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
         names = {t["function"]["name"] for t in declared}
         tools = declared + [t.openai_schema() for name, t in state.tools.items() if name not in names]
     messages = [m.template_dict() for m in body.messages]
-    state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)], "messages")
+    state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)]
+                             + [json.dumps(t) for t in tools or []], "messages")
 
     def render(tok):
         text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
