@@ -105,7 +105,8 @@ class ServerState:
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.limit = ConcurrencyLimit(max_concurrent_requests)
-        self.max_fanout = max_fanout
+        # A request wider than the concurrency limit could never be admitted: a 400, not an endless 429.
+        self.max_fanout = min(max_fanout, max_concurrent_requests)
         self.tools = tools
         self.parked = ParkedContexts(engine, paused_context_ttl_s)
         self.metrics = ServerMetrics(engine, lambda: len(self.parked))
