@@ -107,7 +107,8 @@ class ServerState:
         self.model_name = served_model_name
         self.max_model_len = max_model_len
         self.limit = ConcurrencyLimit(max_concurrent_requests)
-        self.max_fanout = max_fanout
+        # A request wider than the concurrency limit could never be admitted: a 400, not an endless 429.
+        self.max_fanout = min(max_fanout, max_concurrent_requests)
         self.tools = tools
         self.parked = ParkedContexts(engine, paused_context_ttl_s)
         self.metrics = ServerMetrics(engine, lambda: len(self.parked))
@@ -316,7 +317,8 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     use_tools = body.tool_choice != "none"
     tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
-    state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)], "messages")
+    state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)]
+                             + [json.dumps(t) for t in tools or []], "messages")
 
     def render(tok):
         msgs, tool_defs = prepare_chat(messages, tools or None, state.tool_format, tok.chat_template)

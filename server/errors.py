@@ -97,7 +97,8 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed"}.get(
             exc.status_code, str(exc.detail))
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        param = {404: "path", 405: "method"}.get(exc.status_code)
+        return APIError(exc.status_code, message, param=param, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

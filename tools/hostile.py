@@ -160,6 +160,10 @@ def soak(url: str, key: str | None, model: str, duration: float, clients: int, p
     while any(gauges(url, key).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     idle = gauges(url, key)
+    m = parse_metrics_text(httpx.get(url + "/metrics", headers=_headers(key), timeout=10).text)
+    engine_counts = {"tool_calls": m.get("jaxserve:request_api_pause_time_seconds_count", 0),
+                     "swapped_out_pages": m.get("jaxserve:swapped_out_pages_total", 0),
+                     "aborted": m.get('jaxserve:request_finished_total{finish_reason="abort"}', 0)}
     rss = [s["rss_mb"] for s in samples]
     warm = rss[len(rss) // 5:] or rss          # after the first fifth (compile caches, pools warm up)
     drift = (max(warm) - min(warm)) / min(warm) if warm else 0.0
@@ -168,6 +172,7 @@ def soak(url: str, key: str | None, model: str, duration: float, clients: int, p
             "rss_mb_first": rss[0] if rss else None, "rss_mb_last": rss[-1] if rss else None,
             "rss_mb_min_after_warmup": min(warm) if warm else None, "rss_mb_max_after_warmup": max(warm) if warm else None,
             "rss_drift_after_warmup": round(drift, 4), "idle_gauges": idle, "samples": len(samples),
+            "engine": engine_counts,
             "goal_met": five_xx == 0 and not any(idle.values()) and drift <= 0.05}
 
 
