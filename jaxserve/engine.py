@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ from jaxserve.weights import load_model, parse_dtype
 from scheduler import (Handling, PageAllocator, Request, RequestState, Scheduler, SchedulerConfig, Segment,
                        make_policy, make_predictor)
 
-log = logging.getLogger("jaxserve")
 
 
 @dataclass
