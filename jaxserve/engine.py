@@ -33,7 +33,6 @@ from scheduler import (Handling, PageAllocator, Request, RequestState, Scheduler
                        make_policy, make_predictor)
 
 
-
 @dataclass
 class EngineStats:
     """Counters since start (tokens and requests)."""
