@@ -23,6 +23,7 @@ from jaxserve.api_executor import ApiExecutor, ApiResult
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
+from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
 from jaxserve.runner import ModelRunner, RunnerConfig, kv_pool_pages
 from jaxserve.sampling_params import SamplingParams
@@ -120,6 +121,9 @@ class LLMEngine:
         dt = parse_dtype(dtype)
         model_obj, self.model_config = load_model(self.model_dir, dtype, attention_impl, load_format, seed)
         cfg = self.model_config
+        # --predictor learned:DIR: the length probe, checked against this model before anything starts.
+        probe_dir = learned_checkpoint(predictor)
+        self.length_probe = LengthProbeHook(probe_dir, model_obj, cfg, str(model)) if probe_dir else None
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if max_model_len and max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -131,15 +135,19 @@ class LLMEngine:
         self.runner = ModelRunner(model_obj, cfg, RunnerConfig(
             page_size=page_size, num_pages=num_pages, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
-            attention_impl=attention_impl, interpret=interpret, keep_logits=keep_logits))
+            attention_impl=attention_impl, interpret=interpret, keep_logits=keep_logits),
+            length_probe=self.length_probe.params if self.length_probe else None)
         # A request's context can never outgrow the page pool (it would preempt itself forever).
         self.context_limit = min(self.max_model_len, num_pages * page_size)
         self.cost = default_cost_model(cost_profile, self.runner.kv_bytes_per_token, max_num_batched_tokens)
         sched_cfg = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                     swap_budget_tokens=swap_budget_tokens or max(page_size, max_num_batched_tokens),
                                     handling=Handling.parse(handling))
+        length_predictor = make_predictor(predictor, seed)
+        if self.length_probe:
+            length_predictor.default_len = self.length_probe.train_mean_tokens
         self.scheduler = Scheduler(
-            sched_cfg, make_policy(policy, predictor=make_predictor(predictor, seed), **(policy_options or {})),
+            sched_cfg, make_policy(policy, predictor=length_predictor, **(policy_options or {})),
             PageAllocator(num_pages, page_size, "device"),
             PageAllocator(num_pages if host_num_pages is None else host_num_pages, page_size, "host"), self.cost)
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -209,6 +217,8 @@ class LLMEngine:
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
             declared_calls=calls, parser=make_tool_parser(self.tool_parser_name) if parse and self.tokenizer else None)
         self.scheduler.add_request(req, now)
+        if self.length_probe:
+            self.length_probe.expect(request_id, req.predictions)
         self.stats.prompt_tokens += len(ids)
         return request_id
 
@@ -296,6 +306,8 @@ class LLMEngine:
             self.stats.dispatch_s += wait_start - dispatch_start
             tokens = np.asarray(device_tokens)
             self.stats.device_wait_s += time.perf_counter() - wait_start
+            if self.length_probe:
+                self.length_probe.record(plan.chunks, self.runner.last_length_bins)
             self.stats.batched_tokens += plan.num_batched_tokens
             for c in plan.chunks:
                 l = live[c.request.request_id]
@@ -373,6 +385,8 @@ class LLMEngine:
         if len(ids) > room:
             ids = ids[:max(0, room)]
         live.token_ids.extend(ids)
+        if self.length_probe:   # re-predicted after every API return
+            self.length_probe.expect(live.sched.request_id, live.sched.predictions)
         self.scheduler.api_return(live.sched, len(ids), now)
         if self.scheduler.finished_after_return(live.sched):
             self._finish(live, "stop")
@@ -398,6 +412,8 @@ class LLMEngine:
         self.scheduler.finish(req, reason, self.clock())
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         del self._live[req.request_id]
+        if self.length_probe:
+            self.length_probe.forget(req.request_id)
         live.tool_call = None
 
     # -------------------------------------------------------------- outputs

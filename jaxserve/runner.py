@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import AttentionMetadata, ModelConfig
+from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample
 from scheduler import ScheduledChunk, SwapOp
 
@@ -69,8 +70,13 @@ class StepInputs:
 class ModelRunner:
     """Owns the model parameters and the KV cache on the device."""
 
-    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: RunnerConfig) -> None:
+    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: RunnerConfig,
+                 length_probe: dict | None = None) -> None:
+        """``length_probe``: parameters of ``jaxserve.predictor.probe`` run on every sampled row's
+        final hidden state inside the step; its bins land in ``last_length_bins``."""
         self.model_config = model_config
+        self.length_probe = None if length_probe is None else {k: jnp.asarray(v) for k, v in length_probe.items()}
+        self.last_length_bins = None   # int32 [S_b] device array of the last step (with a probe)
         self.config = config
         self.graphdef, params = nnx.split(model)
         # Flatten once: passing the nnx State pytree to every call costs ~1 ms of host time per step.
@@ -93,8 +99,14 @@ class ModelRunner:
     # ----------------------------------------------------------------- forward
     def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
-        logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
-        return sample(logits, sampling), (logits if self.config.keep_logits else None), kv
+        bins = None
+        if self.length_probe is None:
+            logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+        else:   # length probe (jaxserve.predictor) on the sampled rows' final hidden states
+            logits, kv, hidden = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret,
+                                       return_hidden=True)
+            bins = probe_predict(self.length_probe, hidden)
+        return sample(logits, sampling), (logits if self.config.keep_logits else None), kv, bins
 
     def prepare(self, chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
                 sampling_rows: dict[str, tuple]) -> StepInputs:
@@ -154,7 +166,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
         (logits None unless ``keep_logits``)."""
-        tokens, logits, self.kv = self._step(
+        tokens, logits, self.kv, self.last_length_bins = self._step(
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits

@@ -129,6 +129,8 @@ class Scheduler:
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
         self._detach(request)
+        if reason != "abort":
+            self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
         request.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         request.finish_reason = reason
         request.finish_time = now
@@ -190,6 +192,7 @@ class Scheduler:
                                context_tokens=request.num_computed_tokens)
         request.api_calls.append(record)
         request.api_returned = False
+        self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
         self.running.remove(request)
         self.paused[request.request_id] = request
         if request.current_segment is not None and request.declared_call_due():
