@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--epochs", type=int, default=200)
     t.add_argument("--probe-hidden", type=int, default=256, help="MLP width (0: a linear probe)")
+    t.add_argument("--max-context", type=int, default=None,
+                   help="use only requests whose whole context is at most this many tokens (a CPU budget; "
+                        "eval uses the same subset)")
     e = subs.add_parser("eval", help="held-out Acc-5 / Acc-15 / MAE of a probe and of a constant baseline")
     e.add_argument("--model", required=True)
     e.add_argument("--checkpoint", required=True, help="directory written by `predictor train`")
@@ -44,10 +47,11 @@ def main(args: argparse.Namespace) -> int:
         served = load_served_model(args.model)
         if args.predictor_command == "train":
             out = Path(args.out).expanduser()
-            ex, requests = cached_examples(served, args.trace, out)
+            ex, requests = cached_examples(served, args.trace, out, max_context=args.max_context)
             split = split_examples(ex, requests, args.seed)
             params, summary = fit_probe(split["train"], split["val"], hidden=args.probe_hidden,
                                         epochs=args.epochs, seed=args.seed)
+            summary["max_context"] = args.max_context
             probe, base = evaluate(params, split["val"], summary["train_mean_tokens"])
             summary["val"] = probe.as_dict()
             path = save_probe(out, params, served.identity, args.probe_hidden, summary)
@@ -58,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
             return 0
         ckpt = Path(args.checkpoint).expanduser()
         params, meta = load_probe(ckpt, served.identity)
-        ex, requests = cached_examples(served, args.trace, ckpt)
+        ex, requests = cached_examples(served, args.trace, ckpt, max_context=meta["summary"].get("max_context"))
         test = split_examples(ex, requests, int(meta["summary"]["seed"]))["test"]
         probe, base = evaluate(params, test, float(meta["summary"]["train_mean_tokens"]))
         print("held-out test:\n" + _report(probe, base))

@@ -51,10 +51,12 @@ def _kind(segments: list[dict]) -> str:
     return "chat"
 
 
-def load_text_requests(trace: str | Path | None, tokenizer) -> list[TextRequest]:
+def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | None = None) -> list[TextRequest]:
     """The text-form requests of ``trace`` (None: the bundled multi-API trace),
-    tokenised with the served model's ``tokenizer``. Raises ``TraceDataError``
-    naming the file when it is empty, not a trace, or has no text segments."""
+    tokenised with the served model's ``tokenizer``; with ``max_context``, only
+    requests whose whole context is at most that many tokens (a compute budget).
+    Raises ``TraceDataError`` naming the file when it is empty, not a trace, or
+    has no text segments."""
     path = resolve_trace_path(trace)
     try:
         data = json.loads(path.read_text())
@@ -81,7 +83,8 @@ def load_text_requests(trace: str | Path | None, tokenizer) -> list[TextRequest]
                 if not isinstance(api, str):
                     raise TraceDataError(f"{where} segment {i}: 'api_token' must be a string")
                 ids += completion + tokenizer.encode(api, add_special_tokens=False)
-        out.append(TextRequest(str(rid), _kind(segs), tuple(int(t) for t in ids), tuple(ends), tuple(labels)))
+        if max_context is None or len(ids) <= max_context:
+            out.append(TextRequest(str(rid), _kind(segs), tuple(int(t) for t in ids), tuple(ends), tuple(labels)))
     if not out:
         raise TraceDataError(f"trace {path} has no text-form segments (prompt/completion strings) to learn from")
     return out

@@ -64,11 +64,12 @@ def compute_examples(served: ServedModel, requests: list[TextRequest], progress:
 
 
 def cached_examples(served: ServedModel, trace: str | Path | None, cache_dir: Path | None,
-                    progress: bool = True) -> tuple[Examples, list[TextRequest]]:
-    """``compute_examples`` for ``trace``, reusing ``cache_dir/features.npz`` when it was made
-    from the same trace file and model; writes it when ``cache_dir`` is given."""
-    requests = load_text_requests(trace, served.tokenizer)
-    key = f"{trace_digest(trace)}|{served.identity.fingerprint}"
+                    progress: bool = True, max_context: int | None = None) -> tuple[Examples, list[TextRequest]]:
+    """``compute_examples`` for ``trace`` (requests up to ``max_context`` tokens), reusing
+    ``cache_dir/features.npz`` when it was made from the same trace file, model and
+    ``max_context``; writes it when ``cache_dir`` is given."""
+    requests = load_text_requests(trace, served.tokenizer, max_context)
+    key = f"{trace_digest(trace)}|{served.identity.fingerprint}|{max_context}"
     path = cache_dir / FEATURES_FILE if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
