@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--length-probe", default=None, metavar="DIR",
+                        help="instead: time per step without and with the learned length probe of DIR "
+                             "(--predictor learned:DIR), interleaved rounds, same prompts")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per engine with --length-probe")
 
 
 def _shape_checkpoint(shape: dict) -> Path:
@@ -64,6 +68,39 @@ def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: st
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
             "host_ms_per_step": 1e3 * host / max(steps, 1), "dispatch_ms_per_step": 1e3 * dispatch / max(steps, 1),
             "outputs": [o.token_ids for o in outs]}
+
+
+def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
+    """Mean wall time per engine step without / with the length probe in the step.
+
+    Two engines on the same prompts; ``args.rounds`` interleaved rounds of each
+    (so a slow spell of a shared machine lands on both); each round is a full
+    ``generate`` of every prompt (prefill rows run the probe's read-out, every
+    row runs the probe itself). Returns ms per step and the ratio."""
+    from jaxserve import LLM, SamplingParams
+    common = dict(dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(len(prompts), 1),
+                  max_model_len=args.prompt_len + args.max_tokens + args.page_size, load_format=load_format)
+    engines = {"without": LLM(model_dir, **common),
+               "with": LLM(model_dir, predictor=f"learned:{args.length_probe}", **common)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    times = {k: [0.0, 0] for k in engines}
+    outputs = {}
+    for llm in engines.values():   # warm: compile every shape the rounds use
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            stats = llm.engine.stats
+            step0, steps0 = stats.step_time_s, stats.steps
+            outputs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            times[name][0] += stats.step_time_s - step0
+            times[name][1] += stats.steps - steps0
+    for llm in engines.values():
+        llm.engine.shutdown()
+    ms = {k: 1e3 * t / max(n, 1) for k, (t, n) in times.items()}
+    return {"ms_per_step_without": ms["without"], "ms_per_step_with": ms["with"],
+            "probe_overhead": ms["with"] / ms["without"] - 1.0, "steps_per_round": times["with"][1] // args.rounds,
+            "same_tokens": outputs["with"] == outputs["without"]}
 
 
 def run_transformers(model_dir: str | None, shape: dict | None, prompts: list[list[int]], args) -> dict:
@@ -105,6 +142,16 @@ def main(args: argparse.Namespace) -> int:
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
+    if args.length_probe:
+        cost = run_probe_cost(model_dir, prompts, args, load_format)
+        print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, "
+              f"{args.rounds} interleaved rounds of {cost['steps_per_round']} steps")
+        print(f"ms per step: without probe {cost['ms_per_step_without']:.3f}, with probe "
+              f"{cost['ms_per_step_with']:.3f} -> overhead {cost['probe_overhead']:+.2%} "
+              f"(same tokens: {cost['same_tokens']})")
+        if args.json:
+            Path(args.json).write_text(json.dumps(cost, indent=2))
+        return 0
     ours = run_jaxserve(model_dir, prompts, args, load_format)
     result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "model": args.shape or args.model, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
