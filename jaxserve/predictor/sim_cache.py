@@ -36,10 +36,11 @@ def _probe_digest(params: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def trace_predictions(checkpoint: str | Path, model: str, trace: str | Path | None = None,
+def trace_predictions(checkpoint: str | Path, model: str | None = None, trace: str | Path | None = None,
                       progress: bool = True) -> dict[str, list[float | None]]:
     """``{request id: [predicted tokens per segment]}`` for the text-form requests of ``trace``,
-    read from the cache or computed with ``model`` (which must be the probe's model) and cached."""
+    read from the cache or computed with ``model`` (which must be the probe's model; None:
+    the model name the probe recorded) and cached."""
     from jaxserve.predictor.train import trace_digest
     ckpt = Path(checkpoint).expanduser()
     params, meta = load_probe(ckpt)
@@ -54,7 +55,7 @@ def trace_predictions(checkpoint: str | Path, model: str, trace: str | Path | No
             raise ProbeCheckpointError(f"prediction cache {path} is corrupt ({e}); delete it to recompute") from e
     from jaxserve.predictor.features import load_served_model
     from jaxserve.predictor.train import cached_examples
-    served = load_served_model(model)
+    served = load_served_model(model or meta["model"]["name"])
     params, meta = load_probe(ckpt, served.identity)
     ex, _ = cached_examples(served, trace, ckpt, progress, max_context=meta["summary"].get("max_context"))
     bins = np.asarray(probe_predict({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(ex.features)))
@@ -83,3 +84,19 @@ def attach(entries: Sequence[TraceEntry], predictions: dict[str, list[float | No
             extra[LEARNED_SEGMENT_LENS] = list(per_segment)
         out.append(dataclasses.replace(e, predictions={**e.predictions, **extra}))
     return out
+
+
+def learned_entries(trace: str | Path | None, spec: str) -> list[TraceEntry]:
+    """The trace for a simulated replay with ``--predictor learned:DIR``: text segments
+    counted with the probe model's tokenizer (so the trace's lengths and the predictions
+    are in the same tokens), with the cached predictions attached."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.engine import resolve_model_dir
+    from jaxserve.predictor.serving import learned_checkpoint
+    from jaxserve.replay.trace import load_trace
+    checkpoint = learned_checkpoint(spec)
+    _, meta = load_probe(checkpoint)
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(meta["model"]["name"])), local_files_only=True)
+    entries = load_trace(trace, lambda text: tok.encode(text, add_special_tokens=False))
+    return attach(entries, trace_predictions(checkpoint, None, trace))

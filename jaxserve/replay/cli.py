@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="tokenizer (HF name or dir) for text-form traces (default: 4 characters per token)")
     sch = parser.add_argument_group("scheduler")
     sch.add_argument("--predictor", default="oracle",
-                     help="oracle | noisy:P | api-type-mean | elapsed (what policies are told)")
+                     help="oracle | noisy:P | api-type-mean | elapsed | learned:DIR (what policies are told)")
     sch.add_argument("--handling", choices=("policy", "preserve", "discard", "swap"), default="policy",
                      help="force one handling for every API call (default: the policy decides)")
     sch.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -179,6 +179,9 @@ def main(args: argparse.Namespace) -> int:
         config = build_config(args)
         trace_path = resolve_trace_path(args.trace)
         entries = load_trace(trace_path, _tokenizer(args.tokenizer))
+        if args.model is None and config.predictor.startswith("learned"):   # probe predictions, cached
+            from jaxserve.predictor.sim_cache import learned_entries
+            entries = learned_entries(trace_path, config.predictor)
         if args.token_scale != 1.0 or args.api_time_scale != 1.0:
             entries = scale_entries(entries, args.token_scale, args.api_time_scale)
         profile = args.profile or (DEFAULT_PROFILE if args.model is None else None)
