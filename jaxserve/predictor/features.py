@@ -18,6 +18,7 @@ from jaxserve.engine import resolve_model_dir
 from jaxserve.predictor.checkpoint import ModelIdentity, model_identity
 from jaxserve.weights import load_model
 
+
 @dataclass
 class ServedModel:
     """A loaded model, its tokenizer and identity (what a probe is trained on)."""
