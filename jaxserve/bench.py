@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--length-probe", default=None, metavar="DIR",
+                        help="instead: time per step without and with the learned length probe of DIR "
+                             "(--predictor learned:DIR), interleaved rounds, same prompts")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per engine with --length-probe")
     # The benchmark sizes these from its own prompts and shape.
     EngineConfig.add_cli_arguments(parser, exclude=("max_num_seqs", "max_model_len", "load_format"))
 
@@ -64,6 +68,54 @@ def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: st
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
             "host_ms_per_step": 1e3 * host / max(steps, 1), "dispatch_ms_per_step": 1e3 * dispatch / max(steps, 1),
             "outputs": [o.token_ids for o in outs]}
+
+
+def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
+    """Mean wall time per engine step without / with the length probe in the step.
+
+    Two engines on the same prompts; ``args.rounds`` interleaved rounds of each
+    (so a slow spell of a shared machine lands on both); each round is a full
+    ``generate`` of every prompt (prefill rows run the probe's read-out, every
+    row runs the probe itself). Returns ms per step and the ratio."""
+    from jaxserve import LLM, SamplingParams
+    common = dict(dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(len(prompts), 1),
+                  max_model_len=args.prompt_len + args.max_tokens + args.page_size, load_format=load_format)
+    engines = {"without": LLM(model_dir, **common),
+               "with": LLM(model_dir, predictor=f"learned:{args.length_probe}", **common)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    times = {k: [] for k in engines}
+    outputs = {}
+    for llm in engines.values():   # warm: compile every shape the rounds use
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            stats = llm.engine.stats
+            step0, steps0 = stats.step_time_s, stats.steps
+            outputs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            times[name].append((stats.step_time_s - step0) / max(stats.steps - steps0, 1))
+    # The jitted step alone, full decode batch of the largest bucket, many interleaved calls:
+    # the minimum is robust to a shared machine's slow spells.
+    runners = {k: llm.engine.runner for k, llm in engines.items()}
+    bucket = runners["with"].config.token_buckets[-1]
+    batch = {k: r.synthetic_inputs(bucket) for k, r in runners.items()}
+    jitted = {k: [] for k in runners}
+    for _ in range(20 * args.rounds):
+        for k, r in runners.items():
+            start = time.perf_counter()
+            r.execute(batch[k])[0].block_until_ready()
+            jitted[k].append(time.perf_counter() - start)
+    for llm in engines.values():
+        llm.engine.shutdown()
+    per_round = [w / wo for w, wo in zip(times["with"], times["without"])]
+    step = {k: 1e3 * min(v) for k, v in jitted.items()}
+    return {"ms_per_step_without": 1e3 * float(np.median(times["without"])),
+            "ms_per_step_with": 1e3 * float(np.median(times["with"])),
+            "probe_overhead": float(np.median(per_round)) - 1.0,
+            "probe_overhead_rounds": [r - 1.0 for r in per_round],
+            "jitted_bucket": bucket, "jitted_ms_min_without": step["without"], "jitted_ms_min_with": step["with"],
+            "jitted_overhead": step["with"] / step["without"] - 1.0,
+            "same_tokens": outputs["with"] == outputs["without"]}
 
 
 def run_transformers(model_dir: str | None, shape: dict | None, prompts: list[list[int]], args) -> dict:
@@ -105,6 +157,20 @@ def main(args: argparse.Namespace) -> int:
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
+    if args.length_probe:
+        cost = run_probe_cost(model_dir, prompts, args, load_format)
+        print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, "
+              f"{args.rounds} interleaved rounds")
+        print(f"engine step (median over rounds): without probe {cost['ms_per_step_without']:.3f} ms, with "
+              f"{cost['ms_per_step_with']:.3f} ms; median paired overhead {cost['probe_overhead']:+.2%} "
+              f"(rounds: {', '.join(f'{r:+.1%}' for r in cost['probe_overhead_rounds'])}); "
+              f"same tokens: {cost['same_tokens']}")
+        print(f"jitted step alone, {cost['jitted_bucket']}-token decode batch (min of {20 * args.rounds}): "
+              f"without {cost['jitted_ms_min_without']:.3f} ms, with {cost['jitted_ms_min_with']:.3f} ms "
+              f"-> overhead {cost['jitted_overhead']:+.2%}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(cost, indent=2))
+        return 0
     ours = run_jaxserve(model_dir, prompts, args, load_format)
     result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "model": args.shape or args.model, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,

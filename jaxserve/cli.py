@@ -1,4 +1,4 @@
-"""The ``jaxserve`` command: ``serve``, ``replay``, ``profile``, ``bench``, ``generate``.
+"""The ``jaxserve`` command: ``serve``, ``replay``, ``profile``, ``bench``, ``generate``, ``predictor``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``; this file only wires them. Every ``--some-flag`` can
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("jaxserve.replay.cli", "replay a workload trace and compare scheduling policies"),
     "profile": ("jaxserve.profiling", "measure the cost model (T_fwd, host<->device bandwidth) of this device"),
     "bench": ("jaxserve.bench", "benchmark jaxserve against transformers generate"),
+    "predictor": ("jaxserve.predictor.cli", "train / evaluate the learned output-length probe"),
 }
 
 

@@ -28,6 +28,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages
 from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
+from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
@@ -71,6 +72,9 @@ class LLMEngine:
         model_obj, self.model_config = load_model(self.model_dir, config.dtype, attention_impl,
                                                   config.load_format, config.seed)
         cfg = self.model_config
+        # --predictor learned:DIR: the length probe, checked against this model before anything starts.
+        probe_dir = learned_checkpoint(config.predictor)
+        length_probe = LengthProbeHook(probe_dir, model_obj, cfg, config.model) if probe_dir else None
         if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
@@ -80,13 +84,16 @@ class LLMEngine:
         executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=batched,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
-            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits))
+            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits),
+            length_probe=length_probe)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),
                                     handling=Handling.parse(config.handling), max_model_len=self.max_model_len)
-        policy = make_policy(config.policy, predictor=make_predictor(config.predictor, config.seed),
-                             **config.policy_options)
+        predictor = make_predictor(config.predictor, config.seed)
+        if length_probe is not None:
+            predictor.default_len = length_probe.train_mean_tokens
+        policy = make_policy(config.policy, predictor=predictor, **config.policy_options)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
         scheduler = Scheduler(sched_cfg, policy, PageAllocator(num_pages, config.page_size, "device"),
                               PageAllocator(host_pages, config.page_size, "host"), self.cost)

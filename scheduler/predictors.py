@@ -7,13 +7,16 @@ A ``Predictor`` answers from what is known at decision time:
   seeded and fixed per (request, segment), so the same question gets the same answer;
 - ``api-type-mean``: output lengths from the oracle, API durations as the running
   mean of observed durations per API type (``observe_api``);
-- ``elapsed``: InferCept's estimate for a call in progress, ``t_now − t_call``.
+- ``elapsed``: InferCept's estimate for a call in progress, ``t_now − t_call``;
+- ``learned[:DIR]``: output lengths from the engine's length probe (the
+  prediction the engine writes on the request), API durations as
+  ``api-type-mean``.
 
 ``version`` changes whenever a predictor's answers for an unchanged request may
 change (``api-type-mean`` after an observation), so policies that cache scores
-know when to re-score. A learned length predictor plugs in by subclassing
-``Predictor`` and overriding ``segment_output_len``/``total_output_len``
-(and bumping ``version`` when it is retrained).
+know when to re-score. Other predictors plug in by subclassing ``Predictor`` and overriding
+``segment_output_len``/``total_output_len`` (and bumping ``version`` when
+their answers change).
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class Predictor:
 
     def observe_api(self, api_type: str, duration_s: float) -> None:
         """Hook: a call of ``api_type`` took ``duration_s``."""
+
+    def observe_output(self, request: Request) -> None:
+        """Hook: ``request`` ended a segment (it emitted an API call, or finished)."""
 
 
 @register_predictor("oracle")
@@ -213,3 +219,77 @@ class ElapsedPredictor(OraclePredictor):
 
     def total_api_duration(self, request: Request, now: float) -> float:
         return 0.0
+
+
+# Keys of ``Request.predictions`` the learned predictor reads.
+LEARNED_LEN = "learned_len"            # engine: predicted tokens of the segment that started at ...
+LEARNED_FROM = "learned_from"          # ... num_generated == this value
+LEARNED_AT_CALL = "learned_at_call"    # ... after this many API calls (a prediction holds for that segment only)
+LEARNED_SEGMENT_LENS = "learned_segment_lens"   # simulator: cached prediction per declared segment (or None)
+PREDICTION_CLASS = "class"             # running-mean class of a request (e.g. the trace's "math")
+
+
+@register_predictor("learned")
+class LearnedPredictor(ApiTypeMeanPredictor):
+    """Output lengths from the learned probe on the served model's hidden state.
+
+    The probe itself runs in the engine (``jaxserve.predictor``; no JAX here):
+    the engine writes ``predictions[LEARNED_LEN]`` (tokens) and
+    ``predictions[LEARNED_FROM]`` (``num_generated`` then) when a row ends a
+    prefill or the recompute after an API return; the simulator puts cached
+    per-segment predictions in ``predictions[LEARNED_SEGMENT_LENS]``. The
+    remaining length is the prediction minus what the segment generated since.
+    Without a prediction (a request not yet prefilled; a token-form trace
+    segment, which has no text) the answer is the running mean of observed
+    segment lengths of the request's class (``predictions["class"]``, else its
+    current API type, else ``"final"``), then of all classes, then
+    ``default_len`` (the probe's training mean, set by whoever loads the probe).
+    API durations: running mean per API type (``api-type-mean``). The current
+    segment only is predicted: ``total_output_len`` equals
+    ``segment_output_len`` (later segments' text does not exist yet live).
+    Built as ``"learned:DIR"``; ``DIR`` is the probe checkpoint the engine loads.
+    """
+
+    def __init__(self, checkpoint: str = "", seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.checkpoint = checkpoint
+        self.default_len = 0.0
+        self._len_sum: dict[str, float] = {}
+        self._len_count: dict[str, int] = {}
+
+    @staticmethod
+    def _class(request: Request) -> str:
+        seg = request.current_segment
+        return str(request.predictions.get(PREDICTION_CLASS)
+                   or (seg.api_type if seg is not None and seg.api_type else "final"))
+
+    def class_mean(self, request: Request) -> float:
+        key = self._class(request)
+        n = self._len_count.get(key, 0)
+        if n:
+            return self._len_sum[key] / n
+        total = sum(self._len_count.values())
+        return sum(self._len_sum.values()) / total if total else self.default_len
+
+    def segment_output_len(self, request: Request) -> int:
+        p = request.predictions
+        cached = p.get(LEARNED_SEGMENT_LENS)
+        if cached is not None and request.segment_index < len(cached) and cached[request.segment_index] is not None:
+            return max(0, round(cached[request.segment_index]) - request.segment_generated)
+        if LEARNED_LEN in p and p.get(LEARNED_AT_CALL, 0) == len(request.api_calls):
+            return max(0, round(p[LEARNED_LEN]) - (request.num_generated - int(p.get(LEARNED_FROM, 0))))
+        done = request.segment_generated if request.segments else request.num_generated
+        return max(0, round(self.class_mean(request)) - done)
+
+    def total_output_len(self, request: Request) -> int:
+        return self.segment_output_len(request)
+
+    def observe_output(self, request: Request) -> None:
+        if request.segments:
+            n = request.segment_generated
+        else:
+            n = request.num_generated - int(request.predictions.get(LEARNED_FROM, 0))
+        key = self._class(request)
+        self._len_sum[key] = self._len_sum.get(key, 0.0) + n
+        self._len_count[key] = self._len_count.get(key, 0) + 1
+        self.version += 1

@@ -134,6 +134,8 @@ class Scheduler:
             if request in q:
                 q.remove(request)
         self.kv.free(request)
+        if reason != "abort":
+            self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
         request.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         request.finish_reason = reason
         request.finish_time = now
@@ -175,6 +177,7 @@ class Scheduler:
         request.api_calls.append(ApiCallRecord(api_type=api_type, handling=chosen, call_time=now,
                                                context_tokens=request.num_computed_tokens))
         request.api_returned = False
+        self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
         self.running.remove(request)
         self.paused[request.request_id] = request
         if request.current_segment is not None and request.declared_call_due():

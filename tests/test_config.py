@@ -16,6 +16,7 @@ BAD_SETTINGS = [
     ("policy", "lifo"), ("predictor", "psychic"), ("tool_call_parser", "xml"), ("max_num_seqs", True),
 ]
 
+ENGINE_SUBCOMMANDS = ("serve", "generate", "replay", "profile", "bench")   # the ones that build an engine
 # Settings whose default a subcommand changes on purpose (documented in its --help).
 SUBCOMMAND_DEFAULTS = {("profile", "num_pages"): 512}
 
@@ -56,7 +57,9 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 def test_every_subcommand_has_the_same_engine_flags_and_defaults():
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli")}
     seen = {}
-    for name, sub in _subparsers().items():
+    subs = _subparsers()
+    for name in ENGINE_SUBCOMMANDS:
+        sub = subs[name]
         dests = {a.dest: a.default for a in sub._actions}
         shared = {k: v for k, v in dests.items() if k in defaults}
         assert shared, f"{name} builds no engine flags from EngineConfig"
@@ -64,7 +67,7 @@ def test_every_subcommand_has_the_same_engine_flags_and_defaults():
         for key, value in shared.items():
             assert value == SUBCOMMAND_DEFAULTS.get((name, key), defaults[key]), (name, key, value)
     # The flags every engine-building subcommand shares:
-    for name in ("serve", "generate", "profile", "bench", "replay"):
+    for name in ENGINE_SUBCOMMANDS:
         assert {"page_size", "num_pages", "max_num_batched_tokens", "dtype"} <= seen[name], name
     assert DEFAULT_POLICY == "infercept" and defaults["policy"] == DEFAULT_POLICY
 

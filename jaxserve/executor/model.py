@@ -21,6 +21,7 @@ from flax import nnx
 import time
 
 from jaxserve.models import AttentionMetadata, ModelConfig
+from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample, sample_masked
 from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
 
@@ -77,11 +78,19 @@ class ModelExecutor:
     ``dispatch_s`` and ``device_wait_s`` accumulate the seconds spent inside
     the jitted call (on CPU this includes the compute) and waiting for the
     sampled tokens; ``last_logits`` is the last step's float32
-    ``[rows, vocab]`` logits when ``keep_logits``.
+    ``[rows, vocab]`` logits when ``keep_logits``. ``length_probe``
+    (``jaxserve.predictor.serving.LengthProbeHook``): the learned length probe,
+    run inside the step on every sampled row's final hidden state; its bins
+    land in ``last_length_bins`` and its predictions on the requests.
     """
 
-    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: ModelExecutorConfig) -> None:
+    def __init__(self, model: nnx.Module, model_config: ModelConfig, config: ModelExecutorConfig,
+                 length_probe=None) -> None:
         self.model_config = model_config
+        self.length_probe = length_probe
+        self.length_probe_params = None if length_probe is None else \
+            {k: jnp.asarray(v) for k, v in length_probe.params.items()}
+        self.last_length_bins = None   # int32 [S_b] device array of the last step (with a probe)
         self.config = config
         self.graphdef, params = nnx.split(model)
         # Flatten once: passing the nnx State pytree to every call costs ~1 ms of host time per step.
@@ -130,6 +139,8 @@ class ModelExecutor:
         tokens = np.asarray(device_tokens)
         self.dispatch_s += waited - start
         self.device_wait_s += time.perf_counter() - waited
+        if self.length_probe is not None:   # before update(): the predictions are for the segment this row starts
+            self.length_probe.record(plan.chunks, self.last_length_bins)
         return StepResult(token_ids=tokens)
 
     def release(self, request: Request) -> None:
@@ -138,12 +149,18 @@ class ModelExecutor:
 
     # ----------------------------------------------------------------- forward
     def _forward_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices):
+        """The model over the ragged batch: ``(logits [S_b, V], kv, length bins int32 [S_b] or None)``."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
-        return model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+        if self.length_probe_params is None:
+            logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
+            return logits, kv, None
+        logits, kv, hidden = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret,
+                                   return_hidden=True)
+        return logits, kv, probe_predict(self.length_probe_params, hidden)
 
     def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
-        logits, kv = self._forward_fn(params, kv, input_ids, meta, logits_indices)
-        return sample(logits, sampling), (logits if self.config.keep_logits else None), kv
+        logits, kv, bins = self._forward_fn(params, kv, input_ids, meta, logits_indices)
+        return sample(logits, sampling), (logits if self.config.keep_logits else None), kv, bins
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Build padded host arrays for ``chunks`` (token ids from each request's
@@ -202,7 +219,7 @@ class ModelExecutor:
     def forward(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
         (logits None unless ``keep_logits``)."""
-        tokens, logits, self.kv = self._step(
+        tokens, logits, self.kv, self.last_length_bins = self._step(
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits
@@ -211,7 +228,7 @@ class ModelExecutor:
         """``forward`` with the sampler restricted by a token bitmask: dispatch the
         forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
         the device computes (dispatch is asynchronous), then sample under the mask."""
-        logits, self.kv = self._forward(
+        logits, self.kv, self.last_length_bins = self._forward(
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices))
         bitmask = fill_bitmask()

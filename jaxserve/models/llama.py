@@ -118,8 +118,11 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
     def __call__(self, input_ids: jax.Array, kv_caches: list, meta: AttentionMetadata,
-                 logits_indices: jax.Array, interpret: bool = False) -> tuple[jax.Array, list]:
-        """``input_ids [T]`` -> float32 logits ``[len(logits_indices), vocab]`` and the updated caches."""
+                 logits_indices: jax.Array, interpret: bool = False,
+                 return_hidden: bool = False) -> tuple[jax.Array, ...]:
+        """``input_ids [T]`` -> float32 logits ``[len(logits_indices), vocab]`` and the updated caches;
+        with ``return_hidden`` also the final-norm hidden states of those rows, float32
+        ``[len(logits_indices), hidden_size]`` (what a length probe reads)."""
         x = self.embed_tokens(input_ids)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
@@ -130,4 +133,6 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.dot(x, self.embed_tokens.embedding[...].T, precision=jax.lax.Precision.HIGHEST)
         else:
             logits = self.lm_head(x)
+        if return_hidden:
+            return logits.astype(jnp.float32), new_caches, x.astype(jnp.float32)
         return logits.astype(jnp.float32), new_caches

@@ -163,6 +163,9 @@ def main(args: argparse.Namespace) -> int:
         engine, config = build_config(args)
         trace_path = resolve_trace_path(args.trace)
         entries = load_trace(trace_path, _tokenizer(args.tokenizer))
+        if args.model is None and config.predictor.startswith("learned"):   # probe predictions, cached
+            from jaxserve.predictor.sim_cache import learned_entries
+            entries = learned_entries(trace_path, config.predictor)
         if args.token_scale != 1.0 or args.api_time_scale != 1.0:
             entries = scale_entries(entries, args.token_scale, args.api_time_scale)
         profile = args.profile or (DEFAULT_PROFILE if args.model is None else None)

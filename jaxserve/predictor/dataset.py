@@ -1,0 +1,116 @@
+"""Training examples from a trace's text-form segments, split by request, and
+grain batches.
+
+A text-form request (chatbot / TTS / image) is ``[{prompt, completion,
+api_token?, api_time?}, ...]`` with ``prompt[i+1] == prompt[i] + completion[i]
++ api_token[i]``. Its context is tokenised piece by piece — ``prompt[0]``
+(with the tokenizer's special tokens), then each ``completion`` and
+``api_token`` (without) — which is how the engine's context grows, so segment
+``i``'s prompt is a prefix of the next one's and one forward over the whole
+context gives every segment's last-prompt-token hidden state. The label of
+segment ``i`` is ``len(tokenize(completion[i]))``. Token-form requests carry
+no text and are skipped (the predictor answers them with a per-class running
+mean). Splits are by request id, never by segment.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from jaxserve.replay.trace import resolve_trace_path
+
+
+class TraceDataError(ValueError):
+    """A trace that gives no training data, or malformed text segments; names the file."""
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One text-form request tokenised: ``token_ids`` is its whole context up to the end of its
+    last prompt; segment ``i``'s prompt is ``token_ids[:prompt_ends[i]]`` and it generated
+    ``labels[i]`` tokens before its next call (or the end)."""
+
+    request_id: str
+    kind: str
+    token_ids: tuple[int, ...]
+    prompt_ends: tuple[int, ...]
+    labels: tuple[int, ...]
+
+
+def _kind(segments: list[dict]) -> str:
+    returns = [s.get("api_token", "") for s in segments if "api_token" in s]
+    if any(r.startswith("Convert this to text to speech") for r in returns):
+        return "tts"
+    if any(r.startswith("Generate an image about this") for r in returns):
+        return "image"
+    return "chat"
+
+
+def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | None = None) -> list[TextRequest]:
+    """The text-form requests of ``trace`` (None: the bundled multi-API trace),
+    tokenised with the served model's ``tokenizer``; with ``max_context``, only
+    requests whose whole context is at most that many tokens (a compute budget).
+    Raises ``TraceDataError`` naming the file when it is empty, not a trace, or
+    has no text segments."""
+    path = resolve_trace_path(trace)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceDataError(f"trace {path} is not readable JSON: {e}") from e
+    if not isinstance(data, dict) or not data:
+        raise TraceDataError(f"trace {path} has no requests (expected a JSON object of request id -> segments)")
+    out = []
+    for rid, segs in data.items():
+        if not isinstance(segs, list) or not segs or not isinstance(segs[0], dict) or "prompt" not in segs[0]:
+            continue
+        where = f"trace {path}, request {rid!r}"
+        if not all(isinstance(s, dict) and isinstance(s.get("completion"), str) for s in segs) \
+                or not isinstance(segs[0]["prompt"], str):
+            raise TraceDataError(f"{where}: text segments need string 'prompt' (segment 0) and 'completion'")
+        ids = list(tokenizer.encode(segs[0]["prompt"], add_special_tokens=True))
+        ends, labels = [], []
+        for i, s in enumerate(segs):
+            completion = tokenizer.encode(s["completion"], add_special_tokens=False)
+            ends.append(len(ids))
+            labels.append(len(completion))
+            if i + 1 < len(segs):   # the last segment's completion and return are not needed as context
+                api = s.get("api_token", "")
+                if not isinstance(api, str):
+                    raise TraceDataError(f"{where} segment {i}: 'api_token' must be a string")
+                ids += completion + tokenizer.encode(api, add_special_tokens=False)
+        if max_context is None or len(ids) <= max_context:
+            out.append(TextRequest(str(rid), _kind(segs), tuple(int(t) for t in ids), tuple(ends), tuple(labels)))
+    if not out:
+        raise TraceDataError(f"trace {path} has no text-form segments (prompt/completion strings) to learn from")
+    return out
+
+
+def split_requests(requests: list[TextRequest], seed: int,
+                   fractions: tuple[float, float] = (0.7, 0.15)) -> dict[str, list[TextRequest]]:
+    """``{"train", "val", "test"}`` by request id (``fractions`` of requests for train and
+    val, the rest test), shuffled with ``seed``. The test split does not depend on
+    ``seed``: it is fixed by a hash-free permutation with seed 0, so probes trained with
+    different seeds are evaluated on the same held-out requests."""
+    ordered = sorted(requests, key=lambda r: r.request_id)
+    n = len(ordered)
+    perm = np.random.default_rng(0).permutation(n)
+    n_test = max(1, int(round(n * (1.0 - sum(fractions))))) if n >= 3 else 0
+    test = [ordered[i] for i in perm[:n_test]]
+    rest = [ordered[i] for i in perm[n_test:]]
+    rest = [rest[i] for i in np.random.default_rng(seed).permutation(len(rest))]
+    n_val = max(1, int(round(n * fractions[1]))) if len(rest) >= 2 else 0
+    return {"train": rest[n_val:], "val": rest[:n_val], "test": test}
+
+
+def batches(features: np.ndarray, labels: np.ndarray, batch_size: int, seed: int, epoch: int):
+    """One shuffled epoch of ``(features [B, H], bins [B])`` batches through grain
+    (the shuffle is seeded by ``seed`` and ``epoch``; the last batch may be short)."""
+    index = grain.MapDataset.range(len(labels)).seed(seed * 1000 + epoch).shuffle().batch(batch_size)
+    for idx in index:
+        idx = np.asarray(idx)
+        yield features[idx], labels[idx]

@@ -1,0 +1,80 @@
+"""Final-norm hidden states of given positions of the served model, for
+training and for the simulator's prediction cache.
+
+Positions past the model's window ``W`` are read from a
+left-truncated window ``token_ids[end - W:end]`` (documented approximation:
+the engine would see the whole context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from jaxserve.engine import resolve_model_dir
+from jaxserve.predictor.checkpoint import ModelIdentity, model_identity
+from jaxserve.weights import load_model
+
+
+@dataclass
+class ServedModel:
+    """A loaded model, its tokenizer and identity (what a probe is trained on)."""
+
+    name: str
+    model_dir: Path
+    model: nnx.Module
+    config: object
+    tokenizer: object
+    identity: ModelIdentity
+    window: int        # tokens one forward may hold (the model's max positions, capped)
+
+
+def load_served_model(model: str, max_window: int = 4096) -> ServedModel:
+    """Load ``model`` (a name such as ``demo`` or a checkpoint directory) as the engine does."""
+    from transformers import AutoTokenizer
+    model_dir = resolve_model_dir(model)
+    obj, cfg = load_model(model_dir, "float32", "reference", "safetensors", 0, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return ServedModel(str(model), model_dir, obj, cfg, tok, model_identity(obj, cfg, str(model)),
+                       min(max_window, cfg.max_position_embeddings))
+
+
+class HiddenStateReader:
+    """``read(token_ids, ends) -> float32 [len(ends), H]``: the final-norm hidden state of
+    token ``end - 1`` for each ``end`` (the last token of the prefix ``token_ids[:end]``).
+
+    Computed with the same weights through ``transformers`` (a dense causal forward,
+    ~100x faster on CPU than the engine's paged reference attention over whole
+    prompts); ``tests/test_predictor.py`` checks it equals the engine's hidden state
+    (max |diff| ~4e-5 on SmolLM2-135M, float32). Run once per request over its
+    whole context: causal attention makes each prefix's last state exact.
+    """
+
+    def __init__(self, served: ServedModel) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        self._torch = torch
+        self.served = served
+        self.model = AutoModelForCausalLM.from_pretrained(str(served.model_dir), dtype=torch.float32).eval()
+
+    def _run(self, ids: np.ndarray, rows: list[int]) -> np.ndarray:
+        torch = self._torch
+        with torch.inference_mode():
+            out = self.model.model(input_ids=torch.as_tensor(ids[None], dtype=torch.long))
+        return out.last_hidden_state[0, rows].float().numpy()
+
+    def read(self, token_ids: tuple[int, ...] | list[int], ends: tuple[int, ...] | list[int]) -> np.ndarray:
+        w = self.served.window
+        ids = np.asarray(token_ids, np.int64)
+        result = np.zeros((len(ends), self.served.config.hidden_size), np.float32)
+        inside = [i for i, e in enumerate(ends) if e <= w]
+        if inside:
+            span = max(ends[i] for i in inside)
+            result[inside] = self._run(ids[:span], [ends[i] - 1 for i in inside])
+        for i, e in enumerate(ends):
+            if e > w:
+                result[i] = self._run(ids[e - w:e], [w - 1])[0]
+        return result

@@ -1,0 +1,172 @@
+"""The learned length predictor: probe training/eval round trip on the demo model,
+checkpoints bound to their model, clear errors for bad input, predictions landing on
+requests in the engine (equal to the training-time features' predictions), and the
+simulator's cached predictions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import cli
+from jaxserve.predictor.checkpoint import ModelIdentity, ProbeCheckpointError, load_probe
+from scheduler.predictors import LEARNED_FROM, LEARNED_LEN, LEARNED_SEGMENT_LENS, make_predictor
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _text(rng, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _trace(path, n: int = 24):
+    """Text-form requests whose completion length follows the prompt's first word:
+    "short" -> a few tokens, "long" -> one fixed text of ~100 tokens (learnable from the prompt)."""
+    rng = np.random.default_rng(0)
+    data = {}
+    for i in range(n):
+        segs, prompt = [], ("short " if i % 2 else "long ") + _text(rng, 6)
+        for j in range(2):
+            completion = "alpha beta" if i % 2 else " ".join(WORDS * 3)
+            seg = {"prompt": prompt, "completion": completion}
+            if j == 0:
+                seg.update(api_token="ok " + _text(rng, 2), api_time=0.5)
+            segs.append(seg)
+            prompt = prompt + completion + seg.get("api_token", "")
+        data[f"r{i}"] = segs
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probe")
+    trace = _trace(d / "trace.json")
+    rc = cli.main(["predictor", "train", "--model", "demo", "--out", str(d / "ckpt"), "--trace", str(trace),
+                   "--epochs", "300", "--probe-hidden", "32"])
+    assert rc == 0
+    return d / "ckpt", trace
+
+
+def test_train_eval_round_trip(trained, tmp_path, capsys):
+    ckpt, trace = trained
+    out = tmp_path / "eval.json"
+    assert cli.main(["predictor", "eval", "--model", "demo", "--checkpoint", str(ckpt), "--trace", str(trace),
+                     "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"acc5", "acc15", "mae_bins", "baseline_mae_bins", "mae_tokens", "n_test"} <= set(res)
+    assert res["n_test"] == 8   # 4 held-out requests x 2 segments: split by request
+    # The length is a function of the prompt's first word: the probe must beat the constant clearly.
+    assert res["mae_bins"] < 0.5 * res["baseline_mae_bins"]
+    assert "Acc-15" in capsys.readouterr().out
+    params, meta = load_probe(ckpt)
+    assert meta["model"]["name"] == "demo" and meta["model"]["hidden_size"] == 128
+    assert params["w1"].shape == (128, 32)
+
+
+def test_checkpoint_refuses_another_model(trained):
+    ckpt, _ = trained
+    _, meta = load_probe(ckpt)
+    other = ModelIdentity("other", meta["model"]["hidden_size"], "0" * 16)
+    with pytest.raises(ProbeCheckpointError, match="trained on model 'demo'.*not on 'other'") as e:
+        load_probe(ckpt, other)
+    assert str(ckpt.resolve()) in str(e.value)
+
+
+def test_corrupt_or_missing_checkpoint_and_empty_trace(trained, tmp_path, capsys):
+    ckpt, _ = trained
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    for f in (bad / "probe").rglob("*"):
+        if f.is_file() and "params" in f.parts:
+            f.write_bytes(b"not a checkpoint")
+    with pytest.raises(ProbeCheckpointError, match="corrupt") as e:
+        load_probe(bad)
+    assert str(bad.resolve()) in str(e.value)
+    from jaxserve.engine import LLMEngine
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ProbeCheckpointError, match=str(missing)):
+        LLMEngine("demo", predictor=f"learned:{missing}", num_pages=16, warmup=False)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    assert cli.main(["predictor", "train", "--model", "demo", "--out", str(tmp_path / "x"),
+                     "--trace", str(empty)]) == 2
+    assert str(empty) in capsys.readouterr().err
+
+
+def test_predictions_land_on_requests_in_the_engine(trained):
+    """The probe runs inside the step: after the prefill, and again after the API
+    return; the value equals the probe applied to the training-time features."""
+    from jaxserve.engine import LLMEngine
+    from jaxserve.outputs import ApiCall
+    from jaxserve.predictor.features import HiddenStateReader, load_served_model
+    from jaxserve.predictor.probe import probe_predict
+    from jaxserve.sampling_params import SamplingParams
+    ckpt, _ = trained
+    eng = LLMEngine("demo", predictor=f"learned:{ckpt}", policy="lamps", num_pages=64,
+                    max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    served = load_served_model("demo")
+    ids = served.tokenizer.encode("long alpha beta gamma", add_special_tokens=True)
+    ret = served.tokenizer.encode("ok beta", add_special_tokens=False)
+    eng.add_request("a", prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
+                    api_calls=[ApiCall(after_tokens=3, api_type="chat", duration_s=0.0, returned_token_ids=ret)])
+    req = eng._live["a"].sched
+    assert LEARNED_LEN not in req.predictions
+    eng.step()
+    first = dict(req.predictions)
+    params, _ = load_probe(ckpt)
+    feats = HiddenStateReader(served).read(ids, [len(ids)])
+    want = float(params["bin_tokens"][int(probe_predict({k: jnp.asarray(v) for k, v in params.items()},
+                                                        jnp.asarray(feats))[0])])
+    assert first[LEARNED_LEN] == want and first[LEARNED_FROM] == 0
+    context = list(ids)
+    seen = []
+    while eng.has_unfinished():
+        eng.step()
+        seen.append(dict(req.predictions))
+        context = eng._live["a"].token_ids if "a" in eng._live else context
+    after = [p for p in seen if p.get(LEARNED_FROM) == 3]
+    assert after, "no new prediction after the API return"
+    feats = HiddenStateReader(served).read(context, [len(ids) + 3 + len(ret)])
+    want = float(params["bin_tokens"][int(probe_predict({k: jnp.asarray(v) for k, v in params.items()},
+                                                        jnp.asarray(feats))[0])])
+    assert after[0][LEARNED_LEN] == want
+
+
+def test_simulator_uses_cached_predictions(trained, monkeypatch):
+    from jaxserve.predictor import sim_cache
+    from jaxserve.replay.trace import load_trace
+    ckpt, trace = trained
+    preds = sim_cache.trace_predictions(ckpt, "demo", trace, progress=False)
+    assert set(preds) == {f"r{i}" for i in range(24)} and all(len(v) == 2 for v in preds.values())
+    # Second call: from the cache, without loading the model.
+    monkeypatch.setattr("jaxserve.predictor.features.load_served_model",
+                        lambda *a, **k: pytest.fail("the cache was not used"))
+    assert sim_cache.trace_predictions(ckpt, "demo", trace, progress=False) == preds
+    entries = sim_cache.attach(load_trace(trace), preds)
+    req = entries[0].to_request("x", 0.0)
+    assert req.predictions[LEARNED_SEGMENT_LENS] == preds[entries[0].request_id]
+    p = make_predictor("learned:" + str(ckpt))
+    assert p.segment_output_len(req) == round(preds[entries[0].request_id][0])
+    req.segment_index, req.segment_generated = 1, 2
+    assert p.segment_output_len(req) == max(0, round(preds[entries[0].request_id][1]) - 2)
+
+
+def test_learned_predictor_falls_back_to_class_running_mean():
+    from scheduler import Request, Segment
+    p = make_predictor("learned:x")
+    p.default_len = 40.0
+    r = Request("t", 0.0, prompt_len=5, max_tokens=100, segments=[Segment(10, "math", 0.1, 2), Segment(5)],
+                predictions={"class": "math"})
+    assert p.segment_output_len(r) == 40          # nothing observed: the default
+    r.segment_generated = 10
+    v = p.version
+    p.observe_output(r)
+    assert p.version == v + 1
+    fresh = Request("u", 0.0, prompt_len=5, max_tokens=100, segments=[Segment(7, "math", 0.1, 2)],
+                    predictions={"class": "math"})
+    assert p.segment_output_len(fresh) == 10      # the class's running mean
