@@ -125,7 +125,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         if num_pages is None:
-            num_pages = kv_pool_pages(cfg, page_size, dt)
+            num_pages = kv_pool_pages(cfg, page_size, dt, self.max_model_len, max_num_seqs)
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
         self.runner = ModelRunner(model_obj, cfg, RunnerConfig(
