@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
 import zlib
@@ -446,9 +447,18 @@ class LLMEngine:
 
 
 def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+    # A plain tokenizer.json loads through PreTrainedTokenizerFast, the class AutoTokenizer picks for
+    # it, without AutoTokenizer's import of torch (several seconds of a cold start).
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        declared = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        declared = None
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast") and (model_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
+    try:
+        return loader.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as e:
         log.warning("no tokenizer in %s (%s): prompts must be token ids", model_dir, e)
         return None
