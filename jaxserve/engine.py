@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import zlib
 from pathlib import Path
@@ -79,7 +80,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt)
+        num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, self.max_model_len,
+                                                       config.max_num_seqs)
         batched = config.batched_tokens
         executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=batched,

@@ -11,6 +11,7 @@ opens that path's tokenizer. Built-in names:
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from pathlib import Path
 
@@ -72,8 +73,16 @@ def load_tokenizer(path: Path):
     from jaxserve.hf_import import quiet_transformers
 
     transformers = quiet_transformers()
+    # A plain tokenizer.json loads through PreTrainedTokenizerFast, the class AutoTokenizer picks for
+    # it, without AutoTokenizer's import of torch (several seconds of a cold start).
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        declared = None
+    plain = declared in ("TokenizersBackend", "PreTrainedTokenizerFast") and (path / "tokenizer.json").is_file()
+    loader = transformers.PreTrainedTokenizerFast if plain else transformers.AutoTokenizer
+    try:
+        return loader.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         log.warning("no tokenizer in %s (%s): prompts must be token ids", path, e)
         return None

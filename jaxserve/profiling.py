@@ -8,9 +8,10 @@ its jitted step), and measures host<->device copy bandwidth with
 ``jax.device_put`` to and from ``pinned_host`` memory, plus the engine's own
 swap path (gather + copy out, copy in + scatter) for comparison.
 
-The step times depend on the engine's shapes (``max_model_len`` sets the page
-table width every step pads to), so measure with the settings you will serve or
-replay with; they are recorded in ``meta``.
+The step times depend on the engine's shapes (each synthetic batch's page table
+is as wide as a context of its token count needs, as ``prepare`` sizes it, up to
+``max_model_len``), so measure with the settings you will serve or replay with;
+they are recorded in ``meta``.
 """
 
 from __future__ import annotations

@@ -35,15 +35,24 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Pick one token per row of ``logits [S, V]`` (float32). Returns ``[S]`` int32."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _sample_random(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """Temperature / top-k / top-p sampling of every row of ``logits [S, V]``; ``[S]`` int32."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
     needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
     scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """Pick one token per row of ``logits [S, V]`` (float32). Returns ``[S]`` int32.
+
+    A batch whose rows are all greedy skips the random path (a Gumbel draw over the
+    whole vocabulary per row, as costly as the LM head on CPU)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    any_random = jnp.any(params.temperature > 0)
+    sampled = jax.lax.cond(any_random, _sample_random, lambda x, p: greedy, logits, params)
     return jnp.where(params.temperature > 0, sampled, greedy)
 
 

@@ -124,16 +124,19 @@ def test_resume_errors_and_bad_api_calls_leave_engine_serving():
         == done[0].token_ids
 
 
-def test_swapping_compiles_nothing_after_warmup():
-    """Warm-up covers every program a swapping run uses: a pool whose sharding changed
-    after the swap-in scatter once recompiled every step bucket mid-run."""
+def test_swapping_compiles_each_shape_once():
+    """Warm-up covers every swap program, and each step shape compiles once, at its
+    first use: a pool whose sharding changed after the swap-in scatter once recompiled
+    every step bucket mid-run."""
     llm = LLM("demo", handling="swap", page_size=8, num_pages=12, num_host_pages=16,
               max_num_batched_tokens=32, max_model_len=64, swap_budget_tokens=64)
     executor = llm.engine.executor
-    compiled = {f: f._cache_size() for f in (executor._step, executor._gather, executor._scatter)}
+    swap_programs = {f: f._cache_size() for f in (executor._gather, executor._scatter)}
     outs = llm.generate(prompt_token_ids=[ids(20, 5), ids(9, 6)],
                         sampling_params=SamplingParams(max_tokens=6, **GREEDY),
                         api_calls=[[ApiCall(2, 0.05, [5, 6, 7], "slow")], [ApiCall(3, 0.02, [8], "fast")]])
     assert all(len(o.token_ids) == 6 for o in outs)
     assert llm.engine.stats.swapped_in_pages > 0
-    assert {f: f._cache_size() for f in compiled} == compiled
+    assert {f: f._cache_size() for f in swap_programs} == swap_programs
+    assert len(executor.step_shapes) >= 2   # a prefill and a decode shape at least
+    assert executor._step._cache_size() == len(executor.step_shapes)

@@ -114,7 +114,7 @@ def test_predictions_land_on_requests_in_the_engine(trained):
     ret = served.tokenizer.encode("ok beta", add_special_tokens=False)
     eng.add_request("a", prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
                     api_calls=[ApiCall(after_tokens=3, api_type="chat", duration_s=0.0, returned_token_ids=ret)])
-    req = eng._live["a"].sched
+    req = eng.scheduler.requests["a"]
     assert LEARNED_LEN not in req.predictions
     eng.step()
     first = dict(req.predictions)
@@ -128,7 +128,7 @@ def test_predictions_land_on_requests_in_the_engine(trained):
     while eng.has_unfinished():
         eng.step()
         seen.append(dict(req.predictions))
-        context = eng._live["a"].token_ids if "a" in eng._live else context
+        context = list(req.token_ids)
     after = [p for p in seen if p.get(LEARNED_FROM) == 3]
     assert after, "no new prediction after the API return"
     feats = HiddenStateReader(served).read(context, [len(ids) + 3 + len(ret)])

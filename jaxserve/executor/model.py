@@ -41,11 +41,19 @@ class ModelExecutorConfig:
     attention_impl: str
     interpret: bool = False
     min_token_bucket: int = 8
+    min_page_bucket: int = 4    # narrowest page-table width compiled (pages per sequence)
     keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
 
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    def page_bucket(self, pages: int) -> int:
+        """Page-table width (pages per sequence) a step whose longest sequence spans
+        ``pages`` pages is padded to: the next power of two, at least ``min_page_bucket``,
+        at most ``pages_per_seq``. Attention reads only these columns, so a step costs
+        in proportion to the batch's longest context, not to ``max_model_len``."""
+        return min(self.pages_per_seq, max(self.min_page_bucket, next_power_of_two(pages)))
 
     @property
     def token_buckets(self) -> list[int]:
@@ -115,6 +123,7 @@ class ModelExecutor:
         self.dispatch_s = 0.0
         self.device_wait_s = 0.0
         self.last_logits = None
+        self.step_shapes: set[tuple[int, int]] = set()  # (token bucket, page-table width) run so far
         # Structured output (``jaxserve.structured.StructuredDecoding``, set by the engine): gives the
         # token bitmask of a batch's constrained rows; None, or no constrained row: the plain step.
         self.constraints = None
@@ -177,7 +186,8 @@ class ModelExecutor:
         input_ids = np.zeros(t_b, np.int32)
         positions = np.zeros(t_b, np.int32)
         slots = np.full(t_b, -1, np.int32)
-        page_table = np.zeros((s_b, cfg.pages_per_seq), np.int32)
+        longest = max((-(-(c.start + c.num_tokens) // ps) for c in chunks), default=1)
+        page_table = np.zeros((s_b, cfg.page_bucket(longest)), np.int32)
         kv_lens = np.zeros(s_b, np.int32)
         cu = np.zeros(s_b + 1, np.int32)
         logits_idx = np.zeros(s_b, np.int32)
@@ -202,7 +212,8 @@ class ModelExecutor:
                 pos = np.arange(start, end, dtype=np.int32)
                 positions[t:t + n] = pos
                 slots[t:t + n] = np.asarray(pages, np.int32)[pos // ps] * ps + pos % ps
-            page_table[i, :len(pages)] = pages
+            used = -(-end // ps)   # pages past the context are never read
+            page_table[i, :used] = pages[:used]
             kv_lens[i] = end
             t += n
             cu[i + 1] = t
@@ -219,6 +230,7 @@ class ModelExecutor:
     def forward(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
         (logits None unless ``keep_logits``)."""
+        self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
         tokens, logits, self.kv, self.last_length_bins = self._step(
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
@@ -228,6 +240,7 @@ class ModelExecutor:
         """``forward`` with the sampler restricted by a token bitmask: dispatch the
         forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
         the device computes (dispatch is asynchronous), then sample under the mask."""
+        self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
         logits, self.kv, self.last_length_bins = self._forward(
             self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
             jnp.asarray(inputs.logits_indices))
@@ -235,16 +248,16 @@ class ModelExecutor:
         tokens = self._sample_masked(logits, jnp.asarray(bitmask), SamplingArrays(**inputs.sampling))
         return tokens, (logits if self.config.keep_logits else None)
 
-    def synthetic_inputs(self, token_bucket: int) -> StepInputs:
+    def synthetic_inputs(self, token_bucket: int, context: int | None = None) -> StepInputs:
         """A full batch for ``token_bucket`` that writes nothing to the cache: as many
-        one-token sequences as the bucket has rows, each attending over a context of
-        ``min(token_bucket, max_model_len)`` tokens, its page-table row padded with
-        page 0 past that as ``prepare`` pads it. Used to compile and to time steps."""
+        one-token sequences as the bucket has rows, each attending over ``context``
+        tokens (default ``min(token_bucket, max_model_len)``), its page table as wide as
+        ``prepare`` makes it for that context. Used to compile and to time steps."""
         cfg = self.config
         t_b, s_b = token_bucket, cfg.seq_bucket(token_bucket)
-        context = min(t_b, cfg.max_model_len)
+        context = min(t_b if context is None else context, cfg.max_model_len)
         used = -(-context // cfg.page_size)
-        page_table = np.zeros((s_b, cfg.pages_per_seq), np.int32)
+        page_table = np.zeros((s_b, cfg.page_bucket(used)), np.int32)
         page_table[:, :used] = np.arange(used, dtype=np.int32) % cfg.num_pages
         meta = dict(positions=np.arange(t_b, dtype=np.int32) % cfg.max_model_len,
                     slot_mapping=np.full(t_b, -1, np.int32),
@@ -254,11 +267,15 @@ class ModelExecutor:
                         top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
         return StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.arange(s_b, dtype=np.int32), sampling, s_b)
 
-    def warmup(self, swap_pages: int = 0) -> None:
-        """Compile the step for every token bucket (on inputs that write nothing), and
-        the swap gather/scatter for every power-of-two op size up to ``swap_pages``."""
-        for t_b in self.config.token_buckets:
-            self.forward(self.synthetic_inputs(t_b))[0].block_until_ready()
+    def warmup(self, swap_pages: int = 0, all_buckets: bool = False) -> None:
+        """Compile what the engine runs first: the decode step (smallest token bucket,
+        narrowest page table) and the swap gather/scatter for every power-of-two op size
+        up to ``swap_pages``. Other step shapes compile on first use (from the persistent
+        compilation cache when it has them); ``all_buckets`` compiles every token bucket
+        at the narrowest width now (profiling, benchmarks)."""
+        buckets = self.config.token_buckets if all_buckets else self.config.token_buckets[:1]
+        for t_b in buckets:
+            self.forward(self.synthetic_inputs(t_b, context=1))[0].block_until_ready()
         size = 1
         while swap_pages and size <= next_power_of_two(swap_pages):
             # Index arrays staged from numpy as swap_out/swap_in stage them (same programs).
@@ -338,18 +355,25 @@ def _scatter_pages(kv: list, chunk: jax.Array, rows: jax.Array, page_ids: jax.Ar
             for l, (k, v) in enumerate(kv)]
 
 
-def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, fraction: float = 0.9,
-                  max_pages: int | None = None) -> int:
-    """Pages that fit in ``fraction`` of the device's free memory (after weights).
+CPU_KV_BUDGET_BYTES = 512 * 1024**2
 
-    On backends that do not report memory (CPU), 2 GiB is assumed.
+
+def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, max_model_len: int, max_num_seqs: int,
+                  fraction: float = 0.9, max_pages: int | None = None) -> int:
+    """Device KV pages for an engine with these limits.
+
+    On a backend that reports its memory (GPU, TPU): what fits in ``fraction`` of
+    it after the weights. On CPU, which reports none and shares RAM with everything
+    else: what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped at
+    ``CPU_KV_BUDGET_BYTES`` but never less than one full-length sequence.
     """
     per_page = page_size * 2 * model_config.num_hidden_layers * model_config.num_key_value_heads \
         * model_config.head_dim * jnp.dtype(kv_dtype).itemsize
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        free = stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)
+        pages = int((stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)) // per_page)
     else:
-        free = 2 * 1024**3
-    pages = max(1, int(free // per_page))
+        per_seq = -(-max_model_len // page_size)
+        pages = min(max_num_seqs * per_seq, max(per_seq, CPU_KV_BUDGET_BYTES // per_page))
+    pages = max(1, pages)
     return min(pages, max_pages) if max_pages else pages

@@ -1,7 +1,7 @@
 """The probe in the live engine: load it for ``--predictor learned:DIR`` and
 write its predictions onto requests after the step that computed them.
 
-The probe runs inside the jitted step (``ModelRunner(length_probe=...)``) on
+The probe runs inside the jitted step (``ModelExecutor(length_probe=...)``) on
 every sampled row; only rows that end a request's prefill, or the
 (re)computation of its context after an API return, are read: there the last
 token is the last token of "the conversation so far", which is what the probe

@@ -1,0 +1,73 @@
+"""Cold start and CPU decode: page tables sized by the batch's longest context, lazy
+step compilation, a CPU KV pool sized from the engine's limits, and the greedy
+sampler's fast path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models import ModelConfig
+from jaxserve.executor.model import CPU_KV_BUDGET_BYTES, ModelExecutorConfig, kv_pool_pages
+from jaxserve.sampling import SamplingArrays, sample
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_page_bucket_follows_context_in_powers_of_two():
+    cfg = ModelExecutorConfig(page_size=16, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=1000,
+                       kv_dtype=jnp.float32, attention_impl="reference")
+    assert cfg.pages_per_seq == 63
+    assert [cfg.page_bucket(n) for n in (1, 4, 5, 8, 9, 33, 63)] == [4, 4, 8, 8, 16, 63, 63]
+
+
+def test_short_contexts_use_narrow_page_tables_and_match_padded_tables():
+    """A short request's steps compile narrow page tables only, once each, and give
+    exactly the tokens of the same engine with every table padded to max_model_len."""
+    llm = LLM("demo", page_size=8, num_pages=80, max_model_len=512, max_num_batched_tokens=32)
+    runner = llm.engine.executor
+    assert runner._step._cache_size() == 1            # warm-up: the first decode shape only
+    prompts = [list(range(3, 23)), list(range(40, 45))]
+    params = SamplingParams(max_tokens=14, **GREEDY)
+    bucketed = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    widths = {w for _, w in runner.step_shapes}
+    assert max(widths) <= 8 < runner.config.pages_per_seq   # 34 tokens -> 5 pages -> width 8 of 64
+    assert runner._step._cache_size() == len(runner.step_shapes)
+    runner.config = dataclasses.replace(runner.config, min_page_bucket=runner.config.pages_per_seq)
+    padded = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert {w for _, w in runner.step_shapes} - widths == {runner.config.pages_per_seq}
+    assert bucketed == padded
+
+
+def test_cpu_kv_pool_is_sized_by_the_engine_limits():
+    shape = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 8192}
+    cfg = ModelConfig.from_hf(shape)
+    per_page = 16 * 2 * 2 * 2 * 16 * 4   # page_size * (K, V) * layers * kv heads * head_dim * f32 bytes
+    assert kv_pool_pages(cfg, 16, jnp.float32, max_model_len=256, max_num_seqs=4) == 4 * 16
+    assert kv_pool_pages(cfg, 16, jnp.float32, max_model_len=8192, max_num_seqs=256) == CPU_KV_BUDGET_BYTES // per_page
+    deep = ModelConfig.from_hf({**shape, "num_hidden_layers": 4096})   # one sequence alone exceeds the cap
+    assert kv_pool_pages(deep, 16, jnp.float32, max_model_len=8192, max_num_seqs=256) == 8192 // 16
+
+
+def test_greedy_rows_skip_random_sampling_but_mixed_batches_still_sample():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 50)), jnp.float32)
+
+    def arrays(temps):
+        n = len(temps)
+        return SamplingArrays(temperature=jnp.asarray(temps, jnp.float32), top_k=jnp.zeros(n, jnp.int32),
+                              top_p=jnp.ones(n, jnp.float32), seed=jnp.arange(n, dtype=jnp.uint32),
+                              step=jnp.zeros(n, jnp.int32))
+
+    argmax = np.argmax(np.asarray(logits), axis=-1)
+    np.testing.assert_array_equal(np.asarray(sample(logits, arrays([0, 0, 0, 0]))), argmax)
+    draws = {tuple(np.asarray(sample(logits * 0, dataclasses.replace(arrays([0, 5.0, 0, 5.0]),
+                                                                    seed=jnp.full(4, s, jnp.uint32)))))
+             for s in range(6)}
+    assert all(d[0] == 0 and d[2] == 0 for d in draws)      # greedy rows of flat logits: token 0
+    assert len({(d[1], d[3]) for d in draws}) > 1            # random rows vary with the seed
