@@ -33,7 +33,9 @@ log = logging.getLogger("jaxserve")
 # Tool-call markup of the Hermes format. Forced calls are generated in it until the
 # tool_format package owns the formats; then ``tool_call_lark`` asks the chosen format.
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_JSON_OPTIONS = {"whitespace_flexible": False}   # compact JSON: no runaway whitespace
+# Fixed separators as json.dumps / chat templates write them (what models saw most),
+# and no other whitespace (a model cannot stall in endless spaces).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class RequestGrammar:

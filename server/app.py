@@ -291,15 +291,18 @@ def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[d
 
 def _structured(state: ServerState, body) -> StructuredOutput | None:
     """The output constraint a request asks for: a forced tool call (``tool_choice``
-    ``"required"`` or a named function; it wins over ``response_format``), else
+    a named function, request's or server's; ``"required"``: one of the request's
+    tools, or of the server's when it declares none; it wins over ``response_format``), else
     ``response_format`` json_object / json_schema. Bad schemas and unknown function
     names are 400s naming the field."""
     choice = getattr(body, "tool_choice", None)
     try:
-        if choice == "required" or isinstance(choice, ToolChoice):
-            spec = StructuredOutput.tool_call(_advertised_tools(state, body),
-                                              choice.function.name if isinstance(choice, ToolChoice) else None,
+        if isinstance(choice, ToolChoice):
+            spec = StructuredOutput.tool_call(_advertised_tools(state, body), choice.function.name,
                                               parallel=body.parallel_tool_calls is not False)
+        elif choice == "required":   # one of the request's own tools (the server's when it declares none)
+            tools = [t.schema_dict() for t in body.tools or []] or _advertised_tools(state, body)
+            spec = StructuredOutput.tool_call(tools, parallel=body.parallel_tool_calls is not False)
         elif body.response_format is None or body.response_format.type == "text":
             return None
         elif body.response_format.type == "json_object":

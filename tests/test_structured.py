@@ -133,7 +133,7 @@ def test_forced_server_side_call_runs_then_generation_continues_free(llm):
     [call] = out.api_calls
     assert call.name == "add" and call.error is None
     args = valid(call.arguments, ADD.parameters)
-    assert out.text.startswith(f'<tool_call>{{"name":"add","arguments":{json.dumps(args, separators=(",", ":"))}}}')
+    assert out.text.startswith(f'<tool_call>{{"name": "add", "arguments": {json.dumps(args)}}}</tool_call>')
     assert out.finish_reason in ("stop", "length")
     after = out.text.split("</tool_call>", 1)[1]
     assert after          # it went on writing after the tool's result, no longer constrained

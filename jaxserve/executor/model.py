@@ -11,6 +11,7 @@ changes them, so no step copies the cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -236,7 +237,8 @@ class ModelExecutor:
             jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
         return tokens, logits
 
-    def forward_masked(self, inputs: StepInputs, fill_bitmask) -> tuple[jax.Array, jax.Array]:
+    def forward_masked(self, inputs: StepInputs,
+                       fill_bitmask: Callable[[], np.ndarray]) -> tuple[jax.Array, jax.Array]:
         """``forward`` with the sampler restricted by a token bitmask: dispatch the
         forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
         the device computes (dispatch is asynchronous), then sample under the mask."""
