@@ -11,6 +11,7 @@ changes them, so no step copies the cache.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,8 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-import time
 
 from jaxserve.models import AttentionMetadata, ModelConfig
 from jaxserve.predictor.probe import probe_predict
