@@ -7,12 +7,15 @@ the model executor, so the simulator cannot drift from the engine's logic.
 
 The cost model (see ``docs/replay.md``):
 
-* A step over ``n`` batched query tokens takes ``T_fwd(n)`` from the profile
-  (prefill chunks, recompute chunks and decode tokens cost the same per token)
-  — the ``linear`` step model. A profile measured by ``jaxserve profile``
+* A step over ``n`` batched query tokens whose attention reads ``c`` cached
+  tokens (``StepPlan.num_context_tokens``) takes ``T_fwd(n, c)`` from the
+  profile (prefill chunks, recompute chunks and decode tokens cost the same per
+  query token; every chunk pays ``fwd_per_context_token_s`` per token of its
+  request's context so far) — the ``linear`` step model. A profile measured by ``jaxserve profile``
   also carries the time of each padded token bucket (``meta.step_times_s``);
   with the ``buckets`` step model a step costs the measured time of the
-  power-of-two bucket its ``n`` tokens are padded to, as the engine pads them.
+  power-of-two bucket its ``n`` tokens are padded to, as the engine pads them,
+  plus the same context term.
   ``auto`` (the default) uses buckets when the profile has them. Every step
   that runs the model also pays the profile's ``step_overhead_s`` (the
   engine's host-side work), and all step times are multiplied by
@@ -44,8 +47,9 @@ def bucket_step_times(cost: CostModel) -> list[tuple[int, float]] | None:
 
 
 class StepTimer:
-    """Seconds of a step over ``n`` batched tokens, memoised per ``n``:
-    ``scale · (forward(n) + cost.step_overhead_s)``, 0 for ``n == 0``.
+    """Seconds of a step over ``n`` batched tokens reading ``c`` context tokens:
+    ``scale · (forward(n) + fwd_per_context_token_s · c + cost.step_overhead_s)``,
+    0 for ``n == 0`` (the ``n`` part memoised per ``n``).
 
     forward — ``linear``: ``T_fwd(n)``. ``buckets``: the measured time of the
     smallest bucket ``>= n`` (beyond the largest, that bucket's time plus
@@ -68,10 +72,12 @@ class StepTimer:
         self._table = table if self.model == "buckets" else None
         self._cache: dict[int, float] = {}
 
-    def __call__(self, n: int) -> float:
+    def __call__(self, n: int, context_tokens: int = 0) -> float:
         t = self._cache.get(n)
         if t is None:
             t = self._cache[n] = self._compute(n)
+        if context_tokens and n > 0:
+            t += self.scale * self.cost.fwd_per_context_token_s * context_tokens
         return t
 
     def _compute(self, n: int) -> float:
@@ -109,7 +115,7 @@ class SimExecutor:
     def step_time(self, plan: StepPlan) -> tuple[float, float, int]:
         """(step seconds, un-hidden swap seconds, tokens swapped) for ``plan``."""
         cost = self.cost
-        fwd = self.t_fwd(plan.num_batched_tokens)
+        fwd = self.t_fwd(plan.num_batched_tokens, plan.num_context_tokens)
         swapped = 0
         if plan.swap_out or plan.swap_in:
             pages = sum(len(op.device_pages) for op in plan.swap_out)
@@ -123,14 +129,13 @@ class SimExecutor:
         return max(fwd, copy), max(0.0, copy - fwd), swapped
 
     def execute(self, plan: StepPlan) -> StepResult:
-        n = plan.num_batched_tokens
         if plan.swap_out or plan.swap_in:
             dt, stall, swapped = self.step_time(plan)
             self.swap_stall_s += stall
             self.swapped_tokens += swapped
             self.forward_time_s += dt - stall
         else:
-            dt = self.t_fwd(n)
+            dt = self.t_fwd(plan.num_batched_tokens, plan.num_context_tokens)
             self.forward_time_s += dt
         self.clock.advance(dt)
         return StepResult(elapsed_s=dt)

@@ -38,7 +38,7 @@ class AugServePolicy(Policy):
       handling applied at the next call). A request preempted without an API
       return keeps its last value.
     - Values are in token-seconds (byte-seconds ÷ ``M``), ``T^fwd`` is the
-      saturated step time ``T_fwd(S)``, ``N_max`` the engine's
+      saturated step time ``T_step(S)``, ``N_max`` the engine's
       ``max_num_batched_tokens``, ``S_out = S_in`` its ``swap_budget_tokens``.
     - Anti-starvation (eq. 26): printed as ``V + α·wait``, but lower values
       run first and the stated aim is that long-waiting requests gain
