@@ -90,7 +90,7 @@ class ProphetPolicy(InferceptPolicy):
         request.policy_state["mlfq_entry"] = None   # its pending deadlines no longer apply
 
     def on_step(self, now: float, iteration: int) -> Iterable[Request]:
-        changed = []
+        changed = list(super().on_step(now, iteration))   # InferCept's swap-budget bookkeeping
         while self._prefill_due and self._prefill_due[0][0] <= iteration:
             _, entry, r = self._prefill_due.popleft()
             if r.policy_state.get("mlfq_entry") == entry and in_prefill(r):
