@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="goodput SLO on normalized latency, s/token (default: --slo-step-factor x step time)")
     out.add_argument("--slo-step-factor", type=float, default=10.0,
                      help="normalized-latency SLO as a multiple of the reference step time")
+    out.add_argument("--count", choices=("in-window", "all"), default="in-window",
+                     help="which requests the latency statistics cover: those completed inside the arrival "
+                          "window, as the papers count (default), or all of them (the run drains the queue); "
+                          "results.json reports both under by_count")
     out.add_argument("--out", default="replay-out", help="output directory")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -148,7 +152,8 @@ def build_config(args: argparse.Namespace):
     return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=engine.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
-                        slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor)
+                        slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor,
+                        count=args.count)
 
 
 def main(args: argparse.Namespace) -> int:

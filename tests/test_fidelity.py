@@ -1,0 +1,129 @@
+"""Replay fidelity (issue 19): the step cost model's context term, InferCept's
+seed-faithful swap budget, and how the replay counts requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxserve.core import SimClock
+from jaxserve.executor.sim import SimExecutor
+from jaxserve.replay.experiment import ReplayConfig, simulate
+from jaxserve.replay.simulate import SimConfig
+from jaxserve.replay.trace import load_trace, scale_entries
+from scheduler import (BUILTIN_PROFILES, EventKind, Handling, PageAllocator, Request, RequestState, Scheduler,
+                       SchedulerConfig, ScheduledChunk, Segment, StepPlan, StepResult, make_policy)
+from scheduler.cost_model import waste_discard, waste_discard_chunked
+
+COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
+
+
+# ------------------------------------------------------------- cost model
+def test_shipped_profiles_carry_the_derived_context_term():
+    # 28 layers x (K, V) x 4096 x 2 bytes, read at 60 % of the A100-40GB's 1.555 TB/s
+    assert COST.bytes_per_token == 458_752
+    assert COST.fwd_per_context_token_s == pytest.approx(458_752 / (1.555e12 * 0.6))
+    mars = BUILTIN_PROFILES["gptj-6b-a100-40g-mars"]
+    assert (mars.fwd_base_s, mars.fwd_per_token_s) == (0.0169, 0.041e-3)
+    assert mars.fwd_per_context_token_s == COST.fwd_per_context_token_s
+    assert COST.t_step(0, 10_000) == 0.0
+    overhead = dataclasses.replace(COST, step_overhead_s=0.007)
+    assert overhead.t_step(10, 1000) == pytest.approx(COST.t_fwd(10, 1000) + 0.007)
+
+
+def test_simulated_step_pays_for_every_chunk_s_context():
+    ex = SimExecutor(COST, 16, SimClock())
+    short = [Request(f"s{i}", 0.0, prompt_len=10, max_tokens=5) for i in range(4)]
+    long = [Request(f"l{i}", 0.0, prompt_len=10, max_tokens=5) for i in range(4)]
+    # four decode tokens each: contexts 100 (short) and 2000 (long) tokens so far
+    plan_short = StepPlan(chunks=[ScheduledChunk(r, 99, 1, True) for r in short])
+    plan_long = StepPlan(chunks=[ScheduledChunk(r, 1999, 1, True) for r in long])
+    assert plan_short.num_context_tokens == 400 and plan_long.num_context_tokens == 8000
+    dt_short, _, _ = ex.step_time(plan_short)
+    dt_long, _, _ = ex.step_time(plan_long)
+    assert dt_short == pytest.approx(COST.t_fwd(4, 400))
+    assert dt_long - dt_short == pytest.approx(7600 * COST.fwd_per_context_token_s)
+    ex.execute(plan_long)
+    assert ex.clock.now() == pytest.approx(dt_long)
+
+
+def test_waste_equations_use_the_same_step_cost():
+    no_context = dataclasses.replace(COST, fwd_per_context_token_s=0.0)
+    assert waste_discard(COST, 2000, 5000) > waste_discard(no_context, 2000, 5000)
+    assert waste_discard(COST, 2000, 5000) == pytest.approx(
+        COST.t_step(2000, 2000) * 7000 * COST.bytes_per_token)
+    assert waste_discard_chunked(COST, 2000, 5000, 10) > waste_discard_chunked(no_context, 2000, 5000, 10)
+
+
+# ------------------------------------------------------------ InferCept
+def _scheduler(policy: str, swap_tokens: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, swap_budget_tokens=swap_tokens),
+                     make_policy(policy), PageAllocator(512, 16), PageAllocator(512, 16, "host"), COST)
+
+
+def _call_together(sched: Scheduler, prompts: list[int], duration_s: float) -> list[Request]:
+    """Requests that each prefill ``prompt`` tokens then call an API of ``duration_s``, all in one step."""
+    reqs = [Request(f"r{i}", 0.0, prompt_len=p, max_tokens=3,
+                    segments=[Segment(1, "tool", duration_s, 4), Segment(2)]) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r, 0.0)
+    plan = sched.schedule(0.0)
+    events = sched.update(plan, StepResult(), 0.1)
+    assert [e.kind for e in events] == [EventKind.API_CALL] * len(reqs)
+    sched.check_invariants()
+    return reqs
+
+
+def test_infercept_gives_the_swap_budget_to_the_largest_wastes_only():
+    sched = _scheduler("infercept", swap_tokens=64)
+    reqs = _call_together(sched, [64, 48, 160, 96], duration_s=30.0)
+    # At the call (in the order the calls happen): r0's 64 tokens fill the swap-out
+    # queue to a step's budget; the others keep eq. 5's choice (a 30 s call: Discard).
+    swapped = [r for r in reqs if r.handling == Handling.SWAP]
+    assert len(swapped) == 1 and swapped[0].state == RequestState.SWAPPING_OUT
+    assert all(r.handling == Handling.DISCARD for r in reqs if r not in swapped)
+    assert sum(len(r.device_pages) for r in sched.swapping_out) * 16 >= 64
+
+
+def test_infercept_preserved_calls_compete_for_the_budget_by_waste():
+    sched = _scheduler("infercept", swap_tokens=32)
+    # 5 ms calls: Preserve wastes less than Discard for each; the first call takes the budget
+    reqs = _call_together(sched, [32, 48, 96], duration_s=0.005)
+    assert reqs[0].handling == Handling.SWAP
+    assert [r.handling for r in reqs[1:]] == [Handling.PRESERVE, Handling.PRESERVE]
+    waste = [r.policy_state["waste"] for r in reqs]
+    assert waste[2] > waste[1] > 0
+    # the next step copies r0 out (32 tokens = the budget); the step after, the largest
+    # preserved waste (r2, 96 tokens) gets the budget before r1
+    sched.update(sched.schedule(0.11), StepResult(), 0.11)
+    assert reqs[0].state == RequestState.SWAPPED
+    sched.update(sched.schedule(0.12), StepResult(), 0.12)
+    assert reqs[2].handling == Handling.SWAP and reqs[1].handling == Handling.PRESERVE
+    sched.check_invariants()
+
+
+def test_infercept_minwaste_variant_swaps_every_long_call_at_the_call():
+    sched = _scheduler("infercept-minwaste", swap_tokens=64)
+    reqs = _call_together(sched, [64, 48, 160, 96], duration_s=30.0)
+    assert all(r.handling == Handling.SWAP for r in reqs)     # no budget on the swap queue
+
+
+# ------------------------------------------------------------- counting
+def test_replay_counts_in_window_by_default_and_reports_both():
+    entries = scale_entries(load_trace(), 0.2)
+    base = dict(policies=["infercept"], rates=[6.0], duration_s=20.0, seed=3,
+                sim=SimConfig(page_size=16, num_device_pages=200))
+    with pytest.raises(ValueError, match="count"):
+        ReplayConfig(count="some", **base)
+    (windowed,) = simulate(entries, COST, ReplayConfig(**base), progress=False)
+    (everything,) = simulate(entries, COST, ReplayConfig(count="all", **base), progress=False)
+    w, a = windowed.row, everything.row
+    assert w["count"] == "in-window" and a["count"] == "all"
+    assert w["by_count"] == a["by_count"]
+    assert w["completed"] == w["by_count"]["in-window"]["completed"] == w["completed_in_window"]
+    assert a["completed"] == a["by_count"]["all"]["completed"] == a["requests"]
+    assert w["completed"] < a["completed"]       # requests still running when the window closed
+    assert w["mean_e2e_s"] < a["mean_e2e_s"]      # ... are the long ones
+    assert sum(w["handling_mix"].values()) == pytest.approx(1.0)
+    assert w["handling_counts"] == a["handling_counts"]
