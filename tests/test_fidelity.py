@@ -127,3 +127,55 @@ def test_replay_counts_in_window_by_default_and_reports_both():
     assert w["mean_e2e_s"] < a["mean_e2e_s"]      # ... are the long ones
     assert sum(w["handling_mix"].values()) == pytest.approx(1.0)
     assert w["handling_counts"] == a["handling_counts"]
+
+
+# ------------------------------------------------------------- AugServe
+def _one_call(policy: str, handling: Handling, duration_s: float = 0.05):
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, swap_budget_tokens=64,
+                                      handling=handling),
+                      make_policy(policy), PageAllocator(256, 16), PageAllocator(256, 16, "host"), COST)
+    r = Request("r", 0.0, prompt_len=40, max_tokens=8, segments=[Segment(1, "tool", duration_s, 3), Segment(4)])
+    sched.add_request(r, 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.01)
+    for i in range(3):                    # let a swap-out finish
+        sched.update(sched.schedule(0.02 + 0.01 * i), StepResult(), 0.02 + 0.01 * i)
+    # a new request arrives while the call is out
+    new = Request("new", 0.05, prompt_len=8, max_tokens=2)
+    sched.add_request(new, 0.05)
+    sched.api_return(r, 3, 0.06)
+    sched.check_invariants()
+    return sched, r, new
+
+
+def test_augserve_resumes_a_preserved_call_straight_into_the_batch():
+    sched, r, _ = _one_call("augserve", Handling.PRESERVE)
+    assert r.state == RequestState.RUNNING and r in sched.running and r not in sched.waiting
+    plan = sched.schedule(0.07)
+    assert any(c.request is r and c.num_tokens == 4 for c in plan.chunks)   # the 3 returned tokens + 1
+    # lamps re-enters ranking as a new segment (seed 000), pages still held
+    sched, r, _ = _one_call("lamps", Handling.PRESERVE)
+    assert r in sched.waiting and r.device_pages
+
+
+def test_augserve_serves_the_swapped_queue_before_waiting_work():
+    sched, r, new = _one_call("augserve", Handling.SWAP)
+    assert r.state == RequestState.SWAPPED
+    assert sched.admission_order() == [r, new]
+    sched, r, new = _one_call("augserve", Handling.DISCARD)
+    assert r.state == RequestState.WAITING and set(sched.admission_order()) == {r, new}
+
+
+def test_dynamic_budget_above_max_batched_tokens_sizes_the_executor():
+    from jaxserve import LLM
+    llm = LLM("demo", policy="augserve", page_size=8, num_pages=64, max_num_batched_tokens=16,
+              max_model_len=64, warmup=False, policy_options={"budget_beta_high": 4.0})
+    engine = llm.engine
+    assert engine.scheduler.max_step_tokens == 64
+    assert engine.executor.config.token_buckets[-1] == 64
+    from jaxserve.sampling_params import SamplingParams
+    out = llm.generate(prompt_token_ids=[[5] * 40, [6] * 30],
+                       sampling_params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [3, 3]
+    # the prompts (70 tokens) took a step of 64 tokens, four times max_num_batched_tokens
+    buckets = engine.core.stats.steps_by_bucket.as_row()
+    assert "64" in buckets and max(int(b) for b in buckets) == 64
