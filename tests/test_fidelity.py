@@ -179,3 +179,22 @@ def test_dynamic_budget_above_max_batched_tokens_sizes_the_executor():
     # the prompts (70 tokens) took a step of 64 tokens, four times max_num_batched_tokens
     buckets = engine.core.stats.steps_by_bucket.as_row()
     assert "64" in buckets and max(int(b) for b in buckets) == 64
+
+
+# --------------------------------------------------------------- Prophet
+def test_prophet_caps_the_decode_batch_so_the_mlfq_demotes_and_rotates():
+    policy = make_policy("prophet", quanta=(5, 10), starvation_limit=50)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, swap_budget_tokens=64),
+                      policy, PageAllocator(1024, 16), PageAllocator(64, 16, "host"), COST)
+    reqs = [Request(f"r{i}", 0.0, prompt_len=4, max_tokens=100) for i in range(20)]
+    for r in reqs:
+        sched.add_request(r, 0.0)
+    sizes = []
+    for i in range(40):
+        plan = sched.schedule(0.01 * i)
+        sizes.append(len(plan.chunks))
+        sched.update(plan, StepResult(), 0.01 * i)
+    assert max(sizes[1:]) == 16                      # the seed's decoder batch size
+    assert {policy.level(r) for r in reqs} == {1}     # everyone ran its 5-step quantum and was demoted
+    assert min(r.num_generated for r in reqs) > 5     # ... and the four left out rotated in
+    sched.check_invariants()
