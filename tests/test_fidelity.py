@@ -198,3 +198,43 @@ def test_prophet_caps_the_decode_batch_so_the_mlfq_demotes_and_rotates():
     assert {policy.level(r) for r in reqs} == {1}     # everyone ran its 5-step quantum and was demoted
     assert min(r.num_generated for r in reqs) > 5     # ... and the four left out rotated in
     sched.check_invariants()
+
+
+# ----------------------------------------------------- Continuum, Autellix
+def test_continuum_pins_kv_for_the_ttl_then_drops_it():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, swap_budget_tokens=64),
+                      make_policy("continuum", ttl_max_s=0.5), PageAllocator(256, 16),
+                      PageAllocator(256, 16, "host"), COST)
+    short = Request("short", 0.0, prompt_len=20, max_tokens=4, segments=[Segment(1, "t", 0.2, 2), Segment(2)])
+    long = Request("long", 0.0, prompt_len=20, max_tokens=4, segments=[Segment(1, "t", 3.0, 2), Segment(2)])
+    late = Request("late", 0.05, prompt_len=4, max_tokens=1)
+    for r in (short, long):
+        sched.add_request(r, 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.01)
+    assert short.handling == long.handling == Handling.PRESERVE and short.device_pages and long.device_pages
+    sched.add_request(late, 0.05)
+    sched.api_return(short, 2, 0.2)                 # back inside its TTL: KV reused
+    sched.update(sched.schedule(0.3), StepResult(), 0.3)
+    assert short.api_calls[-1].handling == Handling.PRESERVE and short.num_computed_tokens > 20
+    sched.update(sched.schedule(0.6), StepResult(), 0.6)   # long's TTL (0.5 s) ran out
+    assert long.api_calls[-1].handling == Handling.DISCARD and not long.device_pages
+    sched.api_return(long, 2, 3.0)
+    assert long.num_computed_tokens == 0            # recomputed on return
+    # program-level FCFS: keyed by its first arrival, ahead of later programs
+    assert sched.admission_key(long) == (0.0,) and sched.policy.priority(late, 3.0, None) == (0.05,)
+    sched.check_invariants()
+
+
+def test_autellix_ranks_by_least_attained_service():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, swap_budget_tokens=64),
+                      make_policy("autellix"), PageAllocator(256, 16), PageAllocator(256, 16, "host"), COST)
+    veteran = Request("veteran", 0.0, prompt_len=100, max_tokens=8, segments=[Segment(1, "t", 0.1, 2), Segment(4)])
+    sched.add_request(veteran, 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.01)   # 100 prompt tokens of service, then its call
+    newcomer = Request("newcomer", 0.05, prompt_len=30, max_tokens=2)
+    sched.add_request(newcomer, 0.05)
+    sched.api_return(veteran, 2, 0.11)
+    # the newcomer arrived later but has had no service: it goes first
+    assert sched.admission_order()[0] is newcomer
+    assert veteran.policy_state["attained_tokens"] == 100
+    sched.check_invariants()
