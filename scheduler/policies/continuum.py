@@ -33,7 +33,8 @@ class ContinuumPolicy(Policy):
         if ttl_max_s is not None and ttl_max_s < 0:
             raise ValueError("ttl_max_s must be >= 0 or None")
         self.ttl_max_s = ttl_max_s
-        self._deadlines: list[tuple[float, int, Request]] = []   # (TTL end, call number, request)
+        self._deadlines: list[tuple[float, int, int, Request]] = []   # (TTL end, push order, call index, request)
+        self._pushed = 0
 
     def handling(self, request: Request, view: MemoryView, now: float,
                  api_duration_s: float | None) -> Handling:
@@ -45,13 +46,14 @@ class ContinuumPolicy(Policy):
             ttl = min(ttl, self.ttl_max_s)
         if ttl <= 0:
             return Handling.DISCARD
-        heapq.heappush(self._deadlines, (now + ttl, len(request.api_calls), request))
+        self._pushed += 1
+        heapq.heappush(self._deadlines, (now + ttl, self._pushed, len(request.api_calls), request))
         return Handling.PRESERVE
 
     def redecide(self, now: float, preserved: Mapping[str, Request],
                  view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, call, request = heapq.heappop(self._deadlines)
+            _, _, call, request = heapq.heappop(self._deadlines)
             # still inside the call that set this TTL, its KV still pinned
             if request.request_id in preserved and len(request.api_calls) == call + 1:
                 yield request, Handling.DISCARD
