@@ -238,3 +238,23 @@ def test_autellix_ranks_by_least_attained_service():
     assert sched.admission_order()[0] is newcomer
     assert veteran.policy_state["attained_tokens"] == 100
     sched.check_invariants()
+
+
+def test_prefill_decode_split_runs_the_two_phases_side_by_side():
+    joint, split = SimExecutor(COST, 16, SimClock()), SimExecutor(COST, 16, SimClock(), prefill_decode_split=True)
+    prompt = Request("p", 0.0, prompt_len=200, max_tokens=4)
+    decoders = [Request(f"d{i}", 0.0, prompt_len=10, max_tokens=50) for i in range(8)]
+    for d in decoders:
+        d.num_generated = 3
+    plan = StepPlan(chunks=[ScheduledChunk(prompt, 0, 200, True)]
+                    + [ScheduledChunk(d, 500, 1, True) for d in decoders])
+    assert joint.step_time(plan)[0] == pytest.approx(COST.t_fwd(208, 200 + 8 * 501))
+    prefill, decode = COST.t_fwd(200, 200), COST.t_fwd(8, 8 * 501)
+    # the first token ends the prefill: its 200 tokens of KV go to the decoder
+    assert split.step_time(plan)[0] == pytest.approx(max(prefill, decode) + COST.t_swap(200))
+    from jaxserve.replay import cli as replay_cli
+    import argparse
+    parser = argparse.ArgumentParser()
+    replay_cli.add_arguments(parser)
+    _, config = replay_cli.build_config(parser.parse_args(["--simulate", "--prefill-decode-split", "--rate", "2"]))
+    assert config.sim.prefill_decode_split is True

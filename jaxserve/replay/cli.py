@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "token bucket (auto, the default: buckets when the profile has them)")
     sch.add_argument("--step-time-scale", type=float, default=1.0,
                      help="multiply every simulated step time (what-if a faster device; sensitivity checks)")
+    sch.add_argument("--prefill-decode-split", action="store_true",
+                     help="simulate Prophet's disaggregation: prefill and decode chunks on two executors in "
+                          "parallel, each finished prefill shipping its KV over the host link")
     sch.add_argument("--horizon", type=float, default=None,
                      help="stop the simulation at this time (s); unfinished requests count as not completed")
     out = parser.add_argument_group("metrics and output")
@@ -148,7 +151,8 @@ def build_config(args: argparse.Namespace):
                     num_host_pages=engine.num_host_pages, max_num_batched_tokens=engine.max_num_batched_tokens,
                     max_num_seqs=engine.max_num_seqs, swap_budget_tokens=engine.swap_budget_tokens,
                     handling=Handling.parse(engine.handling), check_invariants=engine.check_invariants,
-                    step_model=args.step_model, step_time_scale=args.step_time_scale)
+                    step_model=args.step_model, step_time_scale=args.step_time_scale,
+                    prefill_decode_split=args.prefill_decode_split)
     return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=engine.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,

@@ -166,7 +166,8 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
             result = run_simulation(sched, cost, requests, horizon_s=config.horizon_s, progress=tick,
                                     sample_interval_s=sim.sample_interval_s,
                                     check_invariants=sim.check_invariants, step_model=sim.step_model,
-                                    step_time_scale=sim.step_time_scale)
+                                    step_time_scale=sim.step_time_scale,
+                                    prefill_decode_split=sim.prefill_decode_split)
         makespan = result.end_time_s
         window = measurement_window(run.spec, makespan)
         if config.horizon_s is not None:
@@ -175,7 +176,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
                                          window, makespan, slo)
         row.update({
             "executor": "sim", "profile": cost.name, "step_model": StepTimer(cost, sim.step_model).model,
-            "step_time_scale": sim.step_time_scale,
+            "step_time_scale": sim.step_time_scale, "prefill_decode_split": sim.prefill_decode_split,
             "steps": result.num_steps, "batched_tokens": result.batched_tokens,
             "mean_step_s": result.mean_step_s, "steps_by_bucket": result.steps_by_bucket.as_row(),
             "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
