@@ -78,7 +78,8 @@ class InferceptPolicy(Policy):
 
     def __init__(self, predictor=None, **options) -> None:
         super().__init__(predictor, **options)
-        self._watch: dict[str, Request] = {}      # Preserve calls competing for the swap budget
+        self._watch: dict[str, Request] = {}      # Preserve calls: re-decided (unknown duration) and
+                                                  # competing for the swap budget every step
         self._swapping: dict[str, Request] = {}   # requests this policy sent to the swap-out queue
         self._granted: list[Request] = []         # swaps granted at calls since the step began
 
@@ -151,8 +152,6 @@ class InferceptPolicy(Policy):
         # Unknown durations: re-make the choice with the grown estimate; then the swap
         # budget goes to the largest wastes.
         for request in sorted(self._watch.values(), key=lambda r: -r.policy_state.get("waste", 0.0)):
-            if request.request_id not in self._watch:
-                continue
             best = Handling.PRESERVE
             duration = request.policy_state.get("api_duration_s", 0.0)
             if request.policy_state.get("unknown_duration"):
