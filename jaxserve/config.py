@@ -65,7 +65,8 @@ class EngineConfig:
         "host KV pages for Swap (default: as many as device pages)"))
     # ----------------------------------------------------------- scheduling
     policy: str = field(default=DEFAULT_POLICY, metadata=_flag(
-        "scheduling policy: fcfs, fcfs-improved, infercept, lamps (mars), augserve, sjf, sjf-total, prophet"))
+        "scheduling policy: fcfs, fcfs-improved, infercept, infercept-minwaste, lamps (mars), augserve, "
+        "sjf, sjf-total, prophet, continuum, autellix"))
     handling: str | None = field(default=None, metadata=_flag(
         "force one handling for every API pause (default: the policy decides)", choices=HANDLINGS))
     predictor: str = field(default="oracle", metadata=_flag(

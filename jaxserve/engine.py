@@ -83,12 +83,6 @@ class LLMEngine:
         num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, self.max_model_len,
                                                        config.max_num_seqs)
         batched = config.batched_tokens
-        executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
-            page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=batched,
-            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
-            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits),
-            length_probe=length_probe)
-        self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),
                                     handling=Handling.parse(config.handling), max_model_len=self.max_model_len)
@@ -96,6 +90,15 @@ class LLMEngine:
         if length_probe is not None:
             predictor.default_len = length_probe.train_mean_tokens
         policy = make_policy(config.policy, predictor=predictor, **config.policy_options)
+        # A dynamic token budget with beta_high > 1 may batch more than max_num_batched_tokens:
+        # the executor's token buckets go up to the most it can ask for.
+        step_tokens = max(batched, policy.max_step_tokens(batched))
+        executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
+            page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
+            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits),
+            length_probe=length_probe)
+        self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
         scheduler = Scheduler(sched_cfg, policy, PageAllocator(num_pages, config.page_size, "device"),
                               PageAllocator(host_pages, config.page_size, "host"), self.cost)

@@ -1,7 +1,10 @@
 """``jaxserve profile``: measure this device's cost model and write it as JSON.
 
 Measures ``T_fwd(n)`` (the jitted step over ``n`` batched tokens, every token
-bucket), fits ``T_fwd(n) = base + per_token · n``, finds the saturation point
+bucket), fits ``T_fwd(n) = base + per_token · n``, sweeps the context each
+sequence of a decode batch attends over and fits the per-context-token term
+``T_fwd(n, c) − T_fwd(n, c_0) = per_context_token · (c − c_0)`` (``c``: cached
+tokens the step reads in all), finds the saturation point
 (the smallest bucket reaching 90 % of peak tokens/s), measures the engine's
 host-side time per step (a real ``LLMEngine.step()`` of decoding requests minus
 its jitted step), and measures host<->device copy bandwidth with
@@ -64,6 +67,63 @@ def measure_step_times(runner, repeats: int, per_round: int = 3) -> dict[int, fl
         for t_b, batch in inputs.items():
             samples[t_b] += [_time_step(runner, batch) for _ in range(per_round)]
     return {t_b: statistics.median(v) for t_b, v in samples.items()}
+
+
+def context_inputs(runner, token_bucket: int, context: int):
+    """``runner.synthetic_inputs(token_bucket)`` with every sequence attending over
+    ``context`` cached tokens (capped at ``max_model_len``) instead of the bucket
+    size; writes nothing to the cache."""
+    import dataclasses
+
+    cfg = runner.config
+    base = runner.synthetic_inputs(token_bucket)
+    context = max(1, min(context, cfg.max_model_len))
+    used = -(-context // cfg.page_size)
+    meta = dict(base.meta)
+    page_table = np.zeros_like(meta["page_table"])
+    page_table[:, :used] = np.arange(used, dtype=np.int32) % cfg.num_pages
+    meta["page_table"] = page_table
+    meta["kv_lens"] = np.full_like(meta["kv_lens"], context)
+    meta["positions"] = np.full_like(meta["positions"], context - 1)
+    return dataclasses.replace(base, meta=meta)
+
+
+def measure_context_sweep(runner, repeats: int, token_bucket: int | None = None,
+                          per_round: int = 3) -> tuple[int, dict[int, float]]:
+    """``(rows, {context per sequence: step seconds})`` for a decode batch of one
+    token per sequence (the smallest bucket of at least 8 rows) at contexts
+    ``page_size, 2·page_size, 4·page_size, … ≤ max_model_len``, timed in
+    interleaved rounds like ``measure_step_times``. Same shapes at every
+    context, so one compilation."""
+    cfg = runner.config
+    if token_bucket is None:
+        token_bucket = next((b for b in cfg.token_buckets if b >= 8), cfg.token_buckets[-1])
+    contexts, c = [], cfg.page_size
+    while c <= cfg.max_model_len:
+        contexts.append(c)
+        c *= 2
+    if contexts[-1] != cfg.max_model_len:
+        contexts.append(cfg.max_model_len)
+    inputs = {c: context_inputs(runner, token_bucket, c) for c in contexts}
+    for batch in inputs.values():
+        _time_step(runner, batch)   # warm
+    samples: dict[int, list[float]] = {c: [] for c in inputs}
+    for _ in range(repeats):
+        for c, batch in inputs.items():
+            samples[c] += [_time_step(runner, batch) for _ in range(per_round)]
+    rows = cfg.seq_bucket(token_bucket)
+    return rows, {c: statistics.median(v) for c, v in samples.items()}
+
+
+def fit_context_term(rows: int, times: dict[int, float]) -> float:
+    """Least-squares seconds per cached context token read (``rows`` sequences each
+    reading the swept context); 0 when the step time does not grow with it."""
+    c = np.array(sorted(times), dtype=np.float64)
+    t = np.array([times[int(k)] for k in c])
+    if len(c) < 2:
+        return 0.0
+    slope, _ = np.polyfit(rows * c, t, 1)
+    return max(0.0, float(slope))
 
 
 def fit_t_fwd(times: dict[int, float]) -> tuple[float, float, int]:
@@ -142,13 +202,16 @@ def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "
     runner = engine.executor
     times = measure_step_times(runner, repeats)
     base, per_token, saturation = fit_t_fwd(times)
+    rows, context_times = measure_context_sweep(runner, repeats)
+    per_context = fit_context_term(rows, context_times)
     overhead = measure_step_overhead(engine)
     d2h, h2d = measure_copy_bandwidth(runner, copy_mib, repeats)
     swap_bw = measure_swap_path(runner, repeats)
     copy_bw = min(d2h, h2d)
     cfg = runner.config
     return CostModel(
-        fwd_base_s=base, fwd_per_token_s=per_token, saturation_tokens=saturation,
+        fwd_base_s=base, fwd_per_token_s=per_token, fwd_per_context_token_s=per_context,
+        saturation_tokens=saturation,
         bytes_per_token=runner.kv_bytes_per_token, swap_bandwidth_bytes_s=copy_bw,
         device_kv_bytes=cfg.num_pages * cfg.page_size * runner.kv_bytes_per_token,
         host_kv_bytes=engine.scheduler.host_pool.num_pages * cfg.page_size * runner.kv_bytes_per_token,
@@ -157,6 +220,7 @@ def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "
         meta={"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "model": model,
               "dtype": dtype, "max_model_len": engine.max_model_len, "page_size": cfg.page_size,
               "step_times_s": {str(k): v for k, v in times.items()},
+              "context_sweep": {"rows": rows, "step_times_s": {str(k): v for k, v in context_times.items()}},
               "d2h_bytes_s": d2h, "h2d_bytes_s": h2d, "swap_path_bytes_s": swap_bw,
               "swap_path_vs_copy": swap_bw / copy_bw, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
 
@@ -167,7 +231,13 @@ def print_profile(cost) -> None:
     print("tokens  step_ms   tokens/s")
     for n, t in sorted((int(k), v) for k, v in meta["step_times_s"].items()):
         print(f"{n:6d}  {t * 1e3:7.2f}  {n / t:9.0f}")
-    print(f"T_fwd(n) = {cost.fwd_base_s * 1e3:.3f} ms + {cost.fwd_per_token_s * 1e6:.3f} us * n; "
+    sweep = meta.get("context_sweep")
+    if sweep:
+        print(f"context per sequence ({sweep['rows']} decoding sequences)  step_ms")
+        for c, t in sorted((int(k), v) for k, v in sweep["step_times_s"].items()):
+            print(f"{c:8d}  {t * 1e3:7.2f}")
+    print(f"T_fwd(n, c) = {cost.fwd_base_s * 1e3:.3f} ms + {cost.fwd_per_token_s * 1e6:.3f} us * n + "
+          f"{cost.fwd_per_context_token_s * 1e9:.3f} ns * c; "
           f"saturation ~{cost.saturation_tokens} tokens; host-side step overhead {cost.step_overhead_s * 1e3:.3f} ms")
     print(f"host<->device copy: d2h {meta['d2h_bytes_s'] / 1e9:.2f} GB/s, h2d {meta['h2d_bytes_s'] / 1e9:.2f} GB/s")
     print(f"engine swap path (gather+copy out, copy in+scatter): {meta['swap_path_bytes_s'] / 1e9:.2f} GB/s "

@@ -6,6 +6,7 @@ multiplied by how long it is held).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -16,8 +17,12 @@ from pathlib import Path
 class CostModel:
     """How long a step and a copy take on one device.
 
-    ``T_fwd(n) = fwd_base_s + fwd_per_token_s * n`` for a forward over ``n``
-    batched tokens; ``T_swap(n) = n * bytes_per_token / swap_bandwidth_bytes_s``
+    ``T_fwd(n, c) = fwd_base_s + fwd_per_token_s · n + fwd_per_context_token_s · c``
+    for a forward over ``n`` batched query tokens whose attention reads ``c``
+    cached context tokens in all (each chunk reads its request's whole context
+    so far: a decode step of ``B`` requests with contexts ``c_j`` reads
+    ``Σ c_j``); ``T_step(n, c) = T_fwd(n, c) + step_overhead_s`` is the whole
+    step, the one cost the simulated clock and every waste/value equation use; ``T_swap(n) = n * bytes_per_token / swap_bandwidth_bytes_s``
     for a one-way copy of ``n`` tokens' KV. ``saturation_tokens`` (S) is the
     batch size in tokens beyond which a step gets slower with no more throughput.
     ``step_overhead_s`` is the engine's host-side time per step outside the
@@ -38,11 +43,20 @@ class CostModel:
     max_num_batched_tokens: int = 512
     step_overhead_s: float = 0.0
     swap_overlaps_forward: bool = True
+    fwd_per_context_token_s: float = 0.0   # seconds per cached context token read per step
     name: str = "unnamed"
     meta: dict = field(default_factory=dict)
 
-    def t_fwd(self, num_tokens: float) -> float:
-        return self.fwd_base_s + self.fwd_per_token_s * max(0.0, num_tokens)
+    def t_fwd(self, num_tokens: float, context_tokens: float = 0.0) -> float:
+        """Seconds of the forward over ``num_tokens`` query tokens reading ``context_tokens``."""
+        return (self.fwd_base_s + self.fwd_per_token_s * max(0.0, num_tokens)
+                + self.fwd_per_context_token_s * max(0.0, context_tokens))
+
+    def t_step(self, num_tokens: float, context_tokens: float = 0.0) -> float:
+        """Seconds of a whole step: ``T_fwd(n, c) + step_overhead_s`` (0 for an empty step)."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.t_fwd(num_tokens, context_tokens) + self.step_overhead_s
 
     def t_swap(self, num_tokens: float) -> float:
         if self.swap_bandwidth_bytes_s <= 0:
@@ -76,21 +90,40 @@ class CostModel:
         return cls.from_dict(data)
 
 
-# InferCept's published constants for GPT-J-6B on one A100-40GB.
+# The context term of GPT-J 6B on an A100-40GB, from first principles (docs/fidelity.md):
+# every step's attention reads each cached token's K and V of every layer once,
+# 28 layers x 2 (K, V) x 4096 x 2 bytes (fp16) = 458,752 bytes per token, at the
+# A100-40GB's 1.555e12 B/s HBM bandwidth, achieved at 60 % by a vLLM-era paged
+# attention kernel (an assumption, stated; docs/fidelity.md gives the ±20 % band).
+GPTJ_BYTES_PER_TOKEN = 28 * 2 * 4096 * 2
+A100_40G_HBM_BYTES_S = 1.555e12
+PAGED_ATTENTION_BANDWIDTH_EFFICIENCY = 0.6
+GPTJ_A100_CONTEXT_S_PER_TOKEN = GPTJ_BYTES_PER_TOKEN / (A100_40G_HBM_BYTES_S * PAGED_ATTENTION_BANDWIDTH_EFFICIENCY)
+
+# InferCept's published constants for GPT-J-6B on one A100-40GB, plus the context term.
 GPTJ_6B_A100_40G = CostModel(
     fwd_base_s=0.010,
     fwd_per_token_s=0.0463e-3,
+    fwd_per_context_token_s=GPTJ_A100_CONTEXT_S_PER_TOKEN,
     saturation_tokens=384,
-    bytes_per_token=458_752,
+    bytes_per_token=GPTJ_BYTES_PER_TOKEN,
     swap_bandwidth_bytes_s=25e9,
     device_kv_bytes=int(40e9 * 0.9 - 12.1e9),
     host_kv_bytes=int(64e9),
     max_num_batched_tokens=384,
     name="gptj-6b-a100-40g",
-    meta={"source": "InferCept (APISERVE) paper constants", "gpu_memory_utilization": 0.9},
+    meta={"source": "InferCept (APISERVE) paper constants; context term = bytes per token / "
+                    "(HBM bandwidth x 0.6), docs/fidelity.md", "gpu_memory_utilization": 0.9},
 )
 
-BUILTIN_PROFILES: dict[str, CostModel] = {GPTJ_6B_A100_40G.name: GPTJ_6B_A100_40G}
+# The same machine with the MARS seed's own step-time fit (16.9 ms + 0.041 ms per
+# batched token) in place of InferCept's, and the same context term.
+GPTJ_6B_A100_40G_MARS = dataclasses.replace(
+    GPTJ_6B_A100_40G, fwd_base_s=0.0169, fwd_per_token_s=0.041e-3, name="gptj-6b-a100-40g-mars",
+    meta={"source": "MARS seed's step-time fit (16.9 ms + 0.041 ms/token) with the "
+                    "gptj-6b-a100-40g context term, docs/fidelity.md", "gpu_memory_utilization": 0.9})
+
+BUILTIN_PROFILES: dict[str, CostModel] = {p.name: p for p in (GPTJ_6B_A100_40G, GPTJ_6B_A100_40G_MARS)}
 
 
 def load_profile(name_or_path: str) -> CostModel:
@@ -109,9 +142,16 @@ def waste_preserve(cost: CostModel, context_tokens: int, api_duration_s: float) 
     return api_duration_s * context_tokens * cost.bytes_per_token
 
 
+def recompute_time(cost: CostModel, tokens: float) -> float:
+    """Seconds of a step that recomputes ``tokens`` of one context, ``T_step(n, n)``:
+    the waste equations' ``T_fwd``, on the simulated clock's cost model (the chunk's
+    attention reads the context it rebuilds)."""
+    return cost.t_step(tokens, tokens)
+
+
 def waste_discard(cost: CostModel, context_tokens: int, other_tokens: int) -> float:
     """WasteDiscard = T_fwd(C_i)·C_i·M + T_fwd(C_i)·C_other·M (recompute in one go)."""
-    t = cost.t_fwd(context_tokens)
+    t = recompute_time(cost, context_tokens)
     return t * (context_tokens + other_tokens) * cost.bytes_per_token
 
 
@@ -123,8 +163,8 @@ def waste_discard_chunked(cost: CostModel, context_tokens: int, other_tokens: in
     room = max(1, cost.saturation_tokens - running_tokens)
     n = max(1, math.ceil(context_tokens / room))
     m = cost.bytes_per_token
-    return (cost.t_fwd(context_tokens) * context_tokens * m / 2
-            + n * cost.t_fwd(context_tokens / n) * other_tokens * m)
+    return (recompute_time(cost, context_tokens) * context_tokens * m / 2
+            + n * recompute_time(cost, context_tokens / n) * other_tokens * m)
 
 
 def waste_swap(cost: CostModel, context_tokens: int, other_tokens: int) -> float:

@@ -67,6 +67,12 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def num_context_tokens(self) -> int:
+        """Cached tokens the step's attention reads: each chunk reads its request's
+        context up to its last query token, ``start + num_tokens``."""
+        return sum(c.start + c.num_tokens for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.swap_out or self.swap_in)
 

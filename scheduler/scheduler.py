@@ -104,6 +104,18 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapping_out or self.swapping_in)
 
     @property
+    def max_step_tokens(self) -> int:
+        """The most query tokens one step can batch (the executor sizes its shapes
+        for it): ``max_num_batched_tokens``, or above it where a dynamic budget's
+        ``β_high > 1`` lets the budget expand."""
+        target = self.config.max_num_batched_tokens
+        if self.config.token_budget == "static":
+            return target
+        if self.config.token_budget == "dynamic":
+            return max(target, self._dynamic_budget.max_tokens(target))
+        return max(target, self.policy.max_step_tokens(target))
+
+    @property
     def context_limit(self) -> int | None:
         """Tokens a context may reach: ``max_model_len`` capped by the device pool (a
         context larger than the pool would preempt itself forever); None: unlimited."""
@@ -242,6 +254,12 @@ class Scheduler:
     def _requeue_returned(self, request: Request) -> None:
         del self.paused[request.request_id]
         self.kv.release(request)
+        if (self.policy.resume_preserved_to_running and request.handling == Handling.PRESERVE
+                and request.device_pages and len(self.running) < self.config.max_num_seqs):
+            # Seed 004 Algorithm 1: a Preserve call resumes straight into the batch.
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            return
         if request.state != RequestState.SWAPPED:
             request.state = RequestState.WAITING
         self._enqueue(request, self.now)

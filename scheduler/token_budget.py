@@ -21,9 +21,10 @@ TOKEN_BUDGET_MODES = ("policy", "static", "dynamic")
 
 @dataclass(frozen=True, slots=True)
 class DynamicBudget:
-    """Parameters of eq. 31–32 and the clamp. ``β_high`` defaults to 1 so the
-    budget never exceeds ``max_num_batched_tokens`` (what the executor's step
-    shapes are sized for); raise it only where the executor accepts more."""
+    """Parameters of eq. 31–32 and the clamp. ``β_high > 1`` lets the budget
+    expand above ``max_num_batched_tokens`` under light load (§4.4); the engine
+    sizes its executor's token buckets for ``max_tokens`` (the simulator takes
+    any step size)."""
 
     gamma: float = 1.0
     beta_low: float = 0.25
@@ -34,6 +35,11 @@ class DynamicBudget:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if not 0.0 < self.beta_low <= self.beta_high:
             raise ValueError(f"need 0 < beta_low <= beta_high, got {self.beta_low}, {self.beta_high}")
+
+    def max_tokens(self, target_max: int) -> int:
+        """The largest budget this can return for ``target_max``."""
+        low = max(1, math.ceil(self.beta_low * target_max))
+        return max(low, math.floor(self.beta_high * target_max))
 
     def __call__(self, target_max: int, view: MemoryView) -> int:
         return dynamic_token_budget(view, target_max, self.gamma, self.beta_low, self.beta_high)

@@ -29,7 +29,10 @@ def test_profile_writes_a_cost_model_the_engine_can_load(tmp_path, capsys):
     assert set(cost.meta["step_times_s"]) == {"8", "16", "32"}
     assert cost.meta["max_model_len"] == 128 and cost.step_overhead_s >= 0
     assert cost.swap_overlaps_forward is False     # this engine copies before the forward
-    assert "T_fwd(n)" in capsys.readouterr().out
+    sweep = cost.meta["context_sweep"]             # page_size 16 .. max_model_len 128, 8 decoding rows
+    assert sweep["rows"] == 8 and set(sweep["step_times_s"]) == {"16", "32", "64", "128"}
+    assert cost.fwd_per_context_token_s >= 0
+    assert "T_fwd(n, c)" in capsys.readouterr().out
     from jaxserve import LLM
     llm = LLM("demo", cost_profile=str(out), page_size=8, num_pages=16, max_num_batched_tokens=16,
               max_model_len=64, warmup=False)

@@ -297,8 +297,9 @@ def test_augserve_budget_follows_free_memory_in_a_run():
             sched.api_return(item[1], item[2], now)
         budgets.append(step(sched, now, pending).token_budget)
         now += 0.01
-    assert all(16 <= b <= 64 for b in budgets)
-    assert min(budgets) < 64 and max(budgets) == 64   # it moved
+    # augserve's beta_high is 2: the budget expands above max_num_batched_tokens when memory is free
+    assert all(16 <= b <= 128 for b in budgets)
+    assert min(budgets) < 64 and max(budgets) > 64   # it moved, both ways
 
 
 def test_augserve_stage_two_uses_observed_return_length_and_aging_reorders():

@@ -262,10 +262,10 @@ def test_sim_step_time_hides_swap_behind_the_forward():
     from scheduler import ScheduledChunk
     fwd = StepPlan(chunks=[ScheduledChunk(r, 0, 300, True)], swap_in=[SwapOp(r, [1], [1])])
     dt, stall, _ = ex.step_time(fwd)                             # copy hidden by a 300-token forward
-    assert dt == pytest.approx(COST.t_fwd(300)) and stall == 0.0
+    assert dt == pytest.approx(COST.t_fwd(300, 300)) and stall == 0.0   # the chunk reads its 300 tokens
     big = StepPlan(chunks=[ScheduledChunk(r, 0, 1, True)], swap_in=[SwapOp(r, list(range(200)), list(range(200)))])
     dt, stall, _ = ex.step_time(big)
-    assert dt == pytest.approx(COST.t_swap(3200)) and stall == pytest.approx(COST.t_swap(3200) - COST.t_fwd(1))
+    assert dt == pytest.approx(COST.t_swap(3200)) and stall == pytest.approx(COST.t_swap(3200) - COST.t_fwd(1, 1))
 
 
 def test_sim_pool_sized_from_profile():
@@ -283,7 +283,7 @@ def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
                             __import__("scheduler").Segment(2)])
     sched = build_scheduler(COST, make_policy("infercept"), SimConfig(page_size=16))
     result = run_simulation(sched, COST, [req])
-    assert req.first_token_time == pytest.approx(5.0 + COST.t_fwd(10))
+    assert req.first_token_time == pytest.approx(5.0 + COST.t_fwd(10, 10))
     call = req.api_calls[0]
     assert call.return_time - call.call_time == pytest.approx(100.0)
     assert req.finish_time > 105.0 and result.num_steps <= 6
@@ -401,7 +401,7 @@ def test_sim_serial_swaps_add_to_the_forward():
     r = Request("r", 0.0, prompt_len=4, max_tokens=1)
     plan = StepPlan(chunks=[ScheduledChunk(r, 0, 300, True)], swap_in=[SwapOp(r, [1], [1])])
     dt, stall, tokens = ex.step_time(plan)
-    assert tokens == 16 and dt == pytest.approx(serial.t_fwd(300) + serial.t_swap(16))
+    assert tokens == 16 and dt == pytest.approx(serial.t_fwd(300, 300) + serial.t_swap(16))
     assert stall == pytest.approx(serial.t_swap(16))
 
 

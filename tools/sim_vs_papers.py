@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs  # noqa: E402
+from jaxserve.replay.simulate import SimConfig  # noqa: E402
 from jaxserve.replay.trace import load_trace  # noqa: E402
 from scheduler import available_policies, load_profile  # noqa: E402
 
@@ -80,6 +81,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--policies", default="fcfs,infercept,lamps,augserve")
+    ap.add_argument("--step-time-scale", type=float, default=1.0,
+                    help="multiply every simulated step and copy time (0.8 / 1.2: the ±20 %% profile band)")
+    ap.add_argument("--count", choices=("in-window", "all"), default="in-window",
+                    help="latency statistics over requests completed in the window (the papers') or all")
     args = ap.parse_args()
     policies = [p for p in args.policies.split(",") if p in available_policies()]
     cost = load_profile(args.profile)
@@ -87,13 +92,15 @@ def main() -> int:
         rates = [float(r) for r in (args.rates or DEFAULT_RATES[name]).split(",")]
         start = time.perf_counter()
         entries = load_trace(WORKLOADS[name])
-        config = ReplayConfig(policies=policies, rates=rates, duration_s=args.duration, seed=args.seed)
+        config = ReplayConfig(policies=policies, rates=rates, duration_s=args.duration, seed=args.seed,
+                              count=args.count, sim=SimConfig(step_time_scale=args.step_time_scale))
         runs = simulate(entries, cost, config, progress=False)
         out = Path(args.out) / name
         write_outputs(runs, out, title=f"{name}, simulated on {cost.name}")
         rows = json.loads((out / "results.json").read_text())
         print(f"\n## {name} ({WORKLOADS[name]}), {args.duration:g} s Poisson, seed {args.seed}, "
-              f"profile {cost.name} — {time.perf_counter() - start:.0f} s wall\n")
+              f"profile {cost.name} x{args.step_time_scale:g}, count {args.count} — "
+              f"{time.perf_counter() - start:.0f} s wall\n")
         print(comparison_table(rows), flush=True)
     return 0
 

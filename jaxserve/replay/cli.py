@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "token bucket (auto, the default: buckets when the profile has them)")
     sch.add_argument("--step-time-scale", type=float, default=1.0,
                      help="multiply every simulated step time (what-if a faster device; sensitivity checks)")
+    sch.add_argument("--prefill-decode-split", action="store_true",
+                     help="simulate Prophet's disaggregation: prefill and decode chunks on two executors in "
+                          "parallel, each finished prefill shipping its KV over the host link")
     sch.add_argument("--horizon", type=float, default=None,
                      help="stop the simulation at this time (s); unfinished requests count as not completed")
     out = parser.add_argument_group("metrics and output")
@@ -75,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="goodput SLO on normalized latency, s/token (default: --slo-step-factor x step time)")
     out.add_argument("--slo-step-factor", type=float, default=10.0,
                      help="normalized-latency SLO as a multiple of the reference step time")
+    out.add_argument("--count", choices=("in-window", "all"), default="in-window",
+                     help="which requests the latency statistics cover: those completed inside the arrival "
+                          "window, as the papers count (default), or all of them (the run drains the queue); "
+                          "results.json reports both under by_count")
     out.add_argument("--out", default="replay-out", help="output directory")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -144,11 +151,13 @@ def build_config(args: argparse.Namespace):
                     num_host_pages=engine.num_host_pages, max_num_batched_tokens=engine.max_num_batched_tokens,
                     max_num_seqs=engine.max_num_seqs, swap_budget_tokens=engine.swap_budget_tokens,
                     handling=Handling.parse(engine.handling), check_invariants=engine.check_invariants,
-                    step_model=args.step_model, step_time_scale=args.step_time_scale)
+                    step_model=args.step_model, step_time_scale=args.step_time_scale,
+                    prefill_decode_split=args.prefill_decode_split)
     return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=engine.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
-                        slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor)
+                        slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor,
+                        count=args.count)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ class SimConfig:
     check_invariants: bool = False       # page invariants after every step (tests; slow)
     step_model: str = "auto"             # "linear" T_fwd(n), "buckets" measured per padded bucket, "auto"
     step_time_scale: float = 1.0         # multiplies every simulated step time
+    prefill_decode_split: bool = False   # Prophet's disaggregation: prefill and decode on two executors
 
     def resolve(self, cost: CostModel) -> "SimConfig":
         """A copy with every ``None`` sized from ``cost``."""
@@ -118,14 +119,14 @@ class SimulationStalled(RuntimeError):
 def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Request], *,
                    horizon_s: float | None = None, progress: Callable[[int, float], None] | None = None,
                    sample_interval_s: float = 1.0, check_invariants: bool = False, step_model: str = "auto",
-                   step_time_scale: float = 1.0) -> SimResult:
+                   step_time_scale: float = 1.0, prefill_decode_split: bool = False) -> SimResult:
     """Simulate ``requests`` (fresh, never scheduled; ``arrival_time`` says when
     each enters) until every one ends, or the clock passes ``horizon_s``.
     ``progress(num_finished_since_last_call, now)`` is called every 500 steps
     and at the end."""
     clock = SimClock()
     executor = SimExecutor(cost, scheduler.page_size, clock, step_model=step_model,
-                           step_time_scale=step_time_scale)
+                           step_time_scale=step_time_scale, prefill_decode_split=prefill_decode_split)
     core = EngineCore(scheduler, executor, clock, check_invariants=check_invariants)
     total = len(requests)
     occ = Occupancy()

@@ -6,7 +6,10 @@ from scheduler.cost_model import CostModel, waste_discard, waste_preserve
 from scheduler.plan import MemoryView
 from scheduler.policies.base import Policy, register_policy
 from scheduler.policies.lamps import step_time
-from scheduler.request import Handling, Request
+from scheduler.request import Handling, Request, RequestState
+
+ALPHA = 10.0       # token-seconds per second waited (eq. 26), see docs/fidelity.md
+BETA_HIGH = 2.0    # the dynamic budget may reach 2 x max_num_batched_tokens (eq. 32)
 
 
 def augserve_handling(cost: CostModel, context_tokens: int, other_tokens: int, api_duration_s: float,
@@ -38,24 +41,36 @@ class AugServePolicy(Policy):
       handling applied at the next call). A request preempted without an API
       return keeps its last value.
     - Values are in token-seconds (byte-seconds ÷ ``M``), ``T^fwd`` is the
-      saturated step time ``T_fwd(S)``, ``N_max`` the engine's
+      saturated step time ``T_step(S)``, ``N_max`` the engine's
       ``max_num_batched_tokens``, ``S_out = S_in`` its ``swap_budget_tokens``.
     - Anti-starvation (eq. 26): printed as ``V + α·wait``, but lower values
       run first and the stated aim is that long-waiting requests gain
       priority, so the key is ``V − α·(now − t_last)`` with ``t_last`` the
-      last time the request was scheduled (arrival if never). Since
-      ``−α·now`` is common to all requests, the key is filed as
-      ``V + α·t_last``: exact, and constant while the request waits.
-      ``alpha`` is in token-seconds per second waited (default 1000: a 1 s
-      wait offsets 1000 token-seconds of predicted cost); ``alpha=0`` turns it off.
+      last time the request was scheduled (arrival if never) — eq. 26's
+      waiting time. Since ``−α·now`` is common to all requests, the key is
+      filed as ``V + α·t_last``: exact, and constant while the request waits.
+      ``alpha`` is on the value's own scale, token-seconds per second waited
+      (a waiting second offsets ``alpha`` token-seconds of predicted cost;
+      default ``ALPHA``; ``alpha=0`` turns it off; docs/fidelity.md sweeps it).
+    - Resume paths (Algorithm 1): a call held under Preserve goes straight
+      back to the running batch when it returns; a swapped request is ranked
+      ahead of all other waiting work (the swapped queue is served before
+      waiting_resume and waiting_new); only Discard re-enters the ranking.
     - Token budget: ``token_budget="dynamic"`` by default (eqs. 27–32, see
-      ``scheduler.token_budget``); pass ``token_budget="static"`` to disable.
+      ``scheduler.token_budget``) with ``budget_beta_high`` (default
+      ``BETA_HIGH``) above 1, so the budget expands above
+      ``max_num_batched_tokens`` under light load; pass
+      ``token_budget="static"`` to disable.
     """
 
     default_token_budget = "dynamic"
+    resume_preserved_to_running = True
 
-    def __init__(self, predictor=None, *, alpha: float = 1000.0, **options) -> None:
-        super().__init__(predictor, **options)
+    def __init__(self, predictor=None, *, alpha: float | None = None, budget_beta_high: float | None = None,
+                 **options) -> None:
+        alpha = ALPHA if alpha is None else alpha
+        super().__init__(predictor, budget_beta_high=BETA_HIGH if budget_beta_high is None else budget_beta_high,
+                         **options)
         if alpha < 0:
             raise ValueError("alpha must be >= 0")
         self.alpha = alpha
@@ -144,7 +159,8 @@ class AugServePolicy(Policy):
         """``on_arrival`` must have valued ``request``."""
         t_last = request.last_scheduled_time if request.last_scheduled_time is not None \
             else request.arrival_time
-        return (request.policy_state["aug_value"] + self.alpha * t_last,)
+        swapped = 0 if request.state is RequestState.SWAPPED else 1   # the swapped queue first
+        return (swapped, request.policy_state["aug_value"] + self.alpha * t_last)
 
     def rescore_due(self, iteration: int) -> bool:
         # Stage values are fixed at arrival/return; a retrained predictor only

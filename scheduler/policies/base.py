@@ -100,6 +100,9 @@ class Policy:
 
     name: ClassVar[str] = "base"
     default_token_budget: ClassVar[str] = "static"
+    # Algorithm 1 of seed 004: a call held under Preserve resumes straight into the
+    # running batch when it returns (False: it re-enters the ranked waiting queue).
+    resume_preserved_to_running: ClassVar[bool] = False
 
     def __init__(self, predictor: "Predictor | None" = None, *, token_budget: str | None = None,
                  budget_gamma: float = 1.0, budget_beta_low: float = 0.25,
@@ -149,6 +152,13 @@ class Policy:
         """Tokens this step may batch; ``default`` is the engine's ``max_num_batched_tokens``."""
         if self.dynamic_budget is not None:
             return self.dynamic_budget(default, view)
+        return default
+
+    def max_step_tokens(self, default: int) -> int:
+        """The most tokens ``token_budget`` can ever return (the executor sizes its
+        step shapes for it); ``default`` is the engine's ``max_num_batched_tokens``."""
+        if self.dynamic_budget is not None:
+            return self.dynamic_budget.max_tokens(default)
         return default
 
     def order_running(self, running: Iterable[Request], now: float, view: MemoryView,

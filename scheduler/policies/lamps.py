@@ -14,9 +14,12 @@ from scheduler.request import Handling, Request, RequestState
 
 
 def step_time(cost: CostModel) -> float:
-    """Seconds of one saturated step, ``T_fwd(S)``: the time unit scores use.
-    (A constant, so a waiting request's score does not move with the batch.)"""
-    return cost.t_fwd(cost.saturation_tokens)
+    """Seconds of one saturated step, ``T_step(S, 0)`` (the simulated clock's cost
+    model without its context term): the time unit scores use. A constant, so a
+    waiting request's score does not move with the batch; the context term,
+    which depends on the whole batch, enters the waste equations through
+    ``scheduler.cost_model.recompute_time``."""
+    return cost.t_step(cost.saturation_tokens)
 
 
 def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens: int, output_tokens: int,
@@ -38,7 +41,7 @@ def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens
       (swap-in) of ``T_swap(C)`` each;
     - ``None``: no call (the last segment).
 
-    Step time is ``T_fwd(S)`` (``step_time``).
+    Step time is ``T_step(S)`` (``step_time``).
     """
     tau = step_time(cost)
     m = cost.bytes_per_token

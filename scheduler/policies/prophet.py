@@ -35,17 +35,20 @@ class ProphetPolicy(InferceptPolicy):
       and within a level decode-phase requests (FIFO by the time they entered
       the queue) go before prefill-phase ones (SRPT). Requests back from an
       API keep their level (they are in the decode phase).
-    - The MLFQ applies to running requests too: when this step's token budget
-      (or ``decode_batch_size``, the seed's decoder batch size, default: no
-      extra cap) cannot cover every running request, the budget goes by
-      level; the others keep their pages and skip the step. Memory preemption
-      takes the lowest level first.
+    - The MLFQ applies to running requests too: at most ``decode_batch_size``
+      of them run per step (default 16, the seed's decoder batch size, §5;
+      ``None``: no cap beyond the token budget), chosen by level (starved ones
+      first); the others keep their pages and skip the step, so a request
+      that stays in the batch through its quantum is demoted and yields to
+      newer ones. Memory preemption takes the lowest level first. Without the
+      cap (or with a budget that covers every running request) the order does
+      not matter and the MLFQ is inert.
     - Handling is InferCept's (min waste when the call happens).
     """
 
     def __init__(self, predictor=None, *, quanta: Iterable[int] = (25, 50, 100, 200, 400),
                  starvation_limit: int = 200, prefill_starvation_limit: int = 16,
-                 decode_batch_size: int | None = None, **options) -> None:
+                 decode_batch_size: int | None = 16, **options) -> None:
         super().__init__(predictor, **options)
         self.quanta = tuple(int(q) for q in quanta)
         if not self.quanta or min(self.quanta) < 1:
@@ -90,7 +93,7 @@ class ProphetPolicy(InferceptPolicy):
         request.policy_state["mlfq_entry"] = None   # its pending deadlines no longer apply
 
     def on_step(self, now: float, iteration: int) -> Iterable[Request]:
-        changed = []
+        changed = list(super().on_step(now, iteration))   # InferCept's swap-budget bookkeeping
         while self._prefill_due and self._prefill_due[0][0] <= iteration:
             _, entry, r = self._prefill_due.popleft()
             if r.policy_state.get("mlfq_entry") == entry and in_prefill(r):
