@@ -117,7 +117,7 @@ class _ScriptedEngine:
     """Stands in for ``AsyncEngine``: yields one token then fails (or is dead)."""
 
     def __init__(self, alive=True):
-        from jaxserve.engine import EngineStats
+        from jaxserve.core import EngineStats
         from transformers import AutoTokenizer
 
         from jaxserve.demo import demo_dir

@@ -196,9 +196,9 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from jaxserve.engine import resolve_model_dir
+    from jaxserve.model_source import resolve_model
     for model in args.model or ["demo"]:
-        d = resolve_model_dir(model)
+        d = resolve_model(model)
         tok = AutoTokenizer.from_pretrained(str(d))
         vocab = json.loads((d / "config.json").read_text())["vocab_size"]
         print(f"== {model}: vocab {vocab}")

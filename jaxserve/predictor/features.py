@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxserve.engine import resolve_model_dir
+from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.predictor.checkpoint import ModelIdentity, model_identity
 from jaxserve.weights import load_model
 
@@ -34,10 +34,9 @@ class ServedModel:
 
 def load_served_model(model: str, max_window: int = 4096) -> ServedModel:
     """Load ``model`` (a name such as ``demo`` or a checkpoint directory) as the engine does."""
-    from transformers import AutoTokenizer
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model(model)
     obj, cfg = load_model(model_dir, "float32", "reference", "safetensors", 0, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tok = load_tokenizer(model_dir)
     return ServedModel(str(model), model_dir, obj, cfg, tok, model_identity(obj, cfg, str(model)),
                        min(max_window, cfg.max_position_embeddings))
 

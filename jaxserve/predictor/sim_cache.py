@@ -90,13 +90,11 @@ def learned_entries(trace: str | Path | None, spec: str) -> list[TraceEntry]:
     """The trace for a simulated replay with ``--predictor learned:DIR``: text segments
     counted with the probe model's tokenizer (so the trace's lengths and the predictions
     are in the same tokens), with the cached predictions attached."""
-    from transformers import AutoTokenizer
-
-    from jaxserve.engine import resolve_model_dir
+    from jaxserve.model_source import load_tokenizer, resolve_model
     from jaxserve.predictor.serving import learned_checkpoint
     from jaxserve.replay.trace import load_trace
     checkpoint = learned_checkpoint(spec)
     _, meta = load_probe(checkpoint)
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(meta["model"]["name"])), local_files_only=True)
+    tok = load_tokenizer(resolve_model(meta["model"]["name"]))
     entries = load_trace(trace, lambda text: tok.encode(text, add_special_tokens=False))
     return attach(entries, trace_predictions(checkpoint, None, trace))
