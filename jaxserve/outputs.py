@@ -64,6 +64,7 @@ class RequestOutput:
     tool_call: dict | None = None      # set when finish_reason == "tool_calls"
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
