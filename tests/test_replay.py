@@ -228,7 +228,7 @@ def test_sim_completes_every_request_with_all_pages_free(multi, policy):
     result = run_simulation(sched, COST, requests, check_invariants=True)
     assert all(r.finish_time is not None and r.finish_reason in ("length", "stop") for r in requests)
     assert not sched.has_unfinished()
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages
     assert sched.host_pool.num_free == sched.host_pool.num_pages
     for w, r in zip(sorted(workload, key=lambda w: w.arrival_time), result.requests):
         assert r.num_generated == w.entry.output_len
@@ -247,7 +247,7 @@ def test_sim_forced_handling(multi, handling):
     used = {c.handling for r in requests for c in r.api_calls}
     assert used == {handling}
     assert (result.swapped_tokens > 0) == (handling == Handling.SWAP)
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages
 
 
 def test_sim_step_time_hides_swap_behind_the_forward():
