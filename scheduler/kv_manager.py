@@ -79,7 +79,7 @@ class KVManager:
         """``n`` device pages for ``owner``, evicting cached pages as the free list runs short."""
         pool, cache = self.device_pool, self.cache
         while pool.num_free < n and cache is not None and cache.num_evictable:
-            pool.free(CACHE_OWNER, [cache.evict()])
+            pool.free(CACHE_OWNER, [cache.evict(self.now)])
         return pool.allocate(owner, n)
 
     @property
@@ -87,6 +87,14 @@ class KVManager:
         """Device pages an allocation can get: free plus cached-and-unreferenced."""
         cache = self.cache
         return self.device_pool.num_free + (cache.num_evictable if cache is not None else 0)
+
+    def cache_horizon_s(self) -> float:
+        """Seconds a context released inside an API call is expected to stay cached:
+        the cache's release-to-eviction time plus the retention bonus (inf: nothing
+        evicted yet; 0: no cache)."""
+        if self.cache is None:
+            return 0.0
+        return self.cache.residence_s + self.retention_s
 
     def can_allocate_device(self, n: int) -> bool:
         return n <= self.num_free_device

@@ -55,6 +55,8 @@ class PrefixCache:
         self.query_tokens = 0    # tokens looked up at admissions (cumulative)
         self.hit_tokens = 0      # of those, tokens whose KV came from the cache
         self.evicted_pages = 0
+        self._released: dict[int, float] = {}   # evictable page -> when it was released (s)
+        self.residence_s = float("inf")          # EMA of release-to-eviction time; inf until one is evicted
 
     # ----------------------------------------------------------------- views
     @property
@@ -94,7 +96,8 @@ class PrefixCache:
         refs, score = self.refs, self._score
         for p in pages:
             refs[p] += 1
-            score.pop(p, None)
+            if score.pop(p, None) is not None:
+                del self._released[p]
 
     def release(self, pages: Sequence[int], now: float, bonus_s: float = 0.0) -> None:
         """One request fewer lists each of ``pages`` (in context order); those no
@@ -106,17 +109,25 @@ class PrefixCache:
         for p in reversed(pages):
             refs[p] -= 1
             if refs[p] == 0:
+                self._released[p] = now
                 self._seq += 1
                 self._score[p] = (score, self._seq)
                 heapq.heappush(self._heap, (score, self._seq, p))
 
-    def evict(self) -> int:
-        """Forget the evictable page with the lowest score; returns its page id."""
+    def evict(self, now: float | None = None) -> int:
+        """Forget the evictable page with the lowest score; returns its page id.
+        ``now`` (seconds) updates ``residence_s``, the EMA of how long an
+        evicted page stayed cached after its release."""
         heap, score = self._heap, self._score
         while heap:
             s, seq, p = heapq.heappop(heap)
             if score.get(p) == (s, seq):
                 del score[p]
+                released = self._released.pop(p)
+                if now is not None:
+                    age = max(0.0, now - released)
+                    self.residence_s = age if self.residence_s == float("inf") else \
+                        0.9 * self.residence_s + 0.1 * age
                 del self.page_of[self.hash_of.pop(p)]
                 del self.refs[p]
                 self.evicted_pages += 1
@@ -137,4 +148,5 @@ class PrefixCache:
         for p, n in self.refs.items():
             assert n == listed.get(p, 0), f"prefix cache: page {p} has {n} refs, {listed.get(p, 0)} requests list it"
             assert (n == 0) == (p in self._score), f"prefix cache: page {p} evictable={p in self._score} with {n} refs"
+        assert set(self._released) == set(self._score), "prefix cache: release times out of step"
         assert set(listed) <= set(self.hash_of), "prefix cache: a request lists an uncached page as shared"

@@ -96,7 +96,8 @@ class Scheduler:
             running_tokens = sum(r.num_tokens for r in self.running)
         device, host = self.kv.device_pool, self.kv.host_pool
         return MemoryView(self.kv.num_free_device, device.num_pages, host.num_free, host.num_pages, self.page_size,
-                          running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost)
+                          running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost,
+                          self.kv.cache_horizon_s())
 
     def admission_order(self) -> list[Request]:
         """The waiting queue in the order ``schedule()`` admits from it."""

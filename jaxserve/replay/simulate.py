@@ -71,7 +71,10 @@ def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Sched
     c = config.resolve(cost)
     sched_config = SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens,
                                    max_num_seqs=c.max_num_seqs,
-                                   swap_budget_tokens=c.swap_budget_tokens, handling=c.handling)
+                                   swap_budget_tokens=c.swap_budget_tokens, handling=c.handling,
+                                   # Trace requests carry no token ids or page hashes yet, so nothing
+                                   # could be cached; off, so the waste equations expect no cached part.
+                                   enable_prefix_caching=False)
     return Scheduler(sched_config, policy, PageAllocator(c.num_device_pages, c.page_size, "device"),
                      PageAllocator(c.num_host_pages, c.page_size, "host"), cost)
 
