@@ -214,3 +214,23 @@ def test_soft_discard_recomputes_only_what_was_evicted():
     assert (chunk.start, chunk.num_tokens) == (8, 5)          # tokens 8..12 only; 0..7 re-linked
     assert r.num_cached_tokens == 0 and r.state is RequestState.RUNNING
     sched.check_invariants()
+
+
+def test_a_context_released_in_an_api_call_outranks_plain_pages_for_a_while_only():
+    kv = KVManager(PageAllocator(6, 4), PageAllocator(4, 4, "host"), PrefixCache("m"), retention_s=30.0)
+    parked = computed(kv, "parked", list(range(8)))
+    kv.now = 0.0
+    kv.free_device(parked, retain=True)               # soft discard at t=0: score 30
+    plain = computed(kv, "plain", list(range(50, 58)))
+    kv.now = 1.0
+    kv.free_device(plain)                              # finished at t=1: score 1
+    r = computed(kv, "r", list(range(100, 116)))       # 4 pages: 2 free + 2 evicted, the plain ones
+    assert kv.lookup(Request("p", 1.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))) != []
+    assert kv.lookup(Request("q", 1.0, prompt_len=9, max_tokens=1, token_ids=list(range(50, 59)))) == []
+    kv.now = 100.0                                      # long after: fresher plain pages now outrank it
+    kv.free_device(r)                                   # its 4 pages cached, score 100
+    assert kv.cache.num_evictable == 6 and kv.device_pool.num_free == 0
+    s = computed(kv, "s", list(range(200, 208)))       # 2 pages: the lowest scores go, the parked ones
+    assert kv.lookup(Request("p", 100.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))) == []
+    assert kv.cache.residence_s < float("inf") and kv.cache_horizon_s() == kv.cache.residence_s + 30.0
+    kv.check_invariants([s], set(), set())
