@@ -68,7 +68,7 @@ def test_paused_output_equals_spliced_uninterrupted_run(handling, pool):
     if handling == "swap":
         assert llm.engine.stats.swapped_out_pages > 0 and llm.engine.stats.swapped_in_pages > 0
     sched = llm.engine.scheduler
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages   # free or cached-unreferenced
     assert sched.host_pool.num_free == sched.host_pool.num_pages
 
 
@@ -82,7 +82,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     while req.state not in (RequestState.SWAPPED,):
         engine.step()
     assert not req.device_pages and len(req.host_pages) == 6
-    assert engine.scheduler.device_pool.num_free == 12
+    assert engine.scheduler.kv.num_free_device == 12   # its device copies: free or cached
     kinds = {engine.executor.host_memory_kind(req.request_id, p) for p in req.host_pages}
     assert kinds == {"pinned_host"}
     # another request now uses the freed device pages (it needs 11 of the 12)
