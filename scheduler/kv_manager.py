@@ -90,11 +90,13 @@ class KVManager:
 
     def cache_horizon_s(self) -> float:
         """Seconds a context released inside an API call is expected to stay cached:
-        the cache's release-to-eviction time plus the retention bonus (inf: nothing
-        evicted yet; 0: no cache)."""
+        the cache's measured release-to-eviction time (inf: nothing evicted yet;
+        0: no cache). The retention bonus is not added: the measured residence of
+        evicted pages already reflects it, and adding it made Discard look cheaper
+        than it turned out under load (docs/benchmarks.md)."""
         if self.cache is None:
             return 0.0
-        return self.cache.residence_s + self.retention_s
+        return self.cache.residence_s
 
     def can_allocate_device(self, n: int) -> bool:
         return n <= self.num_free_device
