@@ -92,7 +92,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     assert req.state == RequestState.SWAPPED and len(engine.scheduler.requests["b"].device_pages) == 10
     while engine.has_unfinished():
         engine.step()
-    assert engine.scheduler.device_pool.num_free == 12 and engine.scheduler.host_pool.num_free == 16
+    assert engine.scheduler.kv.num_free_device == 12 and engine.scheduler.host_pool.num_free == 16
 
 
 def test_many_paused_requests_in_a_tight_pool_all_finish():
@@ -104,7 +104,7 @@ def test_many_paused_requests_in_a_tight_pool_all_finish():
                         api_calls=calls)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
     sched = llm.engine.scheduler
-    assert sched.device_pool.num_free == 10 and sched.host_pool.num_free == 6
+    assert sched.kv.num_free_device == 10 and sched.host_pool.num_free == 6
 
 
 def test_resume_errors_and_bad_api_calls_leave_engine_serving():
