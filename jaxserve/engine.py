@@ -380,7 +380,9 @@ class LLMEngine:
             if r.handling is not None:
                 paused[r.handling.value] += 1
         return {"running": len(s.running), "waiting": len(s.waiting), "swapping": len(s.swapping_in) + len(s.swapping_out),
-                "paused": paused, "device_pages_used": s.device_pool.num_pages - s.kv.num_free_device, "device_pages_total": s.device_pool.num_pages,
+                "paused": paused,
+                "device_pages_used": s.device_pool.num_pages - s.kv.num_free_device,   # cached-unreferenced: free
+                "device_pages_total": s.device_pool.num_pages,
                 "host_pages_used": s.host_pool.num_used, "host_pages_total": s.host_pool.num_pages,
                 "preemptions": s.num_preemptions, **self.prefix_cache_usage()}
 
