@@ -63,6 +63,11 @@ class EngineConfig:
         "device KV pages (default: what the model and max_model_len need, within free device memory)"))
     num_host_pages: int | None = field(default=None, metadata=_flag(
         "host KV pages for Swap (default: as many as device pages)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag(
+        "share the KV of full pages of equal token prefixes across requests and turns"))
+    prefix_retention_s: float = field(default=30.0, metadata=_flag(
+        "eviction priority bonus, in seconds, of cached pages of a context inside an API call "
+        "(decays as time passes; memory pressure still evicts them)"))
     # ----------------------------------------------------------- scheduling
     policy: str = field(default=DEFAULT_POLICY, metadata=_flag(
         "scheduling policy: fcfs, fcfs-improved, infercept, infercept-minwaste, lamps (mars), augserve, "
@@ -121,6 +126,11 @@ class EngineConfig:
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("max_num_seqs", self.max_num_seqs, allow_none=False)
         positive("swap_budget_tokens", self.swap_budget_tokens)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if isinstance(self.prefix_retention_s, bool) or not isinstance(self.prefix_retention_s, (int, float)) \
+                or not 0 <= self.prefix_retention_s < float("inf"):
+            raise ValueError(f"prefix_retention_s must be a finite number >= 0, got {self.prefix_retention_s!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         from scheduler import available_policies, make_predictor
@@ -180,7 +190,7 @@ class EngineConfig:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
                 continue
-            kind = int if "int" in str(f.type) else str
+            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
                                help=help_text)
 

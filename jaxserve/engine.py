@@ -85,7 +85,11 @@ class LLMEngine:
         batched = config.batched_tokens
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),
-                                    handling=Handling.parse(config.handling), max_model_len=self.max_model_len)
+                                    handling=Handling.parse(config.handling), max_model_len=self.max_model_len,
+                                    enable_prefix_caching=config.enable_prefix_caching,
+                                    prefix_cache_key=f"{self.model_dir.resolve()}|{config.dtype}|"
+                                                     f"{config.load_format}|{config.seed}",
+                                    prefix_retention_s=float(config.prefix_retention_s))
         predictor = make_predictor(config.predictor, config.seed)
         if length_probe is not None:
             predictor.default_len = length_probe.train_mean_tokens
@@ -369,11 +373,13 @@ class LLMEngine:
             "arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time,
             "first_token_time": request.first_token_time, "finish_time": request.finish_time,
             "num_preemptions": request.num_preemptions, "prompt_tokens": request.prompt_len,
-            "generated_tokens": len(generated), "api_time_s": request.api_time_total}
+            "generated_tokens": len(generated), "api_time_s": request.api_time_total,
+            "num_cached_tokens": request.num_cached_tokens}
         return RequestOutput(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                              token_ids=list(generated), text=text, delta_token_ids=new_ids,
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
-                             tool_call=dict(tool_call) if tool_call else None, metrics=metrics)
+                             tool_call=dict(tool_call) if tool_call else None, metrics=metrics,
+                             num_cached_tokens=request.num_cached_tokens)
 
     # ------------------------------------------------------------ helpers
     def next_wakeup(self) -> float | None:
@@ -394,9 +400,19 @@ class LLMEngine:
             if r.handling is not None:
                 paused[r.handling.value] += 1
         return {"running": len(s.running), "waiting": len(s.waiting), "swapping": len(s.swapping_in) + len(s.swapping_out),
-                "paused": paused, "device_pages_used": s.device_pool.num_used, "device_pages_total": s.device_pool.num_pages,
+                "paused": paused,
+                "device_pages_used": s.device_pool.num_pages - s.kv.num_free_device,   # cached-unreferenced: free
+                "device_pages_total": s.device_pool.num_pages,
                 "host_pages_used": s.host_pool.num_used, "host_pages_total": s.host_pool.num_pages,
-                "preemptions": s.num_preemptions}
+                "preemptions": s.num_preemptions, **self.prefix_cache_usage()}
+
+    def prefix_cache_usage(self) -> dict:
+        """Prefix cache counters (tokens, cumulative) and cached device pages now."""
+        cache = self.scheduler.kv.cache
+        if cache is None:
+            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cached_pages": 0}
+        return {"prefix_cache_queries": cache.query_tokens, "prefix_cache_hits": cache.hit_tokens,
+                "prefix_cached_pages": cache.num_pages}
 
     def shutdown(self) -> None:
         self.api.shutdown()

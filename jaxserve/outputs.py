@@ -50,7 +50,9 @@ class RequestOutput:
     ``token_ids`` are generated ids only (API-returned tokens go into the
     context, not here). ``finish_reason`` is "stop", "length", "abort",
     "tool_calls" (paused on a client-side tool call; resume it with
-    ``resume``) or None while running.
+    ``resume``) or None while running. ``num_cached_tokens``: prompt tokens
+    whose KV came from the prefix cache when the request was first scheduled
+    (whole pages).
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class RequestOutput:
     tool_call: dict | None = None      # set when finish_reason == "tool_calls"
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:

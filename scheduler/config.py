@@ -30,6 +30,9 @@ class SchedulerConfig:
     budget_beta_low: float = 0.25
     budget_beta_high: float = 1.0
     max_model_len: int | None = None   # context limit in tokens (None: unlimited, as in the simulator)
+    enable_prefix_caching: bool = True  # share full pages of equal token prefixes (scheduler.prefix_cache)
+    prefix_cache_key: str = ""          # model and dtype: caches of different keys never mix
+    prefix_retention_s: float = 30.0    # eviction bonus (s) of the context of a request inside an API call
 
     def __post_init__(self) -> None:
         if self.token_budget not in TOKEN_BUDGET_MODES:
@@ -41,3 +44,5 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be > 0")
         if self.swap_budget_tokens <= 0:
             raise ValueError("swap_budget_tokens must be > 0")
+        if not self.prefix_retention_s >= 0:
+            raise ValueError("prefix_retention_s must be >= 0")

@@ -137,6 +137,20 @@ def load_profile(name_or_path: str) -> CostModel:
     return CostModel.load(path)
 
 
+def expected_cached_tokens(context_tokens: int, page_size: int, api_duration_s: float, horizon_s: float) -> int:
+    """Tokens of a context released into the prefix cache that are expected
+    still cached after ``api_duration_s`` seconds: its full pages if the call
+    ends within ``horizon_s`` (how long released pages survive, 0: no cache),
+    else the share ``horizon_s / api_duration_s`` of them (the page survives
+    if the call ends before the eviction pressure reaches it)."""
+    full = context_tokens // page_size * page_size
+    if horizon_s <= 0 or full <= 0:
+        return 0
+    if api_duration_s <= horizon_s:
+        return full
+    return int(full * horizon_s / api_duration_s)
+
+
 def waste_preserve(cost: CostModel, context_tokens: int, api_duration_s: float) -> float:
     """WastePreserve = T_API · C_i · M."""
     return api_duration_s * context_tokens * cost.bytes_per_token

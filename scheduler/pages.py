@@ -63,6 +63,15 @@ class PageAllocator:
             owners[p] = None
         self._free.extend(pages)
 
+    def reassign(self, pages: list[int], owner: str, new_owner: str) -> None:
+        """Hand ``pages`` (all owned by ``owner``) to ``new_owner`` without freeing them."""
+        owners = self._owner
+        for p in pages:
+            if owners[p] != owner:
+                raise RuntimeError(f"{self.name} page {p} handed on by {owner!r} but owned by {owners[p]!r}")
+        for p in pages:
+            owners[p] = new_owner
+
     def owned_by(self) -> dict[str, list[int]]:
         """Pages grouped by owner (for invariant checks and metrics)."""
         out: dict[str, list[int]] = {}

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from scheduler.cost_model import CostModel
+from scheduler.cost_model import CostModel, expected_cached_tokens
 from scheduler.request import Request, Segment
 
 
@@ -25,6 +25,12 @@ class MemoryView:
     num_running: int
     paused_device_pages: int   # pages held by requests paused under Preserve
     cost: CostModel
+    cache_horizon_s: float = 0.0   # how long a discarded context's full pages stay cached (s; 0: no cache)
+
+    def expected_cached_tokens(self, context_tokens: int, api_duration_s: float) -> int:
+        """Of ``context_tokens`` released into the prefix cache at a call of
+        ``api_duration_s`` seconds, the tokens expected still cached at its return."""
+        return expected_cached_tokens(context_tokens, self.page_size, api_duration_s, self.cache_horizon_s)
 
     @property
     def bytes_per_token(self) -> int:

@@ -122,6 +122,13 @@ class Request:
     device_pages: list[int] = field(default_factory=list)
     host_pages: list[int] = field(default_factory=list)
     pages_swapped: int = 0         # swap progress, in pages (out or in)
+    # Prefix cache (written by the KV page manager): chained hashes of the context's full pages
+    # (from ``token_ids``, or set by the simulator from a trace's prefix structure), how many
+    # leading ``device_pages`` are shared cache pages, and prompt tokens served from the cache
+    # at first admission.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_shared_pages: int = 0
+    num_cached_tokens: int = 0
 
     handling: Handling | None = None
     segment_index: int = 0         # which segment is being generated

@@ -24,6 +24,7 @@ from scheduler.kv_manager import KVManager
 from scheduler.pages import PageAllocator
 from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult
 from scheduler.policies.base import Policy, PolicyContext
+from scheduler.prefix_cache import PrefixCache
 from scheduler.queues import RankedQueue, RequestQueue
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState
 from scheduler.token_budget import DynamicBudget
@@ -39,7 +40,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, policy: Policy, device_pool: PageAllocator,
                  host_pool: PageAllocator, cost: CostModel) -> None:
-        self.kv = KVManager(device_pool, host_pool)
+        cache = PrefixCache(config.prefix_cache_key) if config.enable_prefix_caching else None
+        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s)
         self.config = config
         self.policy = policy
         self.cost = cost
@@ -51,7 +53,6 @@ class Scheduler:
         self.swapping_in: list[Request] = []
         self.iteration = 0
         self.num_preemptions = 0
-        self.now = 0.0                          # time passed to the latest schedule()/event
         self._ranked = RankedQueue()            # ``waiting`` in admission order, keyed by ``policy.priority``
         self._preserved = MappingProxyType(self.kv.paused_holders)   # what ``policy.redecide`` may read
         self._dynamic_budget = DynamicBudget(config.budget_gamma, config.budget_beta_low,
@@ -66,6 +67,15 @@ class Scheduler:
         sched.kv = kv
         sched._preserved = MappingProxyType(kv.paused_holders)
         return sched
+
+    @property
+    def now(self) -> float:
+        """The time passed to the latest schedule()/event (the KV manager's clock too)."""
+        return self.kv.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.kv.now = value
 
     # ------------------------------------------------------------------ views
     @property
@@ -85,8 +95,9 @@ class Scheduler:
         if running_tokens is None:
             running_tokens = sum(r.num_tokens for r in self.running)
         device, host = self.kv.device_pool, self.kv.host_pool
-        return MemoryView(device.num_free, device.num_pages, host.num_free, host.num_pages, self.page_size,
-                          running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost)
+        return MemoryView(self.kv.num_free_device, device.num_pages, host.num_free, host.num_pages, self.page_size,
+                          running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost,
+                          self.kv.cache_horizon_s())
 
     def admission_order(self) -> list[Request]:
         """The waiting queue in the order ``schedule()`` admits from it."""
@@ -138,14 +149,14 @@ class Scheduler:
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
         self.requests.pop(request.request_id, None)
-        self.paused.pop(request.request_id, None)
+        in_call = self.paused.pop(request.request_id, None) is not None
         if request in self.waiting:
             self._dequeue(request)
         self.running.discard(request)
         for q in (self.swapping_out, self.swapping_in):
             if request in q:
                 q.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, retain=in_call)   # a context parked in a call may be resumed by a follow-up
         if reason != "abort":
             self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
         request.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
@@ -174,9 +185,11 @@ class Scheduler:
         self.kv.release(request)
         self.policy.on_dequeue(request, self.iteration)
 
-    def _drop_kv(self, request: Request) -> None:
-        """Free the device KV; the context will be recomputed."""
-        self.kv.free_device(request)
+    def _drop_kv(self, request: Request, retain: bool = False) -> None:
+        """Free the device KV; the context will be recomputed, except the full
+        pages still in the prefix cache when it is admitted again (``retain``:
+        it is inside an API call, its pages get the retention bonus)."""
+        self.kv.free_device(request, retain)
         request.num_computed_tokens = 0
 
     # ------------------------------------------------------------- API calls
@@ -216,7 +229,7 @@ class Scheduler:
             if request.device_pages:
                 record.fell_back_from = Handling.SWAP
             handling = Handling.DISCARD
-        self._drop_kv(request)
+        self._drop_kv(request, retain=True)   # soft discard: into the prefix cache
         request.handling = record.handling = handling
 
     def api_return(self, request: Request, num_returned_tokens: int, now: float,
@@ -341,7 +354,6 @@ class Scheduler:
         # common case (pages on hand) is inlined; running out of pages takes
         # the slow path (evict an idle holder, else preempt the lowest priority).
         kv = self.kv
-        pool = kv.device_pool
         page_size = kv.page_size
         chunks = plan.chunks
         running_state = RequestState.RUNNING
@@ -358,7 +370,7 @@ class Scheduler:
                 n = budget
             need = -(-(start + n) // page_size) - len(request.device_pages)   # kv.pages_needed, inlined
             if need > 0:
-                while need > pool.num_free:
+                while need > kv.num_free_device:
                     if self._evict_idle_holder():
                         continue
                     victim = self._pick_victim(plan, now, view)
@@ -382,16 +394,15 @@ class Scheduler:
         if not self.waiting:
             return
         kv = self.kv
-        pool = kv.device_pool
+        page_size = kv.page_size
         view = self.view(step_view.running_tokens)   # after the running batch took its pages
         for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
             if request.state == RequestState.SWAPPED:
-                while not pool.can_allocate(len(request.host_pages)) and \
-                        self._evict_idle_holder(request, now, view):
+                while not kv.start_swap_in(request) and self._evict_idle_holder(request, now, view):
                     pass
-                if not kv.start_swap_in(request):
+                if not request.device_pages:
                     break
                 self._dequeue(request)
                 request.state = RequestState.SWAPPING_IN
@@ -405,13 +416,23 @@ class Scheduler:
                 self._add_chunk(plan, request, n, now)
                 budget -= n
                 continue
-            n = min(request.num_uncomputed_tokens, budget)
-            need = kv.pages_needed(request, n)
-            while need > pool.num_free and self._evict_idle_holder(request, now, view):
-                need = kv.pages_needed(request, n)
-            if need > pool.num_free:
+            # The longest cached run of its full pages (none when it holds device KV).
+            hits = kv.lookup(request)
+            computed = len(hits) * page_size if hits else request.num_computed_tokens
+            n = min(request.num_tokens - computed, budget)
+            held = len(hits) if hits else len(request.device_pages)
+            need = max(0, -(-(computed + n) // page_size) - held)
+            # Linking the hits makes those of them that are evictable unavailable.
+            while need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
+                if not self._evict_idle_holder(request, now, view):
+                    break
+            if need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
                 break  # keep the policy's order: no skipping ahead of the head
             self._dequeue(request)
+            if not request.device_pages:
+                kv.link(request, hits)
+                if request.first_scheduled_time is None:
+                    request.num_cached_tokens = min(request.num_computed_tokens, request.prompt_len)
             request.state = RequestState.RUNNING
             self.running.append(request)
             kv.allocate_slots(request, need)
@@ -467,7 +488,7 @@ class Scheduler:
                 victim = max(ranked, key=lambda kr: kr[0])[1]
         if victim is None:
             return False
-        self._drop_kv(victim)
+        self._drop_kv(victim, retain=victim.request_id in self.paused)
         if victim.api_calls and victim.api_calls[-1].handling == Handling.PRESERVE:
             victim.api_calls[-1].fell_back_from = Handling.PRESERVE
             victim.api_calls[-1].handling = Handling.DISCARD
@@ -491,12 +512,16 @@ class Scheduler:
         ``TOKEN`` events.)"""
         ids = result.token_ids
         running_state = RequestState.RUNNING
+        commit = self.kv.commit if self.kv.cache is not None else None
+        page_size = self.kv.page_size
         produced: list[tuple[Request, int | None]] = []
         for i, chunk in enumerate(plan.chunks):
             request = chunk.request
             if request.state is not running_state:
                 continue
             request.num_computed_tokens += chunk.num_tokens
+            if commit is not None and request.num_computed_tokens >= (request.num_shared_pages + 1) * page_size:
+                commit(request)
             if not chunk.samples:
                 continue
             request.num_tokens += 1

@@ -429,7 +429,13 @@ async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> No
 def _usage(choices: list[ChoiceState]) -> Usage:
     prompts = {id(c.job.prompt_ids): c.job for c in choices}
     prompt_tokens = sum(len(j.prompt_ids) for j in prompts.values())
-    cached = sum(j.cached_tokens for j in prompts.values())
+    # Cached: the resumed parked context, or the prefix-cache hit of the prompt's first admission.
+    cached_of: dict[int, int] = {}
+    for c in choices:
+        hit = c.last.num_cached_tokens if c.last is not None else 0
+        key = id(c.job.prompt_ids)
+        cached_of[key] = max(cached_of.get(key, 0), c.job.cached_tokens, hit)
+    cached = sum(cached_of.values())
     completion = sum(c.completion_tokens for c in choices)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)

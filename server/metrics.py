@@ -53,6 +53,8 @@ class EngineCollector:
         yield gauge("kv_pages_total", "KV cache pages in the pool.",
                     [(["device"], usage["device_pages_total"]), (["host"], usage["host_pages_total"])],
                     labels=["memory"])
+        yield gauge("prefix_cache_pages", "Device KV pages holding prefix-cache pages (in use or evictable).",
+                    usage["prefix_cached_pages"])
         yield gauge("kv_cache_usage_ratio", "Fraction of KV pages in use.",
                     [([m], usage[f"{m}_pages_used"] / max(1, usage[f"{m}_pages_total"])) for m in ("device", "host")],
                     labels=["memory"])
@@ -69,6 +71,10 @@ class EngineCollector:
         yield counter("swapped_out_pages", "KV pages copied device->host.", stats.swapped_out_pages)
         yield counter("swapped_in_pages", "KV pages copied host->device.", stats.swapped_in_pages)
         yield counter("num_preemptions", "Requests preempted to free KV pages.", usage["preemptions"])
+        yield counter("prefix_cache_queries", "Prompt and context tokens looked up in the prefix cache at admission.",
+                      usage["prefix_cache_queries"])
+        yield counter("prefix_cache_hits", "Looked-up tokens whose KV came from the prefix cache.",
+                      usage["prefix_cache_hits"])
         yield counter("engine_steps", "Engine steps run.", stats.steps)
         fam = CounterMetricFamily(PREFIX + "request_finished", "Requests finished in the engine, by reason.",
                                   labels=["finish_reason"])

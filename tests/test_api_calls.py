@@ -68,7 +68,7 @@ def test_paused_output_equals_spliced_uninterrupted_run(handling, pool):
     if handling == "swap":
         assert llm.engine.stats.swapped_out_pages > 0 and llm.engine.stats.swapped_in_pages > 0
     sched = llm.engine.scheduler
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages   # free or cached-unreferenced
     assert sched.host_pool.num_free == sched.host_pool.num_pages
 
 
@@ -82,7 +82,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     while req.state not in (RequestState.SWAPPED,):
         engine.step()
     assert not req.device_pages and len(req.host_pages) == 6
-    assert engine.scheduler.device_pool.num_free == 12
+    assert engine.scheduler.kv.num_free_device == 12   # its device copies: free or cached
     kinds = {engine.executor.host_memory_kind(req.request_id, p) for p in req.host_pages}
     assert kinds == {"pinned_host"}
     # another request now uses the freed device pages (it needs 11 of the 12)
@@ -92,7 +92,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     assert req.state == RequestState.SWAPPED and len(engine.scheduler.requests["b"].device_pages) == 10
     while engine.has_unfinished():
         engine.step()
-    assert engine.scheduler.device_pool.num_free == 12 and engine.scheduler.host_pool.num_free == 16
+    assert engine.scheduler.kv.num_free_device == 12 and engine.scheduler.host_pool.num_free == 16
 
 
 def test_many_paused_requests_in_a_tight_pool_all_finish():
@@ -104,7 +104,7 @@ def test_many_paused_requests_in_a_tight_pool_all_finish():
                         api_calls=calls)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
     sched = llm.engine.scheduler
-    assert sched.device_pool.num_free == 10 and sched.host_pool.num_free == 6
+    assert sched.kv.num_free_device == 10 and sched.host_pool.num_free == 6
 
 
 def test_resume_errors_and_bad_api_calls_leave_engine_serving():

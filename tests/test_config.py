@@ -92,3 +92,16 @@ def test_from_cli_round_trip_and_overrides():
     assert (config.model, config.policy, config.num_pages, config.compilation_cache, config.handling,
             config.seed) == ("demo", "lamps", 64, False, "swap", 7)
     assert config.batched_tokens == EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def test_prefix_cache_settings_flags_and_validation():
+    assert EngineConfig().enable_prefix_caching and EngineConfig().prefix_retention_s == 30.0
+    ap = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(ap)
+    c = EngineConfig.from_cli(ap.parse_args(["--no-enable-prefix-caching", "--prefix-retention-s", "2.5"]))
+    assert c.enable_prefix_caching is False and c.prefix_retention_s == 2.5
+    for bad in (-1, float("inf"), "3", True):
+        with pytest.raises(ValueError, match="^prefix_retention_s"):
+            EngineConfig(prefix_retention_s=bad)
+    with pytest.raises(ValueError, match="^enable_prefix_caching"):
+        EngineConfig(enable_prefix_caching="yes")

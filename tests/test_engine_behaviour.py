@@ -133,7 +133,7 @@ def test_async_engine_streams_deltas_and_abort_frees_pages(llm):
         engine.shutdown()
     assert [t for p in pieces for t in p] == full and len(full) == 6
     sched = llm.engine.scheduler
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages
 
 
 def test_async_engine_after_shutdown_fails_fast():

@@ -44,7 +44,7 @@ def test_greedy_matches_transformers(kind, pool, hf_checkpoints, references):
     sched = llm.engine.scheduler
     if pool == "tight":
         assert sched.num_preemptions > 0
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages
 
 
 @pytest.mark.parametrize("kind", KINDS)

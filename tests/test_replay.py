@@ -228,7 +228,7 @@ def test_sim_completes_every_request_with_all_pages_free(multi, policy):
     result = run_simulation(sched, COST, requests, check_invariants=True)
     assert all(r.finish_time is not None and r.finish_reason in ("length", "stop") for r in requests)
     assert not sched.has_unfinished()
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages
     assert sched.host_pool.num_free == sched.host_pool.num_pages
     for w, r in zip(sorted(workload, key=lambda w: w.arrival_time), result.requests):
         assert r.num_generated == w.entry.output_len
@@ -247,7 +247,7 @@ def test_sim_forced_handling(multi, handling):
     used = {c.handling for r in requests for c in r.api_calls}
     assert used == {handling}
     assert (result.swapped_tokens > 0) == (handling == Handling.SWAP)
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    assert sched.kv.num_free_device == sched.device_pool.num_pages
 
 
 def test_sim_step_time_hides_swap_behind_the_forward():
@@ -413,3 +413,21 @@ def test_step_tally_groups_steps_by_power_of_two_bucket():
     assert tally.as_row() == {"0": {"steps": 1, "mean_s": 0.002}, "1": {"steps": 1, "mean_s": 0.001},
                               "2": {"steps": 1, "mean_s": 0.003},
                               "512": {"steps": 2, "mean_s": pytest.approx(0.06)}}
+
+
+def test_sim_prefix_cache_soft_discard_recomputes_less(multi):
+    entries = _small_entries(multi, 20)
+    results = {}
+    for cache in (False, True):
+        requests = [w.to_request() for w in make_workload(entries, WorkloadSpec("poisson", rate=10.0,
+                                                                                 num_requests=30, seed=1))]
+        sched = build_scheduler(COST, make_policy("infercept"),
+                                SimConfig(page_size=8, num_device_pages=400, num_host_pages=400,
+                                          handling=Handling.DISCARD, enable_prefix_caching=cache))
+        results[cache] = run_simulation(sched, COST, requests, check_invariants=True)
+        assert sched.kv.num_free_device == sched.device_pool.num_pages
+        assert all(r.finish_reason in ("length", "stop") for r in requests)
+    off, on = results[False], results[True]
+    assert off.cached_tokens == 0 and off.recomputed_tokens > 0
+    # a roomy pool evicts nothing: every full page of a discarded context is re-linked on return
+    assert on.cached_tokens > 0 and on.recomputed_tokens < off.recomputed_tokens

@@ -23,7 +23,7 @@ def test_a_request_ending_in_an_api_call_ends_when_it_returns():
         api_calls=[[ApiCall(3, 0.01, [8, 9], "a"), ApiCall(6, 0.01, [10], "b")]])[0]
     assert out.finish_reason == "stop" and len(out.token_ids) == 6
     assert [c.return_time is not None for c in out.api_calls] == [True, True]
-    assert llm.engine.scheduler.device_pool.num_free == 32
+    assert llm.engine.scheduler.kv.num_free_device == 32
 
 
 def test_engine_replay_completes_and_reports(tmp_path):

@@ -125,7 +125,8 @@ class _ScriptedEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(demo_dir()))
         self.usage_snapshot = {"running": 0, "waiting": 0, "swapping": 0, "paused": {"preserve": 0},
                                "device_pages_used": 0, "device_pages_total": 8, "host_pages_used": 0,
-                               "host_pages_total": 8, "preemptions": 0}
+                               "host_pages_total": 8, "preemptions": 0, "prefix_cache_queries": 0,
+                               "prefix_cache_hits": 0, "prefix_cached_pages": 0}
         self.stats_snapshot = EngineStats()
 
     async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):

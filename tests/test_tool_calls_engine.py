@@ -34,7 +34,7 @@ def test_calculator_call_pauses_runs_and_continues_exactly(handling, tool_checkp
     assert (call.name, call.handling, call.error) == ("calculator", handling, None)
     assert call.returned_tokens == len(calc.tool_turn_ids)
     pool = llm.engine.scheduler.device_pool
-    assert pool.num_free == pool.num_pages
+    assert llm.engine.scheduler.kv.num_free_device == pool.num_pages   # free or cached-unreferenced
 
 
 def test_failing_and_timing_out_tools_resume_with_an_error_and_engine_keeps_serving(tool_checkpoint):
@@ -71,7 +71,7 @@ def test_unregistered_tool_ends_offline_generate_with_the_call(tool_checkpoint):
     assert out.tool_call["name"] == "get_weather" and '"Paris"' in out.tool_call["arguments"]
     assert not llm.engine.has_unfinished()
     pool = llm.engine.scheduler.device_pool
-    assert pool.num_free == pool.num_pages
+    assert llm.engine.scheduler.kv.num_free_device == pool.num_pages   # free or cached-unreferenced
 
 
 def test_engine_resume_continues_a_client_side_call(tool_checkpoint):
@@ -118,4 +118,4 @@ def test_resume_is_validated_and_cannot_outgrow_the_page_pool(tool_checkpoint):
             break
     assert final is not None and final.finish_reason in ("length", "stop")
     assert engine.scheduler.num_preemptions == 0
-    assert engine.scheduler.device_pool.num_free == pages
+    assert engine.scheduler.kv.num_free_device == pages

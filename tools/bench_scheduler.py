@@ -12,6 +12,14 @@ fraction of that typical step.
 
     python tools/bench_scheduler.py [--profile gptj-6b-a100-40g|PATH]
         [--policies lamps,augserve] [--waiting 64,512,4096] [--running 256] [--steps 300]
+        [--prefix-cache off,on]
+
+``--prefix-cache`` runs each row with the prefix cache off and/or on; requests
+then carry token ids (one of 8 shared 256-token system prompts + a random
+tail; sampled and API-returned tokens are ids too), so the cache hashes,
+matches, commits and evicts as in the engine; the last column is the median
+against the cache-off row of the same run. Without it, requests carry no
+ids (the cache has nothing to do), as before.
 
 Pure Python, no JAX: ``scheduler`` only.
 """
@@ -34,22 +42,31 @@ from scheduler import (EventKind, PageAllocator, Request, Scheduler, SchedulerCo
 API_TYPES = {"math": (1e-4, 2), "qa": (0.7, 8), "ve": (0.09, 20), "chat": (28.6, 60), "image": (20.0, 40)}
 
 
-def make_request(rng: random.Random, i: int, now: float) -> Request:
+SYSTEM_PROMPTS = [[random.Random(k).randrange(3, 32000) for _ in range(256)] for k in range(8)]
+
+
+def make_request(rng: random.Random, i: int, now: float, token_ids: bool = False) -> Request:
     segs = []
     for _ in range(rng.randint(0, 3)):
         api = rng.choice(list(API_TYPES))
         mean_s, ret = API_TYPES[api]
         segs.append(Segment(rng.randint(4, 64), api, rng.uniform(0.5, 1.5) * mean_s, rng.randint(0, ret)))
     segs.append(Segment(rng.randint(8, 256)))
-    return Request(f"b{i}", now, prompt_len=rng.randint(16, 512),
-                   max_tokens=sum(s.num_tokens for s in segs), segments=segs)
+    prompt_len = rng.randint(16, 512)
+    ids = []
+    if token_ids:
+        ids = (rng.choice(SYSTEM_PROMPTS) + [rng.randrange(3, 32000) for _ in range(prompt_len)])[:prompt_len]
+    return Request(f"b{i}", now, prompt_len=prompt_len, max_tokens=sum(s.num_tokens for s in segs),
+                   segments=segs, token_ids=ids)
 
 
 def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost, seed: int = 0,
-          warmup: int = 300, budget: int = 512) -> dict:
+          warmup: int = 300, budget: int = 512, cache: str | None = None) -> dict:
+    """``cache``: None (no token ids, default config), "off" or "on" (token ids, prefix cache off/on)."""
     rng = random.Random(seed)
+    ids = cache is not None
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
-                             swap_budget_tokens=2048)
+                             swap_budget_tokens=2048, enable_prefix_caching=cache != "off")
     sched = Scheduler(config, make_policy(policy_name), PageAllocator(200_000, 16),
                       PageAllocator(200_000, 16, "host"), cost)
     now, counter = 0.0, 0
@@ -58,7 +75,7 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
     def top_up() -> None:
         nonlocal counter
         while len(sched.waiting) < num_waiting:
-            sched.add_request(make_request(rng, counter, now), now)
+            sched.add_request(make_request(rng, counter, now, ids), now)
             counter += 1
 
     top_up()
@@ -66,7 +83,7 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
     for step in range(warmup + steps):
         for item in [p for p in pending if p[0] <= now]:
             pending.remove(item)
-            sched.api_return(item[1], item[2], now)
+            sched.api_return(item[1], item[2], now, token_ids=[5] * item[2] if ids else None)
         gc.disable()
         t0 = time.perf_counter()
         plan = sched.schedule(now)
@@ -76,7 +93,8 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             times.append(t1 - t0)
             tokens.append(plan.num_batched_tokens)
         now += cost.t_fwd(plan.num_batched_tokens)
-        for event in sched.update(plan, StepResult(), now):
+        result = StepResult(token_ids=[7 + step % 50] * len(plan.chunks) if ids else None)
+        for event in sched.update(plan, result, now):
             if event.kind is EventKind.API_CALL:   # paused by update(); its segment is behind it now
                 r = event.request
                 seg = r.segments[r.segment_index - 1]
@@ -102,18 +120,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--prefix-cache", default=None,
+                    help="comma list of off,on: requests carry token ids, cache off/on (default: no ids)")
     args = ap.parse_args(argv)
+    caches = args.prefix_cache.split(",") if args.prefix_cache else [None]
+    if any(c not in (None, "off", "on") for c in caches):
+        ap.error("--prefix-cache takes off, on or off,on")
     cost = load_profile(args.profile)
     sizes = [int(x) for x in args.waiting.split(",")]
     print(f"profile {cost.name}; {args.running} running (max_num_seqs), budget {args.budget} tokens, "
           f"{args.steps} timed steps; python {sys.version.split()[0]}")
-    print(f"{'policy':<14}{'waiting':>8}{'median µs':>11}{'mean µs':>9}{'p99 µs':>9}"
-          f"{'step ms':>9}{'% of step':>10}{'running':>9}")
+    print(f"{'policy':<14}{'waiting':>8}{'cache':>6}{'median µs':>11}{'mean µs':>9}{'p99 µs':>9}"
+          f"{'step ms':>9}{'% of step':>10}{'running':>9}{'vs off':>8}")
     for name in args.policies.split(","):
         for n in sizes:
-            r = bench(name, n, args.running, args.steps, cost, budget=args.budget)
-            print(f"{name:<14}{n:>8}{r['median_us']:>11.0f}{r['mean_us']:>9.0f}{r['p99_us']:>9.0f}"
-                  f"{r['step_ms']:>9.1f}{100 * r['fraction']:>9.2f}%{r['running_mean']:>9.0f}", flush=True)
+            base = None
+            for cache in caches:
+                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache)
+                if cache == "off":
+                    base = r["median_us"]
+                ratio = f"{r['median_us'] / base:>7.2f}x" if base and cache == "on" else f"{'':>8}"
+                print(f"{name:<14}{n:>8}{cache or '-':>6}{r['median_us']:>11.0f}{r['mean_us']:>9.0f}"
+                      f"{r['p99_us']:>9.0f}{r['step_ms']:>9.1f}{100 * r['fraction']:>9.2f}%"
+                      f"{r['running_mean']:>9.0f}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

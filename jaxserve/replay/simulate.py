@@ -45,6 +45,10 @@ class SimConfig:
     step_model: str = "auto"             # "linear" T_fwd(n), "buckets" measured per padded bucket, "auto"
     step_time_scale: float = 1.0         # multiplies every simulated step time
     prefill_decode_split: bool = False   # Prophet's disaggregation: prefill and decode on two executors
+    # Model the prefix cache. Trace requests carry no token ids, so each request's pages are
+    # named by (request id, page index): no sharing between requests, but soft discard,
+    # preemption and swap-in re-link whatever of its own context was not evicted.
+    enable_prefix_caching: bool = False
 
     def resolve(self, cost: CostModel) -> "SimConfig":
         """A copy with every ``None`` sized from ``cost``."""
@@ -72,7 +76,8 @@ def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Sched
     c = config.resolve(cost)
     sched_config = SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens,
                                    max_num_seqs=c.max_num_seqs,
-                                   swap_budget_tokens=c.swap_budget_tokens, handling=c.handling)
+                                   swap_budget_tokens=c.swap_budget_tokens, handling=c.handling,
+                                   enable_prefix_caching=c.enable_prefix_caching)
     return Scheduler(sched_config, policy, PageAllocator(c.num_device_pages, c.page_size, "device"),
                      PageAllocator(c.num_host_pages, c.page_size, "host"), cost)
 
@@ -105,6 +110,8 @@ class SimResult:
     steps_by_bucket: StepTally
     total_device_pages: int
     total_host_pages: int
+    recomputed_tokens: int = 0   # context tokens computed again (after Discard or preemption)
+    cached_tokens: int = 0       # tokens re-linked from the prefix cache at admissions
 
     @property
     def mean_step_s(self) -> float:
@@ -124,6 +131,10 @@ def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Req
     each enters) until every one ends, or the clock passes ``horizon_s``.
     ``progress(num_finished_since_last_call, now)`` is called every 500 steps
     and at the end."""
+    if scheduler.kv.cache is not None:
+        for r in requests:
+            if not r.token_ids and not r.block_hashes:
+                r.block_hashes = own_page_names(r, scheduler.page_size)
     clock = SimClock()
     executor = SimExecutor(cost, scheduler.page_size, clock, step_model=step_model,
                            step_time_scale=step_time_scale, prefill_decode_split=prefill_decode_split)
@@ -170,4 +181,14 @@ def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Req
                      batched_tokens=core.stats.batched_tokens, swapped_tokens=executor.swapped_tokens,
                      num_preemptions=scheduler.num_preemptions, occupancy=occ,
                      steps_by_bucket=core.stats.steps_by_bucket, total_device_pages=device_pool.num_pages,
-                     total_host_pages=host_pool.num_pages)
+                     total_host_pages=host_pool.num_pages, recomputed_tokens=core.stats.recomputed_tokens,
+                     cached_tokens=scheduler.kv.cache.hit_tokens if scheduler.kv.cache is not None else 0)
+
+
+def own_page_names(request: Request, page_size: int) -> list[bytes]:
+    """Prefix-cache names for every full page ``request``'s context can reach
+    (prompt, generated and API-returned tokens): unique to the request, so its
+    pages match only its own earlier copies (a simulated request has no token ids)."""
+    total = request.prompt_len + request.max_tokens + sum(s.num_returned_tokens for s in request.segments)
+    prefix = request.request_id.encode() + b"#"
+    return [prefix + i.to_bytes(4, "little") for i in range(total // page_size)]

@@ -11,16 +11,19 @@ from scheduler.request import Handling, Request, RequestState
 
 
 def min_waste_choice(cost: CostModel, context_tokens: int, other_tokens: int, num_running: int,
-                     api_duration_s: float, swap_ok: bool = True) -> tuple[Handling, float]:
+                     api_duration_s: float, swap_ok: bool = True, cached_tokens: int = 0) -> tuple[Handling, float]:
     """The handling with the least memory waste (byte-seconds) for a call of
     ``api_duration_s`` seconds by a request holding ``context_tokens`` of KV,
     while others hold ``other_tokens``. Discard is InferCept's chunked
     recompute: chunks of ``S − num_running`` tokens (the saturation point minus
     the decode tokens the running batch already puts in each step). Swap is a
-    candidate only when ``swap_ok`` (the host pool has room)."""
+    candidate only when ``swap_ok`` (the host pool has room). ``cached_tokens``
+    of the context are expected still in the prefix cache at the return, so a
+    (soft) Discard recomputes only the rest (docs/scheduling.md)."""
     options = {
         Handling.PRESERVE: waste_preserve(cost, context_tokens, api_duration_s),
-        Handling.DISCARD: waste_discard_chunked(cost, context_tokens, other_tokens, num_running),
+        Handling.DISCARD: waste_discard_chunked(cost, max(0, context_tokens - cached_tokens), other_tokens,
+                                                num_running),
     }
     if swap_ok:
         options[Handling.SWAP] = waste_swap(cost, context_tokens, other_tokens)
@@ -34,7 +37,8 @@ def min_waste_handling(request: Request, view: MemoryView, api_duration_s: float
     c_i = request.num_computed_tokens
     c_other = max(0, view.running_tokens - request.num_tokens)
     swap_ok = view.free_host_pages * view.page_size >= c_i
-    return min_waste_choice(view.cost, c_i, c_other, view.num_running, api_duration_s, swap_ok)
+    return min_waste_choice(view.cost, c_i, c_other, view.num_running, api_duration_s, swap_ok,
+                            view.expected_cached_tokens(c_i, api_duration_s))
 
 
 def preserve_or_discard(cost: CostModel, context_tokens: int, other_tokens: int, num_running: int,

@@ -24,7 +24,7 @@ def step_time(cost: CostModel) -> float:
 
 def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens: int, output_tokens: int,
                          handling: Handling | None, api_duration_s: float, chunk_tokens: int,
-                         swapped_tokens: int = 0) -> float:
+                         swapped_tokens: int = 0, cached_tokens: int = 0) -> float:
     """Area under the memory-vs-time curve (byte-seconds) of one segment of a
     request, from now to the end of its API call (or of the request).
 
@@ -36,7 +36,9 @@ def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens
 
     - Preserve: memory flat at ``C`` for ``api_duration_s``;
     - Discard: zero through the call, then the context is recomputed (memory
-      ramps back up over ``⌈C / chunk⌉`` steps);
+      ramps back up over ``⌈C / chunk⌉`` steps); with ``cached_tokens`` of it
+      expected still in the prefix cache, memory starts there and only the
+      rest is recomputed (``⌈(C − cached) / chunk⌉`` steps);
     - Swap: zero through the call, plus a ramp down (swap-out) and a ramp up
       (swap-in) of ``T_swap(C)`` each;
     - ``None``: no call (the last segment).
@@ -55,7 +57,8 @@ def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens
     if handling == Handling.PRESERVE:
         area += api_duration_s * c_call
     elif handling == Handling.DISCARD:
-        area += tau * math.ceil(c_call / chunk_tokens) * c_call / 2
+        cached = min(cached_tokens, c_call)
+        area += tau * math.ceil((c_call - cached) / chunk_tokens) * (cached + (c_call - cached) / 2)
     elif handling == Handling.SWAP:
         area += cost.t_swap(c_call) * c_call
     return area * m
@@ -109,7 +112,10 @@ class LampsPolicy(Policy):
         duration = self.predictor.api_duration(request, now, None) or 0.0
         c_call = request.num_tokens + out
         swap_ok = view.free_host_pages * view.page_size >= c_call
-        best, _ = min_waste_choice(view.cost, c_call, view.running_tokens, view.num_running, duration, swap_ok)
+        cached = view.expected_cached_tokens(c_call, duration)
+        request.policy_state["lamps_cached"] = cached
+        best, _ = min_waste_choice(view.cost, c_call, view.running_tokens, view.num_running, duration, swap_ok,
+                                   cached)
         return best
 
     def _classify(self, request: Request, now: float, view: MemoryView) -> None:
@@ -146,7 +152,7 @@ class LampsPolicy(Policy):
         return memory_time_integral(
             ctx.cost, request.num_tokens, request.num_uncomputed_tokens,
             self.predictor.segment_output_len(request), state["lamps_handling"],
-            state["lamps_api_s"], ctx.max_num_batched_tokens, swapped)
+            state["lamps_api_s"], ctx.max_num_batched_tokens, swapped, state.get("lamps_cached", 0))
 
     def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
         return (0 if request.starving else 1, self.score(request, now))

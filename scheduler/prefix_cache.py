@@ -1,0 +1,152 @@
+"""The prefix cache's books: which device pages hold which full pages of tokens.
+
+A full page of ``page_size`` tokens is named by a chained hash: the BLAKE2b
+digest of (the previous page's hash, the page's token ids as 8-byte
+integers), rooted at a digest of the cache key (model and dtype), so equal
+hashes mean equal token prefixes of the same model and the cache never mixes
+models. Partial pages are never named, so never shared.
+
+Each cached page has a reference count: the number of live requests whose
+page table lists it. A page whose count is 0 stays cached but evictable. The
+eviction order is a retention score, lowest first: the time the page was last
+released plus a retention bonus in seconds (0 for ordinary releases, the
+configured bonus for the context of a request inside an API call). So a
+parked context outranks fresher plain pages for ``bonus`` seconds, its lead
+shrinks as time passes, a hit refreshes it, and when the pool needs pages the
+lowest score goes regardless: retention is a priority, never a lock.
+
+Pure bookkeeping: it knows page ids, not which request holds them (the
+``KVManager`` does) and never touches the free list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from array import array
+from typing import Sequence
+
+HASH_BYTES = 16
+
+
+def root_hash(cache_key: str) -> bytes:
+    """The parent hash of a context's first page, for ``cache_key`` (model, dtype)."""
+    return hashlib.blake2b(b"jaxserve-prefix:" + cache_key.encode(), digest_size=HASH_BYTES).digest()
+
+
+def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained hash of one full page of ``token_ids`` after ``parent``."""
+    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class PrefixCache:
+    """Page hash <-> device page id, reference counts and the evictable set (see module doc)."""
+
+    def __init__(self, cache_key: str = "") -> None:
+        self.root = root_hash(cache_key)
+        self.page_of: dict[bytes, int] = {}     # hash -> device page
+        self.hash_of: dict[int, bytes] = {}     # device page -> hash
+        self.refs: dict[int, int] = {}          # device page -> live requests listing it
+        self._score: dict[int, tuple[float, int]] = {}   # evictable page -> (score, seq) in the heap
+        self._heap: list[tuple[float, int, int]] = []    # (score, seq, page); stale entries skipped
+        self._seq = 0
+        self.query_tokens = 0    # tokens looked up at admissions (cumulative)
+        self.hit_tokens = 0      # of those, tokens whose KV came from the cache
+        self.evicted_pages = 0
+        self._released: dict[int, float] = {}   # evictable page -> when it was released (s)
+        self.residence_s = float("inf")          # EMA of release-to-eviction time; inf until one is evicted
+
+    # ----------------------------------------------------------------- views
+    @property
+    def num_pages(self) -> int:
+        """Device pages holding a cached page (referenced or not)."""
+        return len(self.hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached pages no live request lists (reusable by the pool)."""
+        return len(self._score)
+
+    def is_evictable(self, page: int) -> bool:
+        return page in self._score
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Device pages of the longest cached run of ``hashes`` from the first."""
+        pages = []
+        get = self.page_of.get
+        for h in hashes:
+            p = get(h)
+            if p is None:
+                break
+            pages.append(p)
+        return pages
+
+    # -------------------------------------------------------------- changes
+    def insert(self, page: int, h: bytes) -> None:
+        """Name ``page`` (just computed, listed by one request) ``h``; count 1."""
+        assert h not in self.page_of and page not in self.hash_of, "page or hash cached twice"
+        self.page_of[h] = page
+        self.hash_of[page] = h
+        self.refs[page] = 1
+
+    def acquire(self, pages: Sequence[int]) -> None:
+        """One more request lists each of ``pages`` (takes them out of the evictable set)."""
+        refs, score = self.refs, self._score
+        for p in pages:
+            refs[p] += 1
+            if score.pop(p, None) is not None:
+                del self._released[p]
+
+    def release(self, pages: Sequence[int], now: float, bonus_s: float = 0.0) -> None:
+        """One request fewer lists each of ``pages`` (in context order); those no
+        one lists become evictable with score ``now + bonus_s`` (ties go
+        tail first, so a context is evicted from its end and its head stays
+        matchable)."""
+        refs = self.refs
+        score = now + bonus_s
+        for p in reversed(pages):
+            refs[p] -= 1
+            if refs[p] == 0:
+                self._released[p] = now
+                self._seq += 1
+                self._score[p] = (score, self._seq)
+                heapq.heappush(self._heap, (score, self._seq, p))
+
+    def evict(self, now: float | None = None) -> int:
+        """Forget the evictable page with the lowest score; returns its page id.
+        ``now`` (seconds) updates ``residence_s``, the EMA of how long an
+        evicted page stayed cached after its release."""
+        heap, score = self._heap, self._score
+        while heap:
+            s, seq, p = heapq.heappop(heap)
+            if score.get(p) == (s, seq):
+                del score[p]
+                released = self._released.pop(p)
+                if now is not None:
+                    age = max(0.0, now - released)
+                    self.residence_s = age if self.residence_s == float("inf") else \
+                        0.9 * self.residence_s + 0.1 * age
+                del self.page_of[self.hash_of.pop(p)]
+                del self.refs[p]
+                self.evicted_pages += 1
+                if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
+                    self._heap = [(e[0], e[1], q) for q, e in score.items()]
+                    heapq.heapify(self._heap)
+                return p
+        raise RuntimeError("prefix cache: nothing evictable")
+
+    # ------------------------------------------------------------ invariants
+    def check_invariants(self, listed: dict[int, int]) -> None:
+        """``listed``: cached page -> how many live requests list it. Counts match,
+        the evictable set is exactly the pages no one lists, the maps agree."""
+        assert len(self.page_of) == len(self.hash_of), "prefix cache: hash maps differ in size"
+        for h, p in self.page_of.items():
+            assert self.hash_of.get(p) == h, f"prefix cache: page {p} and its hash disagree"
+        assert set(self.refs) == set(self.hash_of), "prefix cache: ref counts and pages differ"
+        for p, n in self.refs.items():
+            assert n == listed.get(p, 0), f"prefix cache: page {p} has {n} refs, {listed.get(p, 0)} requests list it"
+            assert (n == 0) == (p in self._score), f"prefix cache: page {p} evictable={p in self._score} with {n} refs"
+        assert set(self._released) == set(self._score), "prefix cache: release times out of step"
+        assert set(listed) <= set(self.hash_of), "prefix cache: a request lists an uncached page as shared"

@@ -1,0 +1,236 @@
+"""The prefix cache: chained hashes, ref counts and the retention-scored
+evictable set (``scheduler.prefix_cache``), the KV manager's link/commit/
+release, and the scheduler driven with a fake model that reads its context
+back from simulated KV pages, so a wrongly shared or evicted page changes
+the output (no JAX)."""
+
+import random
+
+import pytest
+
+from scheduler import (BUILTIN_PROFILES, EventKind, Handling, PageAllocator, Request, RequestState, Scheduler,
+                       SchedulerConfig, Segment, StepResult, make_policy)
+from scheduler.kv_manager import CACHE_OWNER, KVManager
+from scheduler.prefix_cache import PrefixCache, page_hash, root_hash
+
+COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
+
+
+def test_hashes_chain_and_separate_models():
+    root = root_hash("model-a|float32")
+    assert root != root_hash("model-b|float32") and root != root_hash("model-a|bfloat16")
+    a = page_hash(root, [1, 2, 3, 4])
+    assert a == page_hash(root, [1, 2, 3, 4]) and len(a) == 16
+    assert a != page_hash(root, [1, 2, 3, 5])
+    assert page_hash(a, [5, 6, 7, 8]) != page_hash(page_hash(root, [9, 9, 9, 9]), [5, 6, 7, 8])
+    assert page_hash(root, [256]) != page_hash(root, [1, 0])   # ids are 8-byte integers, not bytes
+
+
+def test_eviction_order_is_retention_score_and_a_hit_refreshes_it():
+    cache = PrefixCache()
+    for p in range(4):
+        cache.insert(p, bytes([p]) * 16)
+    cache.release([0, 1], now=10.0)                  # plain: score 10 (tail first on ties)
+    cache.release([2], now=1.0, bonus_s=30.0)        # a context inside an API call: score 31
+    assert cache.num_evictable == 3 and not cache.is_evictable(3)
+    assert cache.evict() == 1 and cache.evict() == 0
+    cache.acquire([2])                               # a hit takes it out of the evictable set
+    cache.release([2], now=40.0)
+    cache.release([3], now=35.0)
+    assert cache.evict() == 3 and cache.evict() == 2
+    with pytest.raises(RuntimeError, match="nothing evictable"):
+        cache.evict()
+    assert cache.num_pages == 0 and cache.evicted_pages == 4
+
+
+def make_kv(device=8, host=8, page_size=4):
+    return KVManager(PageAllocator(device, page_size), PageAllocator(host, page_size, "host"), PrefixCache("m"))
+
+
+def computed(kv, rid, ids):
+    """A request with ``ids`` as context, all computed (its pages committed)."""
+    r = Request(rid, 0.0, prompt_len=len(ids), max_tokens=4, token_ids=list(ids))
+    kv.link(r, kv.lookup(r))
+    assert kv.allocate_slots(r, kv.pages_needed(r, r.num_uncomputed_tokens))
+    r.num_computed_tokens = len(ids)
+    kv.commit(r)
+    return r
+
+
+def test_link_commit_release_and_longest_run():
+    kv = make_kv()
+    a = computed(kv, "a", list(range(10)))            # 2 full pages cached, a partial private one
+    assert a.num_shared_pages == 2 and kv.cache.num_pages == 2
+    kv.check_invariants([a], set(), set())
+    b = Request("b", 0.0, prompt_len=11, max_tokens=1, token_ids=list(range(8)) + [99, 98, 97])
+    assert kv.lookup(b) == a.device_pages[:2]
+    c = Request("c", 0.0, prompt_len=8, max_tokens=1, token_ids=list(range(8)))
+    assert kv.lookup(c) == a.device_pages[:1]          # one token is always left to compute
+    d = Request("d", 0.0, prompt_len=9, max_tokens=1, token_ids=[0, 1, 2, 7] + list(range(4, 9)))
+    assert kv.lookup(d) == []                          # first page differs: nothing after it matches
+    kv.link(b, kv.lookup(b))
+    assert b.num_computed_tokens == 8 and kv.cache.refs[a.device_pages[0]] == 2
+    kv.check_invariants([a, b], set(), {"b"} - {"b"})
+    kv.free_device(a)
+    assert kv.cache.num_evictable == 0                  # b still lists both
+    kv.free_device(b)
+    assert kv.cache.num_evictable == 2 and kv.num_free_device == 8
+    kv.check_invariants([], set(), set())
+
+
+def test_commit_of_a_prefix_computed_twice_keeps_one_copy():
+    kv = make_kv()
+    a = Request("a", 0.0, prompt_len=8, max_tokens=1, token_ids=list(range(8)))
+    b = Request("b", 0.0, prompt_len=8, max_tokens=1, token_ids=list(range(8)))
+    for r in (a, b):                                   # both admitted before either computed
+        assert kv.allocate_slots(r, 2)
+    for r in (a, b):
+        r.num_computed_tokens = 8
+        kv.commit(r)
+    assert a.device_pages == b.device_pages and kv.cache.num_pages == 2 and kv.device_pool.num_free == 6
+    kv.check_invariants([a, b], set(), set())
+
+
+def test_allocation_evicts_only_unreferenced_cached_pages():
+    kv = make_kv(device=4)
+    a = computed(kv, "a", list(range(8)))              # 2 shared pages
+    b = computed(kv, "b", list(range(100, 108)))       # 2 more: the pool is full
+    kv.free_device(b)
+    r = Request("r", 0.0, prompt_len=12, max_tokens=1, token_ids=list(range(200, 212)))
+    assert not kv.allocate_slots(r, 3)                 # a's pages are referenced: only 2 can be had
+    assert kv.allocate_slots(r, 2) and kv.cache.evicted_pages == 2
+    assert set(r.device_pages).isdisjoint(a.device_pages)
+    kv.check_invariants([a, r], set(), set())
+    assert kv.device_pool.owned_by()[CACHE_OWNER] == sorted(a.device_pages)
+
+
+def test_swap_in_relinks_pages_still_cached():
+    kv = make_kv(device=8, host=8)
+    r = computed(kv, "r", list(range(14)))             # 3 full pages + 2 tokens
+    assert kv.start_swap_out(r)
+    while not kv.swap_chunk(r, 8, out=True)[2]:
+        pass
+    assert kv.cache.num_evictable == 3 and len(r.host_pages) == 4
+    assert kv.start_swap_in(r) and r.num_shared_pages == 3 and kv.relinked_swap_pages == 3
+    op, n, done = kv.swap_chunk(r, 8, out=False)
+    assert done and n == 1 and op.host_pages == op.host_pages[:1]   # only the partial page is copied
+    kv.check_invariants([r], set(), set())
+
+
+# ------------------------------------------------------- scheduler with fake KV
+class PagedModel:
+    """A fake model over simulated KV pages: a computed position writes its token
+    id into its page slot (or the swap copies it); the next token is a hash of
+    the context *read back from the pages*, so outputs change if a request is
+    given a page holding other tokens."""
+
+    def __init__(self, page_size):
+        self.ps = page_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    def step(self, plan):
+        for op in plan.swap_out:
+            for d, h in zip(op.device_pages, op.host_pages):
+                self.host[h] = list(self.device.get(d, [None] * self.ps))
+        for op in plan.swap_in:
+            for d, h in zip(op.device_pages, op.host_pages):
+                self.device[d] = list(self.host[h])
+        ids = []
+        for chunk in plan.chunks:
+            r = chunk.request
+            for pos in range(chunk.start, chunk.start + chunk.num_tokens):
+                page = self.device.setdefault(r.device_pages[pos // self.ps], [None] * self.ps)
+                page[pos % self.ps] = r.token_ids[pos]
+            end = chunk.start + chunk.num_tokens
+            context = [self.device[r.device_pages[p // self.ps]][p % self.ps] for p in range(end)]
+            assert context == r.token_ids[:end], f"{r.request_id}: KV pages hold another context"
+            ids.append(sum((i + 1) * (t or 0) for i, t in enumerate(context)) % 97 + 3)
+        return StepResult(token_ids=ids)
+
+
+def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14):
+    ps = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8, swap_budget_tokens=8,
+                                      handling=handling, enable_prefix_caching=cache),
+                      make_policy("fcfs"), PageAllocator(num_pages, ps), PageAllocator(6, ps, "host"), COST)
+    model = PagedModel(ps)
+    rng = random.Random(seed)
+    system = [rng.randint(3, 99) for _ in range(13)]
+    pending, now, outs = [], 0.0, {}
+    for i in range(n):
+        ids = system + [rng.randint(3, 99) for _ in range(rng.randint(1, 9))]
+        segs = [Segment(rng.randint(1, 4), "tool", rng.choice([0.0, 0.05]), rng.randint(1, 5)), Segment(3)]
+        r = Request(f"r{i}", 0.0, prompt_len=len(ids), max_tokens=sum(s.num_tokens for s in segs),
+                    segments=segs, token_ids=ids)
+        sched.add_request(r, now)
+        outs[r.request_id] = r
+    steps = 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps < 3000
+        for t, r in list(pending):
+            if t <= now:
+                pending.remove((t, r))
+                k = r.segments[r.segment_index - 1].num_returned_tokens
+                sched.api_return(r, k, now, token_ids=[(len(r.token_ids) + j) % 50 + 3 for j in range(k)])
+        plan = sched.schedule(now)
+        result = model.step(plan)
+        now += 0.01
+        for event in sched.update(plan, result, now):
+            if event.kind is EventKind.API_CALL:
+                pending.append((now + event.segment.api_duration_s, event.request))
+        sched.check_invariants()
+    assert sched.kv.num_free_device == num_pages and sched.host_pool.num_free == 6   # free or cached-unreferenced
+    return {rid: r.output_token_ids for rid, r in outs.items()}, sched
+
+
+@pytest.mark.parametrize("handling", [None, Handling.PRESERVE, Handling.DISCARD, Handling.SWAP])
+@pytest.mark.parametrize("num_pages", [64, 12])
+def test_outputs_identical_with_and_without_the_cache(handling, num_pages):
+    for seed in range(3):
+        want, _ = run_agents(False, num_pages, handling, seed)
+        got, sched = run_agents(True, num_pages, handling, seed)
+        assert got == want
+        cache = sched.kv.cache
+        assert cache.hit_tokens > 0
+        if num_pages == 12:
+            assert sched.num_preemptions + cache.evicted_pages > 0
+
+
+def test_soft_discard_recomputes_only_what_was_evicted():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, handling=Handling.DISCARD),
+                      make_policy("fcfs"), PageAllocator(16, 4), PageAllocator(4, 4, "host"), COST)
+    r = Request("a", 0.0, prompt_len=10, max_tokens=2, segments=[Segment(1, "tool", 1.0, 2), Segment(1)],
+                token_ids=list(range(3, 13)))
+    sched.add_request(r, 0.0)
+    plan = sched.schedule(0.0)
+    [event] = sched.update(plan, StepResult(token_ids=[50]), 0.1)
+    assert event.kind is EventKind.API_CALL and r.handling is Handling.DISCARD and not r.device_pages
+    assert sched.kv.cache.num_evictable == 2                  # its 2 full pages, kept for its return
+    sched.api_return(r, 2, 1.0, token_ids=[60, 61])
+    plan = sched.schedule(1.0)
+    [chunk] = plan.chunks
+    assert (chunk.start, chunk.num_tokens) == (8, 5)          # tokens 8..12 only; 0..7 re-linked
+    assert r.num_cached_tokens == 0 and r.state is RequestState.RUNNING
+    sched.check_invariants()
+
+
+def test_a_context_released_in_an_api_call_outranks_plain_pages_for_a_while_only():
+    kv = KVManager(PageAllocator(6, 4), PageAllocator(4, 4, "host"), PrefixCache("m"), retention_s=30.0)
+    parked = computed(kv, "parked", list(range(8)))
+    kv.now = 0.0
+    kv.free_device(parked, retain=True)               # soft discard at t=0: score 30
+    plain = computed(kv, "plain", list(range(50, 58)))
+    kv.now = 1.0
+    kv.free_device(plain)                              # finished at t=1: score 1
+    r = computed(kv, "r", list(range(100, 116)))       # 4 pages: 2 free + 2 evicted, the plain ones
+    assert kv.lookup(Request("p", 1.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))) != []
+    assert kv.lookup(Request("q", 1.0, prompt_len=9, max_tokens=1, token_ids=list(range(50, 59)))) == []
+    kv.now = 100.0                                      # long after: fresher plain pages now outrank it
+    kv.free_device(r)                                   # its 4 pages cached, score 100
+    assert kv.cache.num_evictable == 6 and kv.device_pool.num_free == 0
+    s = computed(kv, "s", list(range(200, 208)))       # 2 pages: the lowest scores go, the parked ones
+    assert kv.lookup(Request("p", 100.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))) == []
+    assert kv.cache.residence_s < float("inf") and kv.cache_horizon_s() == kv.cache.residence_s
+    kv.check_invariants([s], set(), set())
