@@ -123,6 +123,9 @@ def _kernel_cases(opts):
         for dtype in (jnp.float32, jnp.bfloat16):
             batch = tk.make_batch(7, **tk.MIXED, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype)
             yield f"gqa4_d128_{jnp.dtype(dtype).name}", jnp.dtype(dtype).name, batch, {}
+    else:   # the smallest shape every kernel tiles (Mosaic GPU needs bf16/f16 and head_dim 64)
+        batch = tk.make_batch(7, **tk.MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+        yield "gqa2_d64_bfloat16", "bfloat16", batch, {}
 
 
 def section_kernels(opts) -> dict:
@@ -152,6 +155,12 @@ def section_kernels(opts) -> dict:
                 ok = finite and error <= TOLERANCE[dtype]
                 rows.append({**row, "status": "ok" if ok else "FAIL", "max_error": error, "finite": finite,
                              "tolerance": TOLERANCE[dtype]})
+            except ValueError as exc:
+                # The kernels' own checks before launch ("impl=...: needs ...") say a shape or dtype is
+                # outside what the kernel tiles: a documented limit, not a failure.
+                unsupported = str(exc).startswith(f"impl={impl!r}")
+                rows.append({**row, "status": "unsupported" if unsupported else "FAIL",
+                             "note": f"{type(exc).__name__}: {str(exc)[:300]}"})
             except Exception as exc:  # noqa: BLE001 - a kernel that does not build is a result
                 rows.append({**row, "status": "FAIL", "note": f"{type(exc).__name__}: {str(exc)[:300]}"})
     return {"impls": {k: v or "runs here" for k, v in impls.items()}, "checks": rows,
