@@ -27,6 +27,7 @@ from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
+from jaxserve.parallel.multihost import tensor_parallel_mesh
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_parser import make_tool_parser
@@ -75,19 +76,20 @@ class LLMEngine:
         if interpret is None:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"
         dt = parse_dtype(config.dtype)
+        self.mesh = tensor_parallel_mesh(config, self.model_dir)
         model_obj, self.model_config = load_model(self.model_dir, config.dtype, attention_impl,
-                                                  config.load_format, config.seed)
+                                                  config.load_format, config.seed, mesh=self.mesh)
         cfg = self.model_config
         if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt)
+        num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, mesh=self.mesh)
         batched = config.batched_tokens
         executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=batched,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
-            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits))
+            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits), mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),
