@@ -35,12 +35,10 @@ C = TypeVar("C", bound=ModelShape)
 
 def check_tensor_parallel(cfg: ModelShape, tp: int, num_devices: int) -> None:
     """Raise ``ValueError`` naming ``tensor_parallel_size`` and the numbers when
-    ``tp`` cannot shard ``cfg`` over ``num_devices`` devices: more than the
-    devices, or not dividing the attention heads, the MLP width or the
-    vocabulary; with fewer KV heads than ``tp``, ``tp`` must be a multiple of
-    them (each shard then holds one repeated KV head), else divide them."""
-    if tp > num_devices:
-        raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_devices} available devices")
+    ``tp`` cannot shard ``cfg`` over ``num_devices`` devices: not dividing the
+    attention heads, the MLP width or the vocabulary (with fewer KV heads than
+    ``tp``, ``tp`` must be a multiple of them: each shard then holds one
+    repeated KV head; else it must divide them), or more than the devices."""
     checks = [("num_attention_heads", cfg.num_attention_heads), ("intermediate_size", cfg.intermediate_size),
               ("vocab_size", cfg.vocab_size)]
     for name, value in checks:
@@ -52,6 +50,8 @@ def check_tensor_parallel(cfg: ModelShape, tp: int, num_devices: int) -> None:
     if kv < tp and tp % kv:
         raise ValueError(f"tensor_parallel_size={tp} is not a multiple of the model's num_key_value_heads={kv} "
                          f"(needed to replicate KV heads across shards)")
+    if tp > num_devices:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_devices} available devices")
 
 
 def tp_model_config(cfg: C, tp: int) -> C:
