@@ -27,7 +27,8 @@ from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
-from jaxserve.parallel.multihost import tensor_parallel_mesh
+from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
+from jaxserve.parallel.protocol import executor_class
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_parser import make_tool_parser
@@ -68,6 +69,7 @@ class LLMEngine:
             overrides["model"] = str(model)
         self.config = config = EngineConfig.build(config, **overrides)
         self.tools: dict[str, Tool] = normalize_tools(tools)
+        init_distributed(config)   # multi-host: before anything starts JAX's backends
         if config.compilation_cache:
             enable_compilation_cache()
         self.model_dir = resolve_model_dir(config.model)
@@ -86,7 +88,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, mesh=self.mesh)
         batched = config.batched_tokens
-        executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
+        executor = executor_class()(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=batched,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
             attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits), mesh=self.mesh)
@@ -108,6 +110,8 @@ class LLMEngine:
         self._ids = itertools.count()
         if config.warmup:
             executor.warmup(swap_pages=max(1, sched_cfg.swap_budget_tokens // config.page_size))
+        if hasattr(executor, "start_broadcasting"):   # process 0 of several: workers follow from here
+            executor.start_broadcasting()
 
     # ------------------------------------------------------------- parts
     @property
@@ -134,6 +138,11 @@ class LLMEngine:
     def context_limit(self) -> int:
         """Tokens a context may reach (``max_model_len`` capped by the page pool)."""
         return self.scheduler.context_limit
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot step (a lost worker process of the mesh); None when it can."""
+        return getattr(self.executor, "failure", None)
 
     @property
     def last_logits(self):
@@ -371,6 +380,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.api.shutdown()
+        if hasattr(self.executor, "close"):   # multi-host: the workers stop too
+            self.executor.close()
 
 
 def _load_tokenizer(model_dir: Path):

@@ -19,11 +19,12 @@ def init_distributed(config: EngineConfig) -> None:
     """Join the ``jax.distributed`` job of ``config`` (``coordinator_address``,
     ``num_processes``, ``process_id``) unless it is one process or already joined.
     Must run before JAX starts its backends (before any device is used); on CPU
-    it selects gloo collectives."""
+    it selects gloo collectives. Recoverability is on, so process 0 outlives a
+    dead worker and can answer that it is unhealthy (``protocol``)."""
     if config.num_processes == 1 or jax.distributed.is_initialized():
         return
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
                                heartbeat_timeout_seconds=10)
 
