@@ -1,6 +1,6 @@
 """One process of the multi-host test (``test_multihost.py``), run as a subprocess.
 
-    python tests/mh_cases.py checkpoint DIR             # write the test checkpoint
+    python tests/mh_cases.py checkpoint DIR             # write the test checkpoint (demo tokenizer)
     python tests/mh_cases.py reference DIR OUT.json     # TP 4 in one process (4 host devices)
     python tests/mh_cases.py leader DIR OUT.json ADDR   # process 0 of 2 (2 host devices), TP 4
     python tests/mh_cases.py worker DIR - ADDR          # process 1 of 2 (2 host devices)
@@ -27,7 +27,8 @@ import numpy as np  # noqa: E402
 PROMPT_LENS = (5, 13, 22)
 NEW_TOKENS = 10
 # 8 query heads and 2 KV heads: at TP 4 each KV head is repeated on two devices, one per process.
-SHAPE = dict(num_attention_heads=8, num_key_value_heads=2)
+# The demo tokenizer's 514 ids, in a vocabulary padded to 520 so TP 4 (and 8) divide it.
+SHAPE = dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=520)
 
 
 def engine_settings(role: str, address: str | None) -> dict:
@@ -42,7 +43,7 @@ def generate(model_dir: str, role: str, address: str | None) -> dict:
     from jaxserve import LLM, ApiCall, SamplingParams
 
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, 256, n).tolist() for n in PROMPT_LENS]
+    prompts = [rng.integers(3, 500, n).tolist() for n in PROMPT_LENS]
     calls = [[], [ApiCall(3, 0.05, [11, 12, 13], "x")], [ApiCall(6, 0.02, [14], "y")]]
     llm = LLM(model_dir, **engine_settings(role, address))
     outs = llm.generate(prompt_token_ids=prompts, api_calls=calls,
@@ -57,8 +58,13 @@ def generate(model_dir: str, role: str, address: str | None) -> dict:
 def main() -> int:
     model_dir = sys.argv[2]
     if ROLE == "checkpoint":
+        import shutil
+
         from conftest import build_hf_model
+        from jaxserve.demo import demo_dir
         build_hf_model("llama", **SHAPE).save_pretrained(model_dir)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):   # so the server serves it
+            shutil.copy(demo_dir() / name, Path(model_dir) / name)
         return 0
     address = sys.argv[4] if len(sys.argv) > 4 else None
     if ROLE == "worker":

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
+from jaxserve.parallel.liveness import Heartbeat
 from jaxserve.parallel.mesh import check_tensor_parallel, make_mesh
 
 
@@ -20,13 +21,16 @@ def init_distributed(config: EngineConfig) -> None:
     ``num_processes``, ``process_id``) unless it is one process or already joined.
     Must run before JAX starts its backends (before any device is used); on CPU
     it selects gloo collectives. Recoverability is on, so process 0 outlives a
-    dead worker and can answer that it is unhealthy (``protocol``)."""
+    dead worker and can answer that it is unhealthy (``protocol``). A worker
+    starts its heartbeat here (``liveness``)."""
     if config.num_processes == 1 or jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
                                heartbeat_timeout_seconds=10)
+    if config.process_id != 0:
+        Heartbeat(config.process_id).start()
 
 
 def tensor_parallel_mesh(config: EngineConfig, model_dir: Path) -> Mesh | None:

@@ -28,13 +28,17 @@ RELEASE               -                                           request handle
 STOP                  -                                           -
 ====================  ==========================================  ======================
 
+Stopping: on STOP a worker marks itself as leaving in the key-value store and
+leaves the job; process 0 waits for those marks before it may exit, since the
+coordination service lives in process 0 and a worker leaving a service that
+is gone aborts.
+
 Requests are named by an integer handle that process 0 assigns (the host
 copies of swapped pages are keyed by it on every process; each process keeps
 its own devices' slices).
 
 Failures: a worker that dies breaks the next collective (gloo: "connection
-closed by peer"); one that hangs stops its heartbeat, a counter each worker
-bumps every ``HEARTBEAT_S`` in the ``jax.distributed`` key-value store.
+closed by peer"); one that hangs stops its heartbeat (``liveness``).
 ``LeaderExecutor.failure`` then says why, every later step raises
 ``WorkerLostError`` at once, and the server's ``/health`` answers 503. A
 worker whose leader is gone exits with an error.
@@ -43,8 +47,6 @@ worker whose leader is gone exits with an error.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass, field
 
 import jax
@@ -52,6 +54,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.executor.model import ModelExecutor, StepInputs
+from jaxserve.parallel.liveness import HeartbeatWatch, leave_job, wait_for_workers_to_leave
 from scheduler import Request, StepPlan, StepResult, SwapOp
 
 log = logging.getLogger("jaxserve")
@@ -59,10 +62,6 @@ log = logging.getLogger("jaxserve")
 HEADER_LEN = 64
 MAX_ARRAYS = (HEADER_LEN - 4) // 4
 FORWARD, SWAP_OUT, SWAP_IN, RELEASE, STOP = 1, 2, 3, 4, 5
-HEARTBEAT_S = 0.5
-STALE_S = 5.0        # a worker whose heartbeat stood still this long is lost
-STARTUP_S = 120.0    # ... or that has not sent its first one this long after process 0 began serving
-_HEARTBEAT_KEY = "jaxserve/heartbeat/{}"
 
 
 class WorkerLostError(RuntimeError):
@@ -160,11 +159,11 @@ class LeaderExecutor(ModelExecutor):
         self.failure: str | None = None
         self._handles: dict[str, int] = {}
         self._next_handle = 0
-        self._watch: _HeartbeatWatch | None = None
+        self._watch: HeartbeatWatch | None = None
 
     def start_broadcasting(self) -> None:
         self.broadcasting = True
-        self._watch = _HeartbeatWatch(range(1, jax.process_count()), self._lost)
+        self._watch = HeartbeatWatch(range(1, jax.process_count()), self._lost)
         self._watch.start()
 
     def _lost(self, reason: str) -> None:
@@ -234,6 +233,7 @@ class LeaderExecutor(ModelExecutor):
         if self.broadcasting and self.failure is None:
             try:
                 send(STOP)
+                wait_for_workers_to_leave(range(1, jax.process_count()))
             except Exception:   # noqa: BLE001 - a worker already gone has nothing to stop
                 log.exception("multi-host: STOP not delivered")
         self.broadcasting = False
@@ -247,83 +247,23 @@ def executor_class() -> type[ModelExecutor]:
 # ------------------------------------------------------------------ worker
 def serve_worker(executor: ModelExecutor) -> None:
     """A worker process's loop: run each message from process 0 on ``executor``
-    until STOP. Bumps its heartbeat meanwhile. Raises when process 0 is gone."""
-    beat = _Heartbeat(jax.process_index())
-    beat.start()
+    until STOP, then leave the ``jax.distributed`` job (``leave_job``). Raises
+    when process 0 is gone."""
     templates = {FORWARD: _forward_tree(executor.synthetic_inputs(executor.config.token_buckets[0])),
                  SWAP_OUT: _SWAP_TEMPLATE, SWAP_IN: _SWAP_TEMPLATE}
-    try:
-        while True:
-            op, tree, extras = receive(templates)
-            if op == FORWARD:
-                input_ids, meta, logits_indices, sampling = tree
-                executor.forward(StepInputs(extras[0], input_ids, meta, logits_indices, sampling, extras[1]))
-            elif op == SWAP_OUT:
-                executor.swap_out(_swap_ops(tree))
-            elif op == SWAP_IN:
-                executor.swap_in(_swap_ops(tree))
-            elif op == RELEASE:
-                executor.release(_WireRequest(extras[0]))
-            elif op == STOP:
-                return
-            else:
-                raise RuntimeError(f"protocol mismatch: unknown op {op}")
-    finally:
-        beat.stop()
-
-
-# --------------------------------------------------------------- liveness
-def _client():
-    from jax._src.distributed import global_state
-    return global_state.client
-
-
-class _Heartbeat(threading.Thread):
-    """A worker's counter in the ``jax.distributed`` key-value store, bumped every ``HEARTBEAT_S``."""
-
-    def __init__(self, process_id: int) -> None:
-        super().__init__(name="jaxserve-heartbeat", daemon=True)
-        self.key = _HEARTBEAT_KEY.format(process_id)
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        beat = 0
-        while not self._stop_event.wait(HEARTBEAT_S):
-            beat += 1
-            try:
-                _client().key_value_set(self.key, str(beat), allow_overwrite=True)
-            except Exception:   # noqa: BLE001 - the coordinator is gone; the step loop will fail
-                return
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-
-class _HeartbeatWatch(threading.Thread):
-    """Process 0's watch on the workers' heartbeats: ``on_lost(reason)`` once a
-    worker's counter has not moved for ``STALE_S`` seconds (process 0's clock)."""
-
-    def __init__(self, workers, on_lost) -> None:
-        super().__init__(name="jaxserve-heartbeat-watch", daemon=True)
-        self.workers = list(workers)
-        self.on_lost = on_lost
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        seen = {w: (None, time.monotonic()) for w in self.workers}
-        while not self._stop_event.wait(HEARTBEAT_S):
-            now = time.monotonic()
-            for w in self.workers:
-                try:
-                    value = _client().key_value_try_get(_HEARTBEAT_KEY.format(w))
-                except Exception:   # noqa: BLE001 - not written yet (NOT_FOUND)
-                    value = None
-                last, since = seen[w]
-                if value is not None and value != last:
-                    seen[w] = (value, now)
-                elif now - since > (STALE_S if last is not None else STARTUP_S):
-                    self.on_lost(f"worker process {w} sent no heartbeat for {now - since:.1f} s")
-                    return
-
-    def stop(self) -> None:
-        self._stop_event.set()
+    while True:
+        op, tree, extras = receive(templates)
+        if op == FORWARD:
+            input_ids, meta, logits_indices, sampling = tree
+            executor.forward(StepInputs(extras[0], input_ids, meta, logits_indices, sampling, extras[1]))
+        elif op == SWAP_OUT:
+            executor.swap_out(_swap_ops(tree))
+        elif op == SWAP_IN:
+            executor.swap_in(_swap_ops(tree))
+        elif op == RELEASE:
+            executor.release(_WireRequest(extras[0]))
+        elif op == STOP:
+            leave_job()
+            return
+        else:
+            raise RuntimeError(f"protocol mismatch: unknown op {op}")
