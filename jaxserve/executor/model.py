@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 import time
 
 from jaxserve.models import AttentionMetadata, ModelConfig
 from jaxserve.parallel.mesh import make_mesh
-from jaxserve.parallel.sharding import (HOST_CHUNK_SPEC, host_chunk_sharding, kv_pages_sharding, put_replicated,
+from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_pages_sharding, put_replicated,
                                         replicated, to_host)
 from jaxserve.sampling import SamplingArrays, sample
 from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
@@ -104,7 +104,7 @@ class ModelExecutor:
         self.replicated = replicated(self.mesh)
         self.device_sharding = kv_pages_sharding(self.mesh)
         self.host_sharding = host_chunk_sharding(self.mesh)
-        self.chunk_sharding = NamedSharding(self.mesh, HOST_CHUNK_SPEC, memory_kind=self.device_sharding.memory_kind)
+        self.chunk_sharding = chunk_sharding(self.mesh, self.device_sharding.memory_kind)
         shape = (config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim)
         # Made in place, each device its own KV heads, and committed to the device sharding from the
         # start: the swap-in scatter returns the pool with this sharding, and a pool whose sharding

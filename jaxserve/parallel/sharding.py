@@ -33,8 +33,10 @@ M = MODEL_AXIS
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
 _ROW = {"o_proj", "down_proj"}
 
-KV_PAGES_SPEC = P(None, None, M, None)            # [P, page_size, Hkv, D]
-HOST_CHUNK_SPEC = P(None, None, None, None, M, None)   # [L, 2, n, page_size, Hkv, D]
+# Written as jit returns them (trailing Nones dropped; P() on one device): an array whose
+# sharding object changed after a step would recompile every program it is passed to.
+KV_PAGES_SPEC = P(None, None, M)                  # [P, page_size, Hkv, D]
+HOST_CHUNK_SPEC = P(None, None, None, None, M)    # [L, 2, n, page_size, Hkv, D]
 
 
 def param_spec(path: tuple) -> P:
@@ -63,7 +65,12 @@ def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 
 def kv_pages_sharding(mesh: Mesh) -> NamedSharding:
     """KV page arrays ``[P, page_size, Hkv, D]`` split by KV head, in device memory."""
-    return NamedSharding(mesh, KV_PAGES_SPEC, memory_kind=_device_memory_kind(mesh))
+    return NamedSharding(mesh, KV_PAGES_SPEC if mesh.size > 1 else P(), memory_kind=_device_memory_kind(mesh))
+
+
+def chunk_sharding(mesh: Mesh, memory_kind: str) -> NamedSharding:
+    """Swap chunks ``[L, 2, n, page_size, Hkv, D]`` split by KV head, in ``memory_kind``."""
+    return NamedSharding(mesh, HOST_CHUNK_SPEC if mesh.size > 1 else P(), memory_kind=memory_kind)
 
 
 def host_chunk_sharding(mesh: Mesh) -> NamedSharding:
@@ -72,7 +79,7 @@ def host_chunk_sharding(mesh: Mesh) -> NamedSharding:
     else device memory."""
     kinds = {m.kind for m in _local_device(mesh).addressable_memories()}
     kind = next((k for k in ("pinned_host", "unpinned_host") if k in kinds), _device_memory_kind(mesh))
-    return NamedSharding(mesh, HOST_CHUNK_SPEC, memory_kind=kind)
+    return chunk_sharding(mesh, kind)
 
 
 def _device_memory_kind(mesh: Mesh) -> str:
