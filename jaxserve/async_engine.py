@@ -56,7 +56,7 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._dead_reason is None
+        return self._thread.is_alive() and self._dead_reason is None and self.engine.failure is None
 
     async def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -110,7 +110,7 @@ class AsyncEngine:
     # -------------------------------------------------------------- plumbing
     def _open_stream(self, request_id: str) -> asyncio.Queue:
         if not self.is_alive:
-            raise EngineDeadError(self._dead_reason or "engine loop is not running")
+            raise EngineDeadError(self._dead_reason or self.engine.failure or "engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming")
         q: asyncio.Queue = asyncio.Queue()
@@ -121,7 +121,13 @@ class AsyncEngine:
         done = False
         try:
             while True:
-                out = await stream.get()
+                try:
+                    out = await asyncio.wait_for(stream.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if not self.is_alive:   # e.g. a multi-host worker died while a step waits on it
+                        done = True
+                        raise EngineDeadError(self._dead_reason or self.engine.failure or "engine stopped") from None
+                    continue
                 if isinstance(out, BaseException):
                     done = True
                     raise out
@@ -142,7 +148,7 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._closing:  # the loop drains the inbox under this lock when it ends
             if not self.is_alive:
-                raise EngineDeadError(self._dead_reason or "engine loop is not running")
+                raise EngineDeadError(self._dead_reason or self.engine.failure or "engine loop is not running")
             self._inbox.put((fn, future))
         return await asyncio.wrap_future(future)
 

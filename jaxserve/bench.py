@@ -4,6 +4,11 @@ the same prompts and the same greedy settings, in one run.
 Prints output tokens/s of each and their ratio, and jaxserve's host-side time
 per step (scheduling + batch building + token bookkeeping: step wall time
 minus the time inside the jitted call and waiting for its result).
+
+With ``--tensor-parallel-size N`` (N > 1) jaxserve runs at TP 1, 2, 4, ... N
+in the same run and prints tokens/s per degree and its ratio to TP 1 (on CPU
+host devices the ratio shows the sharding overhead; on GPUs or a TPU slice,
+the speedup), after checking every degree generated the same tokens.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab
             "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1}
+# A small Llama (8 heads, so TP up to 8 divides it) for tensor-parallel runs on CPU host devices.
+LLAMA_SMALL = {**LLAMA_1B, "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32}
+SHAPES = {"llama-1b": LLAMA_1B, "llama-small": LLAMA_SMALL}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
-    parser.add_argument("--shape", default=None, choices=["llama-1b"],
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="benchmark a model of these shapes with random weights instead of --model")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -48,11 +57,13 @@ def _shape_checkpoint(shape: dict) -> Path:
     return path
 
 
-def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
+def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: str, tp: int | None = None) -> dict:
+    """Generate ``prompts`` greedily (after a short warm run); ``tp`` overrides ``--tensor-parallel-size``."""
     from jaxserve import LLM, SamplingParams
+    overrides = {} if tp is None else {"tensor_parallel_size": tp}
     llm = LLM(config=EngineConfig.from_cli(args, model=model_dir, max_num_seqs=max(len(prompts), 1),
                                            max_model_len=args.prompt_len + args.max_tokens + args.page_size,
-                                           load_format=load_format))
+                                           load_format=load_format, **overrides))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     # Step shapes compile on first use: an untimed pass over the same workload compiles them all.
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -152,10 +163,26 @@ def run_transformers(model_dir: str | None, shape: dict | None, prompts: list[li
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "cpu_seconds": cpu, "device": device}
 
 
+def run_degrees(model_dir: str, prompts: list[list[int]], args, load_format: str, tp1: dict) -> dict:
+    """jaxserve at TP 2, 4, ... ``--tensor-parallel-size`` (``tp1``: the TP 1 run); prints
+    tokens/s per degree and the ratio to TP 1. Every degree must generate TP 1's tokens."""
+    degrees, tp = {1: tp1}, 2
+    while tp <= args.tensor_parallel_size:
+        degrees[tp] = run_jaxserve(model_dir, prompts, args, load_format, tp=tp)
+        if degrees[tp]["outputs"] != tp1["outputs"]:
+            raise SystemExit(f"TP {tp} generated other tokens than TP 1")
+        tp *= 2
+    print("tensor parallel: TP  tokens/s  ratio to TP 1  (same tokens at every degree)")
+    for tp, run in degrees.items():
+        print(f"                 {tp:2d}  {run['tokens_per_s']:8.1f}  {run['tokens_per_s'] / tp1['tokens_per_s']:6.2f}x")
+    return {str(tp): {"tokens_per_s": run["tokens_per_s"], "ratio_to_tp1": run["tokens_per_s"] / tp1["tokens_per_s"]}
+            for tp, run in degrees.items()}
+
+
 def main(args: argparse.Namespace) -> int:
     import jax
     rng = np.random.default_rng(0)
-    shape = LLAMA_1B if args.shape == "llama-1b" else None
+    shape = SHAPES.get(args.shape)
     if shape is not None:
         model_dir, load_format, vocab = str(_shape_checkpoint(shape)), "dummy", shape["vocab_size"]
     else:
@@ -178,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(cost, indent=2))
         return 0
-    ours = run_jaxserve(model_dir, prompts, args, load_format)
+    ours = run_jaxserve(model_dir, prompts, args, load_format, tp=1 if args.tensor_parallel_size > 1 else None)
     result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "model": args.shape or args.model, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "dtype": args.dtype, "jaxserve": {k: v for k, v in ours.items() if k != "outputs"}}
@@ -188,6 +215,8 @@ def main(args: argparse.Namespace) -> int:
           f"{ours['steps']} steps)")
     print(f"  host-side per step (scheduling + batch building + token bookkeeping): {ours['host_ms_per_step']:.3f} ms; "
           f"inside the jitted call: {ours['dispatch_ms_per_step']:.3f} ms (on CPU that includes the compute)")
+    if args.tensor_parallel_size > 1:
+        result["tensor_parallel"] = run_degrees(model_dir, prompts, args, load_format, ours)
     if not args.skip_transformers:
         ref = run_transformers(model_dir if shape is None else None, shape, prompts, args)
         result["transformers"] = ref

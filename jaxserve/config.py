@@ -90,6 +90,15 @@ class EngineConfig:
     tool_call_parser: str | None = field(default=None, metadata=_flag(
         "tool-call format the model writes: hermes (qwen), llama3_json, mistral (default: detected from the "
         "chat template, else hermes)"))
+    # ---------------------------------------------------------- scale-out
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        "devices the model is split over (Megatron-style tensor parallelism on a 'model' mesh axis; "
+        "over all processes' devices with --num-processes > 1)"))
+    coordinator_address: str | None = field(default=None, metadata=_flag(
+        "multi-host: host:port of process 0's jax.distributed coordinator (default: one process)"))
+    num_processes: int = field(default=1, metadata=_flag("multi-host: processes sharing the mesh"))
+    process_id: int = field(default=0, metadata=_flag(
+        "multi-host: this process's rank (0 schedules and serves; the others run steps it broadcasts)"))
     # ------------------------------------------------------------- executor
     warmup: bool = field(default=True, metadata=_flag("compile the step programs before serving"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
@@ -131,6 +140,17 @@ class EngineConfig:
         if isinstance(self.prefix_retention_s, bool) or not isinstance(self.prefix_retention_s, (int, float)) \
                 or not 0 <= self.prefix_retention_s < float("inf"):
             raise ValueError(f"prefix_retention_s must be a finite number >= 0, got {self.prefix_retention_s!r}")
+        positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
+        positive("num_processes", self.num_processes, allow_none=False)
+        if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) \
+                or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be an integer in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id!r}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError(f"coordinator_address (host:port) is required with num_processes={self.num_processes}")
+        if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
+                                                     or ":" not in self.coordinator_address):
+            raise ValueError(f"coordinator_address must be host:port, got {self.coordinator_address!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         from scheduler import available_policies, make_predictor

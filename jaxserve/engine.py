@@ -29,6 +29,8 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages
 from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
+from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
+from jaxserve.parallel.protocol import executor_class
 from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
@@ -62,6 +64,7 @@ class LLMEngine:
             overrides["model"] = str(model)
         self.config = config = EngineConfig.build(config, **overrides)
         self.tools: dict[str, Tool] = normalize_tools(tools)
+        init_distributed(config)   # multi-host: before anything starts JAX's backends
         if config.compilation_cache:
             enable_compilation_cache()
         self.model_dir = resolve_model(config.model)
@@ -70,8 +73,9 @@ class LLMEngine:
         if interpret is None:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"
         dt = parse_dtype(config.dtype)
+        self.mesh = tensor_parallel_mesh(config, self.model_dir)
         model_obj, self.model_config = load_model(self.model_dir, config.dtype, attention_impl,
-                                                  config.load_format, config.seed)
+                                                  config.load_format, config.seed, mesh=self.mesh)
         cfg = self.model_config
         # --predictor learned:DIR: the length probe, checked against this model before anything starts.
         probe_dir = learned_checkpoint(config.predictor)
@@ -81,7 +85,7 @@ class LLMEngine:
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, self.max_model_len,
-                                                       config.max_num_seqs)
+                                                       config.max_num_seqs, mesh=self.mesh)
         batched = config.batched_tokens
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),
@@ -97,11 +101,11 @@ class LLMEngine:
         # A dynamic token budget with beta_high > 1 may batch more than max_num_batched_tokens:
         # the executor's token buckets go up to the most it can ask for.
         step_tokens = max(batched, policy.max_step_tokens(batched))
-        executor = ModelExecutor(model_obj, cfg, ModelExecutorConfig(
+        executor = executor_class()(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
             attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits),
-            length_probe=length_probe)
+            length_probe=length_probe, mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
         scheduler = Scheduler(sched_cfg, policy, PageAllocator(num_pages, config.page_size, "device"),
@@ -120,6 +124,8 @@ class LLMEngine:
         self._ids = itertools.count()
         if config.warmup:
             executor.warmup(swap_pages=max(1, sched_cfg.swap_budget_tokens // config.page_size))
+        if hasattr(executor, "start_broadcasting"):   # process 0 of several: workers follow from here
+            executor.start_broadcasting()
 
     # ------------------------------------------------------------- parts
     @property
@@ -146,6 +152,11 @@ class LLMEngine:
     def context_limit(self) -> int:
         """Tokens a context may reach (``max_model_len`` capped by the page pool)."""
         return self.scheduler.context_limit
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot step (a lost worker process of the mesh); None when it can."""
+        return getattr(self.executor, "failure", None)
 
     @property
     def last_logits(self):
@@ -416,6 +427,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.api.shutdown()
+        if hasattr(self.executor, "close"):   # multi-host: the workers stop too
+            self.executor.close()
 
 
 __all__ = ["LLMEngine", "RequestState"]

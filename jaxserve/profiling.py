@@ -9,7 +9,9 @@ tokens the step reads in all), finds the saturation point
 host-side time per step (a real ``LLMEngine.step()`` of decoding requests minus
 its jitted step), and measures host<->device copy bandwidth with
 ``jax.device_put`` to and from ``pinned_host`` memory, plus the engine's own
-swap path (gather + copy out, copy in + scatter) for comparison.
+swap path (gather + copy out, copy in + scatter) for comparison. With
+``--tensor-parallel-size N`` every measurement is of the sharded engine: the
+step over the N-device mesh, copies of each device's slice.
 
 The step times depend on the engine's shapes (each synthetic batch's page table
 is as wide as a context of its token count needs, as ``prepare`` sizes it, up to
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.parallel.mesh import MODEL_AXIS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,13 +140,19 @@ def fit_t_fwd(times: dict[int, float]) -> tuple[float, float, int]:
 
 
 def measure_copy_bandwidth(runner, mib: int, repeats: int) -> tuple[float, float]:
-    """Bytes/s of device->host and host->device ``jax.device_put`` of ``mib`` MiB."""
-    x = jnp.ones((mib * 1024 * 1024 // 4,), jnp.float32)
+    """Bytes/s of device->host and host->device ``jax.device_put`` of ``mib`` MiB,
+    split over the executor's mesh (each device copies its slice, as swaps do)."""
+    mesh = runner.mesh
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(MODEL_AXIS))   # a slice per device
+    on_device = split.with_memory_kind(runner.device_sharding.memory_kind)
+    on_host = split.with_memory_kind(runner.host_sharding.memory_kind)
+    n = mib * 1024 * 1024 // 4 // mesh.size * mesh.size
+    x = jax.jit(lambda: jnp.ones((n,), jnp.float32), out_shardings=on_device)()
     x.block_until_ready()
     nbytes = x.size * 4
-    d2h = _median_time(lambda: jax.device_put(x, runner.host_sharding).block_until_ready(), repeats)
-    host = jax.device_put(x, runner.host_sharding)
-    h2d = _median_time(lambda: jax.device_put(host, runner.device_sharding).block_until_ready(), repeats)
+    d2h = _median_time(lambda: jax.device_put(x, on_host).block_until_ready(), repeats)
+    host = jax.device_put(x, on_host)
+    h2d = _median_time(lambda: jax.device_put(host, on_device).block_until_ready(), repeats)
     return nbytes / d2h, nbytes / h2d
 
 
@@ -218,6 +227,7 @@ def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "
         max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
         step_overhead_s=overhead, swap_overlaps_forward=False, name=f"{jax.default_backend()}-{engine.model_dir.name}",
         meta={"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "model": model,
+              "tensor_parallel_size": runner.mesh.size,
               "dtype": dtype, "max_model_len": engine.max_model_len, "page_size": cfg.page_size,
               "step_times_s": {str(k): v for k, v in times.items()},
               "context_sweep": {"rows": rows, "step_times_s": {str(k): v for k, v in context_times.items()}},
@@ -227,7 +237,8 @@ def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "
 
 def print_profile(cost) -> None:
     meta = cost.meta
-    print(f"device: {meta['device']} ({meta['backend']}), max_model_len {meta['max_model_len']}")
+    print(f"device: {meta['device']} ({meta['backend']}) x {meta.get('tensor_parallel_size', 1)} (tensor parallel), "
+          f"max_model_len {meta['max_model_len']}")
     print("tokens  step_ms   tokens/s")
     for n, t in sorted((int(k), v) for k, v in meta["step_times_s"].items()):
         print(f"{n:6d}  {t * 1e3:7.2f}  {n / t:9.0f}")

@@ -7,6 +7,12 @@ config from its metadata, weights dequantized (``jaxserve.gguf_checkpoint``).
 Either way the weights are cast to the requested dtype; ``"auto"`` is float32
 on CPU and bfloat16 on accelerators. ``load_format="dummy"`` builds random
 weights of the checkpoint's shapes.
+
+With a tensor-parallel ``mesh`` each tensor goes straight into its shards
+(``jax.make_array_from_callback``: every device receives only its slice, read
+from the host copy of the tensor; no device ever holds the whole of a split
+tensor), and KV projections are repeated per head when the model has fewer KV
+heads than the mesh has devices (``jaxserve.parallel.mesh``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from jax.sharding import Mesh
+
 from jaxserve import gguf_checkpoint
 from jaxserve.models import ModelConfig, model_class_for
+from jaxserve.parallel.mesh import check_tensor_parallel, kv_head_repeats, tp_model_config
+from jaxserve.parallel.sharding import param_sharding
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -85,48 +95,86 @@ def _safetensor_files(model_dir: Path) -> dict[str, Path]:
     return out
 
 
-def abstract_model(cfg: ModelConfig, dtype, attention_impl: str):
+def abstract_model(cfg: ModelConfig, dtype, attention_impl: str, mesh: Mesh | None = None):
     cls = model_class_for(cfg.model_type)
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0), mesh=mesh))
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", attention_impl: str = "reference",
-               load_format: str = "safetensors", seed: int = 0, progress: bool = True):
+               load_format: str = "safetensors", seed: int = 0, progress: bool = True, mesh: Mesh | None = None):
     """Build the model for ``model_dir`` (a checkpoint directory or a ``.gguf``
-    file) with weights on the default device.
+    file) with weights on the default device, or split over ``mesh`` (tensor
+    parallelism; see ``jaxserve.parallel.sharding``).
 
-    Returns ``(model, config)``. Raises ``ValueError`` naming any missing or
-    mis-shaped tensor, or an unsupported GGUF architecture or quantization.
+    Returns ``(model, config)``; with a mesh, ``config`` is the model as the
+    shards see it (``tp_model_config``). Raises ``ValueError`` naming any missing
+    or mis-shaped tensor, an unsupported GGUF architecture or quantization, or a
+    TP degree that cannot shard the model (before any weight is read).
     """
     model_dir = Path(model_dir)
-    jdtype = parse_dtype(dtype)
     reader = gguf_checkpoint.open_gguf(model_dir) if gguf_checkpoint.is_gguf_path(model_dir) else None
     if reader is not None:
         raw = gguf_checkpoint.hf_config(reader)
-        cfg = ModelConfig.from_hf(raw)
+        checkpoint_cfg = ModelConfig.from_hf(raw)
     else:
-        cfg = read_config(model_dir)
-    graphdef, state = nnx.split(abstract_model(cfg, jdtype, attention_impl))
+        checkpoint_cfg = read_config(model_dir)
+    tp = 1 if mesh is None else mesh.size
+    if mesh is not None:
+        check_tensor_parallel(checkpoint_cfg, tp, len(jax.devices()))
+    cfg = tp_model_config(checkpoint_cfg, tp)
+    repeats = kv_head_repeats(checkpoint_cfg, tp)
+    jdtype = parse_dtype(dtype)
+    graphdef, state = nnx.split(abstract_model(cfg, jdtype, attention_impl, mesh))
     flat = list(nnx.to_flat_state(state))
+    _, checkpoint_state = nnx.split(abstract_model(checkpoint_cfg, jdtype, attention_impl))
+    checkpoint_flat = list(nnx.to_flat_state(checkpoint_state))   # the tensors as the file holds them
+    checkpoint_shapes = [tuple(var.get_value().shape) for _, var in checkpoint_flat]
     if load_format == "dummy":
-        values = _dummy_values(flat, seed)
+        values = _dummy_values(flat, checkpoint_shapes, seed)
     elif reader is not None:
-        values = gguf_checkpoint.tensor_values(reader, raw, flat, progress)
+        values = gguf_checkpoint.tensor_values(reader, raw, checkpoint_flat, progress)
     elif load_format == "safetensors":
-        values = _checkpoint_values(model_dir, flat, progress)
+        values = _checkpoint_values(model_dir, flat, checkpoint_shapes, progress)
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
     for (path, var), value in zip(flat, values):
-        var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
+        dtype, head_dim = var.get_value().dtype, checkpoint_cfg.head_dim
+        sharding = None if mesh is None else param_sharding(mesh, path)
+        if callable(value):      # dummy: generated on the devices, each its own slice
+            make = lambda fn=value, p=path: _repeat_kv_heads(p, fn(), repeats, head_dim).astype(dtype)
+            var.set_value(jax.jit(make, out_shardings=sharding)() if sharding else make())
+        elif sharding is None:
+            var.set_value(jnp.asarray(_repeat_kv_heads(path, value, repeats, head_dim), dtype=dtype))
+        else:
+            var.set_value(_sharded(_repeat_kv_heads(path, value, repeats, head_dim), dtype, sharding))
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg
 
 
-def _checkpoint_values(model_dir: Path, flat: list, progress: bool) -> list[np.ndarray]:
+def _repeat_kv_heads(path: tuple, value, repeats: int, head_dim: int):
+    """k_proj/v_proj kernel ``[hidden, Hkv*D]`` or bias ``[Hkv*D]`` with each head
+    repeated ``repeats`` times along the head axis (unchanged when ``repeats == 1``)."""
+    if repeats == 1 or str(path[-2]) not in ("k_proj", "v_proj"):
+        return value
+    lead = value.shape[:-1]
+    heads = value.reshape(*lead, value.shape[-1] // head_dim, head_dim)
+    xp = np if isinstance(value, np.ndarray) else jnp
+    return xp.repeat(heads, repeats, axis=-2).reshape(*lead, -1)
+
+
+def _sharded(value: np.ndarray, dtype, sharding) -> jax.Array:
+    """Host ``value`` laid out by ``sharding``: each device is given only its own slice."""
+    return jax.make_array_from_callback(value.shape, sharding,
+                                        lambda index: np.ascontiguousarray(value[index]).astype(dtype))
+
+
+def _checkpoint_values(model_dir: Path, flat: list, shapes: list[tuple], progress: bool) -> list[np.ndarray]:
+    """The checkpoint's tensors for ``flat``'s paths (host numpy), checked against
+    the checkpoint model's ``shapes``."""
     where = _safetensor_files(model_dir)
     handles: dict[Path, object] = {}
     values = []
     try:
-        for path, var in tqdm(flat, desc=f"loading {model_dir.name}", disable=not progress, leave=False):
+        for (path, _), want in tqdm(list(zip(flat, shapes)), desc=f"loading {model_dir.name}", disable=not progress, leave=False):
             name, transpose = hf_name(path)
             if name not in where:
                 raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}")
@@ -136,7 +184,6 @@ def _checkpoint_values(model_dir: Path, flat: list, progress: bool) -> list[np.n
             arr = handles[f].get_tensor(name)
             if transpose:
                 arr = arr.T
-            want = tuple(var.get_value().shape)
             if tuple(arr.shape) != want:
                 raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, the model expects {want}")
             values.append(arr)
@@ -146,17 +193,19 @@ def _checkpoint_values(model_dir: Path, flat: list, progress: bool) -> list[np.n
     return values
 
 
-def _dummy_values(flat: list, seed: int) -> list[jax.Array]:
-    """Random weights of the right shapes: N(0, 0.02) matrices, ones for norms, zeros for biases."""
-    key = jax.random.key(seed)
+def _dummy_values(flat: list, shapes: list[tuple], seed: int) -> list:
+    """Zero-argument functions making random weights of the checkpoint's ``shapes``:
+    N(0, 0.02) matrices, ones for norms, zeros for biases (the same values whatever
+    the TP degree; the loader runs them on the devices, jitted)."""
     values = []
-    for i, (path, var) in enumerate(flat):
-        sds = var.get_value()
+    for i, ((path, var), shape) in enumerate(zip(flat, shapes)):
+        dtype = var.get_value().dtype
         leaf = str(path[-1])
         if leaf == "weight":      # RMSNorm scale
-            values.append(jnp.ones(sds.shape, sds.dtype))
+            values.append(lambda s=shape, d=dtype: jnp.ones(s, d))
         elif leaf == "bias":
-            values.append(jnp.zeros(sds.shape, sds.dtype))
+            values.append(lambda s=shape, d=dtype: jnp.zeros(s, d))
         else:
-            values.append(0.02 * jax.random.normal(jax.random.fold_in(key, i), sds.shape, sds.dtype))
+            values.append(lambda s=shape, d=dtype, i=i:
+                          0.02 * jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), s, d))
     return values

@@ -2,7 +2,9 @@
 
 Every ``--flag`` can also be set with ``JAXSERVE_<FLAG>`` (``jaxserve.cli``
 applies them; ``python -m server.cli`` does the same on its own parser).
-Server-side tools: the built-in ``calculator`` always, plus Python callables
+With ``--num-processes N --process-id I --coordinator-address HOST:PORT`` it
+is one process of a multi-host job: process 0 serves, the others follow its
+steps (``jaxserve.parallel.protocol``). Server-side tools: the built-in ``calculator`` always, plus Python callables
 named with ``--tools name=module:function,...``; they are registered in the
 engine (which runs them) and advertised to the model by the app.
 """
@@ -97,6 +99,8 @@ def main(args: argparse.Namespace) -> int:
     from server.connections import guarded_h11_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.process_id != 0:
+        return run_worker(args)
     try:
         protocol = guarded_h11_protocol(args.header_timeout, args.max_connections)
         engine, app = build_app(args)
@@ -106,6 +110,28 @@ def main(args: argparse.Namespace) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
                     http=protocol, timeout_keep_alive=args.keep_alive_timeout)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """A multi-host worker (``--process-id`` > 0): build the same engine as process 0,
+    then run the device work it broadcasts until it stops (``jaxserve.parallel.protocol``)."""
+    from jaxserve.engine import LLMEngine
+    from jaxserve.parallel.protocol import serve_worker
+
+    try:
+        engine = LLMEngine(config=EngineConfig.from_cli(args))
+    except ValueError as e:
+        print(f"jaxserve serve: {e}", file=sys.stderr)
+        return 2
+    log.info("worker process %d: following process 0", args.process_id)
+    try:
+        serve_worker(engine.executor)
+    except Exception as e:   # noqa: BLE001 - process 0 is gone: report and exit non-zero
+        print(f"jaxserve serve (worker {args.process_id}): process 0 is gone: {e}", file=sys.stderr)
+        return 1
     finally:
         engine.shutdown()
     return 0

@@ -13,8 +13,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             initializer_range=0.25, bos_token_id=0, eos_token_id=None, pad_token_id=0)
 
 
-def build_hf_model(kind: str):
-    """A tiny random transformers model of family ``kind`` (llama, mistral, qwen2).
+def build_hf_model(kind: str, **shape):
+    """A tiny random transformers model of family ``kind`` (llama, mistral, qwen2);
+    ``shape`` overrides entries of ``TINY`` (e.g. more attention heads).
 
     Weights use a wide init so greedy decoding has clear top-1 margins; Qwen2's
     q/k/v biases are randomised so they matter.
@@ -23,16 +24,18 @@ def build_hf_model(kind: str):
     import transformers as tf
 
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2}[kind])
+    tiny = {**TINY, **shape}
     if kind == "llama":
-        cfg = tf.LlamaConfig(**TINY, tie_word_embeddings=True,
+        cfg = tf.LlamaConfig(**tiny, tie_word_embeddings=True,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "mistral":
-        cfg = tf.MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None, head_dim=16)
+        cfg = tf.MistralConfig(**tiny, tie_word_embeddings=False, sliding_window=None,
+                               head_dim=tiny.get("head_dim", 16))
         model = tf.MistralForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=False, use_sliding_window=False)
+        cfg = tf.Qwen2Config(**tiny, tie_word_embeddings=False, use_sliding_window=False)
         model = tf.Qwen2ForCausalLM(cfg)
     else:
         raise ValueError(kind)

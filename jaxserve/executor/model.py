@@ -7,6 +7,12 @@ the ragged batch. It owns the model parameters and the KV page arrays.
 Shapes are padded to power-of-two buckets of T (tokens) so a bounded number
 of programs is compiled; the KV arrays are donated to every program that
 changes them, so no step copies the cache.
+
+Everything lives on a device mesh (``jaxserve.parallel``): one device, or a
+tensor-parallel ``"model"`` axis over which the parameters, the KV pages and
+their host copies are split; step inputs are replicated and the sampled
+tokens come back replicated, so every shard (and every process) sees the
+same token.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.models import AttentionMetadata, ModelConfig
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_pages_sharding, put_replicated,
+                                        replicated, to_host)
 from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample, sample_masked
 from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
@@ -93,31 +103,36 @@ class ModelExecutor:
     """
 
     def __init__(self, model: nnx.Module, model_config: ModelConfig, config: ModelExecutorConfig,
-                 length_probe=None) -> None:
+                 length_probe=None, mesh: Mesh | None = None) -> None:
+        """``model``'s parameters already laid out on ``mesh`` (``load_model(mesh=...)``);
+        ``mesh`` None: the first device. ``model_config`` as the shards see it."""
         self.model_config = model_config
+        self.config = config
+        self.mesh = mesh if mesh is not None else make_mesh(1, jax.devices()[:1])
         self.length_probe = length_probe
         self.length_probe_params = None if length_probe is None else \
-            {k: jnp.asarray(v) for k, v in length_probe.params.items()}
+            put_replicated({k: np.asarray(v) for k, v in length_probe.params.items()}, self.mesh)
         self.last_length_bins = None   # int32 [S_b] device array of the last step (with a probe)
-        self.config = config
         self.graphdef, params = nnx.split(model)
         # Flatten once: passing the nnx State pytree to every call costs ~1 ms of host time per step.
         self.params, self._params_treedef = jax.tree_util.tree_flatten(params)
         c = model_config
-        self.device = jax.devices()[0]
-        self.device_sharding = jax.sharding.SingleDeviceSharding(self.device).with_memory_kind(
-            self.device.default_memory().kind)
-        self.host_sharding = _host_sharding(self.device)
+        self.replicated = replicated(self.mesh)
+        self.device_sharding = kv_pages_sharding(self.mesh)
+        self.host_sharding = host_chunk_sharding(self.mesh)
+        self.chunk_sharding = chunk_sharding(self.mesh, self.device_sharding.memory_kind)
         shape = (config.num_pages, config.page_size, c.num_key_value_heads, c.head_dim)
-        # Committed to the device sharding from the start: the swap-in scatter returns the pool
-        # with this sharding, and a pool whose sharding changed would recompile every step bucket.
-        self.kv = jax.device_put([(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
-                                  for _ in range(c.num_hidden_layers)], self.device_sharding)
+        # Made in place, each device its own KV heads, and committed to the device sharding from the
+        # start: the swap-in scatter returns the pool with this sharding, and a pool whose sharding
+        # changed would recompile every step bucket.
+        kv_shardings = [(self.device_sharding, self.device_sharding)] * c.num_hidden_layers
+        self.kv = jax.jit(lambda: [(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
+                                   for _ in range(c.num_hidden_layers)], out_shardings=kv_shardings)()
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))   # structured output: sample apart
         self._sample_masked = jax.jit(sample_masked)
-        self._gather = jax.jit(_gather_pages)
-        self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
+        self._gather = jax.jit(_gather_pages, out_shardings=self.chunk_sharding)
+        self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,), out_shardings=kv_shardings)
         # request id -> host page -> (host chunk, row in it): the host copies of swapped-out pages.
         self._host_store: dict[str, dict[int, tuple[jax.Array, int]]] = {}
         self.dispatch_s = 0.0
@@ -145,7 +160,7 @@ class ModelExecutor:
             [c.request.grammar for c in plan.chunks], len(inputs.logits_indices))
         device_tokens, self.last_logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
         waited = time.perf_counter()
-        tokens = np.asarray(device_tokens)
+        tokens = to_host(device_tokens)
         self.dispatch_s += waited - start
         self.device_wait_s += time.perf_counter() - waited
         if self.length_probe is not None:   # before update(): the predictions are for the segment this row starts
@@ -162,10 +177,15 @@ class ModelExecutor:
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
         if self.length_probe_params is None:
             logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
-            return logits, kv, None
-        logits, kv, hidden = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret,
-                                   return_hidden=True)
-        return logits, kv, probe_predict(self.length_probe_params, hidden)
+            bins = None
+        else:
+            logits, kv, hidden = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret,
+                                       return_hidden=True)
+            bins = probe_predict(self.length_probe_params, hidden)
+        # Gathered from the vocabulary shards: every shard samples the same token from the same logits.
+        logits = jax.lax.with_sharding_constraint(logits, self.replicated)
+        kv = jax.lax.with_sharding_constraint(kv, [(self.device_sharding, self.device_sharding)] * len(kv))
+        return logits, kv, bins
 
     def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
         logits, kv, bins = self._forward_fn(params, kv, input_ids, meta, logits_indices)
@@ -231,9 +251,10 @@ class ModelExecutor:
         """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
         (logits None unless ``keep_logits``)."""
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
+        input_ids, meta, logits_indices, sampling = put_replicated(
+            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
         tokens, logits, self.kv, self.last_length_bins = self._step(
-            self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
-            jnp.asarray(inputs.logits_indices), SamplingArrays(**inputs.sampling))
+            self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices, SamplingArrays(**sampling))
         return tokens, logits
 
     def forward_masked(self, inputs: StepInputs,
@@ -242,11 +263,12 @@ class ModelExecutor:
         forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
         the device computes (dispatch is asynchronous), then sample under the mask."""
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
+        input_ids, meta, logits_indices, sampling = put_replicated(
+            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
         logits, self.kv, self.last_length_bins = self._forward(
-            self.params, self.kv, jnp.asarray(inputs.input_ids), AttentionMetadata(**inputs.meta),
-            jnp.asarray(inputs.logits_indices))
-        bitmask = fill_bitmask()
-        tokens = self._sample_masked(logits, jnp.asarray(bitmask), SamplingArrays(**inputs.sampling))
+            self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices)
+        bitmask = put_replicated(fill_bitmask(), self.mesh)
+        tokens = self._sample_masked(logits, bitmask, SamplingArrays(**sampling))
         return tokens, (logits if self.config.keep_logits else None)
 
     def synthetic_inputs(self, token_bucket: int, context: int | None = None) -> StepInputs:
@@ -280,10 +302,10 @@ class ModelExecutor:
         size = 1
         while swap_pages and size <= next_power_of_two(swap_pages):
             # Index arrays staged from numpy as swap_out/swap_in stage them (same programs).
-            ids = jnp.asarray(np.zeros(size, np.int32))
+            ids = put_replicated(np.zeros(size, np.int32), self.mesh)
             host = jax.device_put(self._gather(self.kv, ids), self.host_sharding)
-            dropped = jnp.asarray(np.full(size, self.config.num_pages, np.int32))  # out of range: writes nothing
-            self.kv = self._scatter(self.kv, jax.device_put(host, self.device_sharding), ids, dropped)
+            dropped = put_replicated(np.full(size, self.config.num_pages, np.int32), self.mesh)  # writes nothing
+            self.kv = self._scatter(self.kv, jax.device_put(host, self.chunk_sharding), ids, dropped)
             size *= 2
         jax.block_until_ready(self.kv)
 
@@ -294,7 +316,7 @@ class ModelExecutor:
             n = len(op.device_pages)
             ids = np.zeros(next_power_of_two(n), np.int32)
             ids[:n] = op.device_pages
-            chunk = self._gather(self.kv, jnp.asarray(ids))
+            chunk = self._gather(self.kv, put_replicated(ids, self.mesh))
             host = jax.device_put(chunk, self.host_sharding)
             store = self._host_store.setdefault(op.request.request_id, {})
             for row, hp in enumerate(op.host_pages):
@@ -319,8 +341,8 @@ class ModelExecutor:
                 row_ids[:len(rows)] = rows
                 page_ids = np.full(size, self.config.num_pages, np.int32)  # out of range -> dropped
                 page_ids[:len(pages)] = pages
-                chunk = jax.device_put(host, self.device_sharding)
-                self.kv = self._scatter(self.kv, chunk, jnp.asarray(row_ids), jnp.asarray(page_ids))
+                chunk = jax.device_put(host, self.chunk_sharding)
+                self.kv = self._scatter(self.kv, chunk, *put_replicated((row_ids, page_ids), self.mesh))
 
     def host_memory_kind(self, request_id: str, host_page: int) -> str | None:
         """Memory kind of the host copy of ``host_page`` (e.g. ``"pinned_host"``); None if absent."""
@@ -331,16 +353,6 @@ class ModelExecutor:
     def kv_bytes_per_token(self) -> int:
         c = self.model_config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * jnp.dtype(self.config.kv_dtype).itemsize
-
-
-def _host_sharding(device) -> jax.sharding.Sharding:
-    """Single-device sharding in pinned host memory (unpinned, then device memory, as fallbacks)."""
-    base = jax.sharding.SingleDeviceSharding(device)
-    kinds = {m.kind for m in device.addressable_memories()}
-    for kind in ("pinned_host", "unpinned_host"):
-        if kind in kinds:
-            return base.with_memory_kind(kind)
-    return base
 
 
 def _gather_pages(kv: list, page_ids: jax.Array) -> jax.Array:
@@ -360,21 +372,37 @@ CPU_KV_BUDGET_BYTES = 512 * 1024**2
 
 
 def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, max_model_len: int, max_num_seqs: int,
-                  fraction: float = 0.9, max_pages: int | None = None) -> int:
+                  fraction: float = 0.9, max_pages: int | None = None, mesh: Mesh | None = None) -> int:
     """Device KV pages for an engine with these limits.
 
-    On a backend that reports its memory (GPU, TPU): what fits in ``fraction`` of
-    it after the weights. On CPU, which reports none and shares RAM with everything
-    else: what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped at
+    On backends that report their memory (GPU, TPU): what fits in ``fraction`` of
+    the free memory (after weights) of the fullest device of ``mesh`` (default:
+    the first device). Each device holds ``1 / mesh.size`` of every page's KV
+    heads (``model_config`` as the shards see it); with several processes the
+    least free device of any process decides, so every process sizes the same
+    pool. On CPU, which reports none and shares RAM with everything else: what
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped at
     ``CPU_KV_BUDGET_BYTES`` but never less than one full-length sequence.
     """
+    tp = 1 if mesh is None else mesh.size
     per_page = page_size * 2 * model_config.num_hidden_layers * model_config.num_key_value_heads \
-        * model_config.head_dim * jnp.dtype(kv_dtype).itemsize
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        pages = int((stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)) // per_page)
+        * model_config.head_dim * jnp.dtype(kv_dtype).itemsize // tp
+    devices = jax.devices()[:1] if mesh is None else \
+        [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if all("bytes_limit" in (d.memory_stats() or {}) for d in devices):
+        free = min(_free_bytes(d, fraction) for d in devices)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            free = float(np.min(multihost_utils.process_allgather(np.array([free], np.float64))))
+        pages = int(free // per_page)
     else:
         per_seq = -(-max_model_len // page_size)
         pages = min(max_num_seqs * per_seq, max(per_seq, CPU_KV_BUDGET_BYTES // per_page))
     pages = max(1, pages)
     return min(pages, max_pages) if max_pages else pages
+
+
+def _free_bytes(device, fraction: float) -> float:
+    """``fraction`` of ``device``'s reported memory limit minus what is in use."""
+    stats = device.memory_stats()
+    return stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import kernels
+from jax.sharding import Mesh
+
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.rope import apply_rope, inverse_frequencies
+from jaxserve.parallel.attention import write_and_attend
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +56,11 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linea
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs) -> None:
+    """Grouped-query attention; with a ``mesh``, q/k/v/o are split by head over its
+    ``"model"`` axis and the KV write + kernel run per shard (``jaxserve.parallel``)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs,
+                 mesh: Mesh | None = None) -> None:
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.q_proj = _linear(h, self.num_heads * d, cfg.qkv_bias, dtype, rngs)
@@ -64,6 +70,7 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling))
         self.sliding_window = cfg.sliding_window
         self.attention_impl = attention_impl
+        self.mesh = mesh
 
     def __call__(self, x: jax.Array, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata,
                  interpret: bool) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -73,11 +80,10 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q, k = apply_rope(q, meta.positions, inv_freq), apply_rope(k, meta.positions, inv_freq)
-        k_pages, v_pages = kernels.write_kv_pages(kv[0], kv[1], k.astype(kv[0].dtype),
-                                                  v.astype(kv[1].dtype), meta.slot_mapping)
-        out = kernels.ragged_paged_attention(
-            q.astype(k_pages.dtype), k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q_lens,
-            meta.num_seqs, sliding_window=self.sliding_window, impl=self.attention_impl, interpret=interpret)
+        out, k_pages, v_pages = write_and_attend(
+            q, k, v, kv[0], kv[1], meta.slot_mapping, meta.page_table, meta.kv_lens, meta.cu_q_lens,
+            meta.num_seqs, mesh=self.mesh, sliding_window=self.sliding_window, impl=self.attention_impl,
+            interpret=interpret)
         return self.o_proj(out.reshape(t, -1).astype(x.dtype)), (k_pages, v_pages)
 
 
@@ -93,9 +99,10 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs,
+                 mesh: Mesh | None = None) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, attention_impl, rngs)
+        self.self_attn = Attention(cfg, dtype, attention_impl, rngs, mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
@@ -106,14 +113,17 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder over a ragged batch of T tokens with a paged KV cache per layer."""
+    """Decoder over a ragged batch of T tokens with a paged KV cache per layer.
+
+    ``mesh``: the tensor-parallel mesh the attention kernels run per shard on
+    (None: one device)."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_impl: str = "reference",
-                 rngs: nnx.Rngs | None = None) -> None:
+                 rngs: nnx.Rngs | None = None, mesh: Mesh | None = None) -> None:
         rngs = rngs or nnx.Rngs(0)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, attention_impl, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, attention_impl, rngs, mesh) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 

@@ -1,0 +1,104 @@
+"""Tensor-parallel runs for ``test_tensor_parallel.py``, in a process of its own.
+
+XLA reads ``--xla_force_host_platform_device_count`` once, when JAX starts, and
+the rest of the suite runs with one device; so the test runs this script as
+``python tests/tp_cases.py OUT.json`` with 8 forced host devices and checks
+what it wrote: per case, the greedy tokens of every request, the logits of
+every step, preemptions and swapped pages, and the transformers references.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from conftest import build_hf_model  # noqa: E402
+
+KINDS = ("llama", "mistral", "qwen2")
+# 8 query heads so TP 8 divides them; 2 KV heads, so TP 4 and 8 repeat each KV head 2 and 4 times.
+SHAPE = dict(num_attention_heads=8, num_key_value_heads=2)
+TP_DEGREES = (1, 2, 4, 8)
+PROMPT_LENS = (3, 9, 17, 30)
+NEW_TOKENS = 12
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, 256, n).tolist() for n in PROMPT_LENS]
+
+
+def hf_greedy(model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def run(path: Path, tp: int, num_pages: int, api_calls=None, handling: str | None = None) -> dict:
+    """Step an engine by hand over ``prompts()``; record tokens, each step's logits and counters."""
+    from jaxserve import LLMEngine, SamplingParams
+
+    cpu_start = time.process_time()
+    engine = LLMEngine(str(path), tensor_parallel_size=tp, page_size=8, num_pages=num_pages, num_host_pages=64,
+                       max_num_batched_tokens=32, max_model_len=96, warmup=False, keep_logits=True,
+                       check_invariants=True, handling=handling, swap_budget_tokens=16)
+    params = SamplingParams(max_tokens=NEW_TOKENS, **GREEDY)
+    for i, ids in enumerate(prompts()):
+        engine.add_request(f"r{i}", prompt_token_ids=ids, sampling_params=params,
+                           api_calls=None if api_calls is None else api_calls[i])
+    tokens: dict[str, list[int]] = {}
+    logits = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        if engine.last_logits is not None and outs:
+            logits.append(np.asarray(engine.last_logits).tolist())
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.delta_token_ids)
+        if not outs:
+            time.sleep(0.001)      # an API call in flight
+    executor = engine.executor
+    result = dict(tokens=[tokens[f"r{i}"] for i in range(len(PROMPT_LENS))], logits=logits,
+                  preemptions=engine.scheduler.num_preemptions, swapped_in=engine.stats.swapped_in_pages,
+                  swapped_out=engine.stats.swapped_out_pages, kv_devices=len(executor.kv[0][0].sharding.device_set),
+                  kv_shard_heads=executor.kv[0][0].addressable_shards[0].data.shape[2],
+                  host_memory_kind=executor.host_sharding.memory_kind,
+                  host_chunk_spec=str(executor.host_sharding.spec),
+                  free_pages=engine.scheduler.device_pool.num_free, num_pages=engine.scheduler.device_pool.num_pages,
+                  cpu_s=time.process_time() - cpu_start)
+    engine.shutdown()
+    return result
+
+
+def main(out_path: str) -> None:
+    from jaxserve import ApiCall
+
+    results: dict = {"references": {}, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in KINDS:
+            model = build_hf_model(kind, **SHAPE)
+            path = Path(tmp) / kind
+            model.save_pretrained(path)
+            results["references"][kind] = [hf_greedy(model, p) for p in prompts()]
+            for tp in TP_DEGREES:
+                results["runs"][f"{kind}-tp{tp}"] = run(path, tp, num_pages=64)
+        # 9 pages of 8 tokens for four requests of up to 42 tokens: preemption by recompute.
+        results["runs"]["llama-tp4-tight"] = run(Path(tmp) / "llama", 4, num_pages=9)
+        calls = [[ApiCall(2 + i, 0.01, [7, 8, 9][:i + 1], "x")] for i in range(len(PROMPT_LENS))]
+        for tp, handling in ((1, "preserve"), (8, "swap"), (2, "swap")):
+            results["runs"][f"qwen2-tp{tp}-{handling}"] = run(Path(tmp) / "qwen2", tp, num_pages=64,
+                                                              api_calls=calls, handling=handling)
+    Path(out_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
