@@ -73,7 +73,7 @@ def run(path: Path, tp: int, num_pages: int, api_calls=None, handling: str | Non
                   kv_shard_heads=executor.kv[0][0].addressable_shards[0].data.shape[2],
                   host_memory_kind=executor.host_sharding.memory_kind,
                   host_chunk_spec=str(executor.host_sharding.spec),
-                  free_pages=engine.scheduler.device_pool.num_free, num_pages=engine.scheduler.device_pool.num_pages,
+                  free_pages=engine.scheduler.kv.num_free_device, num_pages=engine.scheduler.device_pool.num_pages,
                   cpu_s=time.process_time() - cpu_start)
     engine.shutdown()
     return result
