@@ -73,20 +73,15 @@ def measure_step_times(runner, repeats: int, per_round: int = 3) -> dict[int, fl
 
 
 def context_inputs(runner, token_bucket: int, context: int):
-    """``runner.synthetic_inputs(token_bucket)`` with every sequence attending over
-    ``context`` cached tokens (capped at ``max_model_len``) instead of the bucket
-    size; writes nothing to the cache."""
+    """``runner.synthetic_inputs(token_bucket, context)``: every sequence attends over
+    ``context`` cached tokens (capped at ``max_model_len``; its page table as wide as
+    the engine makes it for that context), queried at the last position; writes
+    nothing to the cache."""
     import dataclasses
 
-    cfg = runner.config
-    base = runner.synthetic_inputs(token_bucket)
-    context = max(1, min(context, cfg.max_model_len))
-    used = -(-context // cfg.page_size)
+    context = max(1, min(context, runner.config.max_model_len))
+    base = runner.synthetic_inputs(token_bucket, context=context)
     meta = dict(base.meta)
-    page_table = np.zeros_like(meta["page_table"])
-    page_table[:, :used] = np.arange(used, dtype=np.int32) % cfg.num_pages
-    meta["page_table"] = page_table
-    meta["kv_lens"] = np.full_like(meta["kv_lens"], context)
     meta["positions"] = np.full_like(meta["positions"], context - 1)
     return dataclasses.replace(base, meta=meta)
 
