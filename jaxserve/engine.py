@@ -239,6 +239,10 @@ class LLMEngine:
             return None
         if self.structured is None:
             raise ValueError(f"{params.structured.param}: structured output needs a model with a tokenizer")
+        if self.config.num_processes > 1:
+            # The masked sampler is a second program the multi-host protocol does not broadcast yet.
+            raise ValueError(f"{params.structured.param}: structured output is not supported across hosts "
+                             f"(num_processes={self.config.num_processes}) yet")
         return self.structured.start(params.structured)
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
