@@ -173,10 +173,6 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def has_work(self, now: float) -> bool:
-        """True when a step could make progress now (runnable requests, or API results ready)."""
-        return self.scheduler.has_work() or self.api.poll_ready(now)
-
     def next_wakeup(self) -> float | None:
         """When something could next happen while nothing can run (API timers, tool deadlines)."""
         return self.api.next_due()
