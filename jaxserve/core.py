@@ -204,9 +204,15 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests whose state or output changed."""
+        touched = self.deliver_api_results(self.clock.now())
+        return touched + self._run_plan()
+
+    def _run_plan(self) -> list[Request]:
+        """Steps 2-5 of ``step()`` (schedule, execute, update, front end), for a caller
+        that has just delivered the returned API calls; returns the requests touched."""
         start = time.perf_counter()
         now = began = self.clock.now()
-        touched = self.deliver_api_results(now)
+        touched: list[Request] = []
         sched = self.scheduler
         plan = sched.schedule(now)
         self.last_step_ran = not plan.is_empty
@@ -286,7 +292,7 @@ class EngineCore:
                 return
             ran = False
             if self.scheduler.has_work():
-                touched += self.step()
+                touched += self._run_plan()   # returned calls were delivered above, at this pass's time
                 ran = self.last_step_ran
             if touched and on_outputs is not None:
                 on_outputs(touched)
