@@ -55,20 +55,19 @@ class PageAllocator:
 
     def free(self, owner: str, pages: list[int]) -> None:
         """Return ``pages`` (all owned by ``owner``) to the free list."""
-        owners = self._owner
-        for p in pages:
-            if owners[p] != owner:
-                raise RuntimeError(f"{self.name} page {p} freed by {owner!r} but owned by {owners[p]!r}")
-        for p in pages:
-            owners[p] = None
+        self._hand_over(pages, owner, None, "freed")
         self._free.extend(pages)
 
     def reassign(self, pages: list[int], owner: str, new_owner: str) -> None:
         """Hand ``pages`` (all owned by ``owner``) to ``new_owner`` without freeing them."""
+        self._hand_over(pages, owner, new_owner, "handed on")
+
+    def _hand_over(self, pages: list[int], owner: str, new_owner: str | None, verb: str) -> None:
+        """Set ``pages``' owner to ``new_owner`` after checking ``owner`` holds every one of them."""
         owners = self._owner
         for p in pages:
             if owners[p] != owner:
-                raise RuntimeError(f"{self.name} page {p} handed on by {owner!r} but owned by {owners[p]!r}")
+                raise RuntimeError(f"{self.name} page {p} {verb} by {owner!r} but owned by {owners[p]!r}")
         for p in pages:
             owners[p] = new_owner
 
