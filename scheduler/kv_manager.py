@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from scheduler.pages import PageAllocator
 from scheduler.plan import SwapOp
-from scheduler.prefix_cache import PrefixCache, page_hash
+from scheduler.prefix_cache import PrefixCache, chain_hashes
 from scheduler.request import Request
 
 CACHE_OWNER = "<prefix-cache>"   # the allocator's owner of every cached device page
@@ -59,6 +59,7 @@ class KVManager:
         self.relinked_swap_pages = 0         # swap-in pages re-linked from the cache instead of copied
         self.paused_holders: dict[str, Request] = {}
         self.waiting_holders: dict[str, Request] = {}
+        self._lookups: dict[str, tuple[int, list[int]]] = {}   # request id -> (cache epoch, lookup pages)
 
     # ------------------------------------------------------------ allocation
     def pages_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -118,7 +119,8 @@ class KVManager:
         self.waiting_holders.pop(request.request_id, None)
 
     def free(self, request: Request, retain: bool = False) -> None:
-        """Free every page of ``request``, device and host."""
+        """Free every page of ``request``, device and host (it ended)."""
+        self._lookups.pop(request.request_id, None)
         self.free_device(request, retain)
         if request.host_pages:
             self.host_pool.free(request.request_id, request.host_pages)
@@ -129,18 +131,45 @@ class KVManager:
         """Chained hashes of ``request``'s first ``num_pages`` full pages, as many
         as its token ids (or preset hashes) cover; extends ``block_hashes``."""
         hashes, ids, ps = request.block_hashes, request.token_ids, self.page_size
-        while len(hashes) < num_pages and (len(hashes) + 1) * ps <= len(ids):
-            i = len(hashes)
-            hashes.append(page_hash(hashes[-1] if hashes else self.cache.root, ids[i * ps:(i + 1) * ps]))
-        return hashes[:num_pages]
+        done = len(hashes)
+        end = min(num_pages, len(ids) // ps)
+        if end > done:
+            hashes += chain_hashes(hashes[-1] if hashes else self.cache.root, ids[done * ps:end * ps], ps)
+        return hashes if len(hashes) <= num_pages else hashes[:num_pages]
+
+    def hash_context(self, request: Request) -> None:
+        """Hash the full pages of ``request``'s context now (at arrival, at an API
+        return), off the admission path of ``schedule()``: a request is hashed
+        once, page by page as its context grows, never per step."""
+        if self.cache is not None:
+            self.hashes(request, (request.num_tokens - 1) // self.page_size)
 
     def lookup(self, request: Request) -> list[int]:
         """The cached device pages of the longest run of ``request``'s full pages
         (at least one token is left to compute, for its logits); changes nothing.
-        Empty without a cache or when ``request`` already holds device pages."""
-        if self.cache is None or request.device_pages:
+        Empty without a cache or when ``request`` already holds device pages.
+
+        The result is kept per request and reused while no page has left the
+        cache since (``PrefixCache.epoch``): then it can only have grown, so
+        only the pages after it are looked up again (a waiting request at the
+        head of a full pool is looked up every step)."""
+        cache = self.cache
+        if cache is None or request.device_pages:
             return []
-        return self.cache.match(self.hashes(request, (request.num_tokens - 1) // self.page_size))
+        hashes = self.hashes(request, (request.num_tokens - 1) // self.page_size)
+        memo = self._lookups.get(request.request_id)
+        if memo is None or memo[0] != cache.epoch:
+            pages = cache.match(hashes)
+        else:
+            pages = memo[1]
+            page_of = cache.page_of
+            for h in hashes[len(pages):]:
+                p = page_of.get(h)
+                if p is None:
+                    break
+                pages.append(p)
+        self._lookups[request.request_id] = (cache.epoch, pages)
+        return list(pages)
 
     def num_evictable_in(self, pages: list[int]) -> int:
         """How many of ``pages`` (from ``lookup``) an allocation could otherwise evict."""
@@ -153,6 +182,7 @@ class KVManager:
         if self.cache is None:
             return
         assert not request.device_pages and request.num_computed_tokens == 0, "link needs an empty table"
+        self._lookups.pop(request.request_id, None)
         self.cache.acquire(pages)
         request.device_pages = list(pages)
         request.num_shared_pages = len(pages)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from scheduler.cost_model import CostModel, expected_cached_tokens
 from scheduler.request import Request, Segment
@@ -37,12 +37,13 @@ class MemoryView:
         return self.cost.bytes_per_token
 
 
-@dataclass(slots=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """Run ``num_tokens`` query tokens of ``request`` starting at context position ``start``.
 
     ``samples`` is True when the chunk reaches the end of the context, so the
-    step produces the request's next token.
+    step produces the request's next token. A named tuple: the scheduler makes
+    one per running request per step, and a tuple is the cheapest record to build
+    (``tuple.__new__(ScheduledChunk, (request, start, num_tokens, samples))``).
     """
 
     request: Request

@@ -36,9 +36,20 @@ def root_hash(cache_key: str) -> bytes:
 
 def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The chained hash of one full page of ``token_ids`` after ``parent``."""
-    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=HASH_BYTES).digest()
+
+
+def chain_hashes(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """``page_hash`` of each full page of ``token_ids`` in turn, the first after
+    ``parent``: one conversion of the ids to bytes for the whole run."""
+    data = array("q", token_ids).tobytes()
+    step = 8 * page_size
+    out = []
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data) - step + 1, step):
+        parent = blake2b(parent + data[start:start + step], digest_size=HASH_BYTES).digest()
+        out.append(parent)
+    return out
 
 
 class PrefixCache:
@@ -55,6 +66,7 @@ class PrefixCache:
         self.query_tokens = 0    # tokens looked up at admissions (cumulative)
         self.hit_tokens = 0      # of those, tokens whose KV came from the cache
         self.evicted_pages = 0
+        self.epoch = 0           # bumped when a page leaves the cache: only that can shorten a ``match``
         self._released: dict[int, float] = {}   # evictable page -> when it was released (s)
         self.residence_s = float("inf")          # EMA of release-to-eviction time; inf until one is evicted
 
@@ -131,6 +143,7 @@ class PrefixCache:
                 del self.page_of[self.hash_of.pop(p)]
                 del self.refs[p]
                 self.evicted_pages += 1
+                self.epoch += 1
                 if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
                     self._heap = [(e[0], e[1], q) for q, e in score.items()]
                     heapq.heapify(self._heap)

@@ -143,6 +143,7 @@ class Scheduler:
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
         self.now = now
+        self.kv.hash_context(request)
         self.policy.on_arrival(request, now, self.view())
         self._enqueue(request, now)
 
@@ -260,6 +261,7 @@ class Scheduler:
             self.finish(request, "length", now)
             return True
         self.policy.on_api_return(request, now, self.view())
+        self.kv.hash_context(request)
         if request.state != RequestState.SWAPPING_OUT:
             self._requeue_returned(request)
         return False
@@ -355,19 +357,21 @@ class Scheduler:
         # the slow path (evict an idle holder, else preempt the lowest priority).
         kv = self.kv
         page_size = kv.page_size
-        chunks = plan.chunks
+        append_chunk = plan.chunks.append
+        new_chunk = tuple.__new__   # ScheduledChunk(...) without its Python-level __new__ frame
         running_state = RequestState.RUNNING
         for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
-            if budget <= 0:
-                break
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
-            n = request.num_tokens - start
-            if n <= 0:
-                continue
+            end = request.num_tokens
+            n = end - start
             if n > budget:
+                if budget <= 0:
+                    break
                 n = budget
+            elif n <= 0:
+                continue
             need = -(-(start + n) // page_size) - len(request.device_pages)   # kv.pages_needed, inlined
             if need > 0:
                 while need > kv.num_free_device:
@@ -381,12 +385,14 @@ class Scheduler:
                         break
                 if request.state is not running_state or not kv.allocate_slots(request, need):
                     continue
-            chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
+            append_chunk(new_chunk(ScheduledChunk, (request, start, n, start + n == end)))
             if request.first_scheduled_time is None or (
                     request.api_returned and request.api_calls[-1].resume_time is None):
                 self._mark_scheduled(request, now)
             request.last_scheduled_time = now
             budget -= n
+            if budget <= 0:
+                break
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, swap_pages: int, now: float,
