@@ -52,13 +52,26 @@ class ScheduledChunk(NamedTuple):
     samples: bool
 
 
+CACHE_OWNER = "<prefix-cache>"   # the pools' owner of every cached page (device tier and host tier)
+
+
 @dataclass(slots=True)
 class SwapOp:
-    """Copy KV pages between device and host: ``device_pages[i] <-> host_pages[i]``."""
+    """Copy KV pages between device and host: ``device_pages[i] <-> host_pages[i]``.
 
-    request: Request
+    ``request`` None: pages of the prefix cache's host tier (``owner`` is
+    ``CACHE_OWNER``): a copy-out keeps an evicted cached page on host, a
+    copy-in brings one back for a prefix hit and leaves the host copy in place.
+    """
+
+    request: Request | None
     device_pages: list[int]
     host_pages: list[int]
+
+    @property
+    def owner(self) -> str:
+        """Whose host pages these are: the request's id, or ``CACHE_OWNER``."""
+        return CACHE_OWNER if self.request is None else self.request.request_id
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: Policy, device_pool: PageAllocator,
                  host_pool: PageAllocator, cost: CostModel) -> None:
         cache = PrefixCache(config.prefix_cache_key) if config.enable_prefix_caching else None
-        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s)
+        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s, config.host_cache)
         self.config = config
         self.policy = policy
         self.cost = cost
@@ -95,7 +95,8 @@ class Scheduler:
         if running_tokens is None:
             running_tokens = sum(r.num_tokens for r in self.running)
         device, host = self.kv.device_pool, self.kv.host_pool
-        return MemoryView(self.kv.num_free_device, device.num_pages, host.num_free, host.num_pages, self.page_size,
+        return MemoryView(self.kv.num_free_device, device.num_pages, self.kv.num_free_host, host.num_pages,
+                          self.page_size,
                           running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost,
                           self.kv.cache_horizon_s())
 
@@ -290,13 +291,21 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         self.iteration += 1
         self.now = now
+        kv = self.kv
+        kv.begin_step()
         self._policy_step(now)
         view = self.view()
         plan = StepPlan(token_budget=max(1, self._token_budget(view)))
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
-        swap_pages = self._continue_swaps(plan, swap_pages, view)
+        kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
         budget = self._schedule_running(plan, plan.token_budget, now, view)
-        self._admit_waiting(plan, budget, swap_pages, now, view)
+        self._admit_waiting(plan, budget, now, view)
+        if kv.host_tier:
+            copy_out, copy_in = kv.take_copies()
+            if copy_out is not None:
+                plan.swap_out.append(copy_out)
+            if copy_in is not None:
+                plan.swap_in.append(copy_in)
         self.policy.on_plan(plan, now, self.iteration)
         return plan
 
@@ -395,8 +404,7 @@ class Scheduler:
                 break
         return budget
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, swap_pages: int, now: float,
-                       step_view: MemoryView) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, now: float, step_view: MemoryView) -> None:
         if not self.waiting:
             return
         kv = self.kv
@@ -413,7 +421,7 @@ class Scheduler:
                 self._dequeue(request)
                 request.state = RequestState.SWAPPING_IN
                 self.swapping_in.append(request)
-                swap_pages = self._swap_chunk(plan, request, swap_pages, out=False)
+                kv.copy_budget = self._swap_chunk(plan, request, kv.copy_budget, out=False)
                 if request.state != RequestState.RUNNING:
                     continue
                 n = min(request.num_uncomputed_tokens, budget)
@@ -428,7 +436,8 @@ class Scheduler:
             n = min(request.num_tokens - computed, budget)
             held = len(hits) if hits else len(request.device_pages)
             need = max(0, -(-(computed + n) // page_size) - held)
-            # Linking the hits makes those of them that are evictable unavailable.
+            # Linking the hits makes those of them that are evictable unavailable, and
+            # each host-resident one takes a device page.
             while need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
                 if not self._evict_idle_holder(request, now, view):
                     break

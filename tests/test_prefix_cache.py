@@ -149,10 +149,10 @@ class PagedModel:
         return StepResult(token_ids=ids)
 
 
-def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14):
+def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14, host_cache=True):
     ps = 4
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8, swap_budget_tokens=8,
-                                      handling=handling, enable_prefix_caching=cache),
+                                      handling=handling, enable_prefix_caching=cache, host_cache=host_cache),
                       make_policy("fcfs"), PageAllocator(num_pages, ps), PageAllocator(6, ps, "host"), COST)
     model = PagedModel(ps)
     rng = random.Random(seed)
@@ -181,21 +181,33 @@ def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14):
             if event.kind is EventKind.API_CALL:
                 pending.append((now + event.segment.api_duration_s, event.request))
         sched.check_invariants()
-    assert sched.kv.num_free_device == num_pages and sched.host_pool.num_free == 6   # free or cached-unreferenced
+    # Idle: every page free or cached-unreferenced, on both tiers.
+    assert sched.kv.num_free_device == num_pages and sched.kv.num_free_host == 6
+    assert all(owner == CACHE_OWNER for owner in sched.host_pool.owned_by())
     return {rid: r.output_token_ids for rid, r in outs.items()}, sched
 
 
 @pytest.mark.parametrize("handling", [None, Handling.PRESERVE, Handling.DISCARD, Handling.SWAP])
 @pytest.mark.parametrize("num_pages", [64, 12])
 def test_outputs_identical_with_and_without_the_cache(handling, num_pages):
+    """Cache off, device-only cache and host tier give the same greedy outputs;
+    with the tight pool, device eviction to host and host eviction both happen
+    and hits are served from host (the fake model reads the copied pages back)."""
+    host_hits = host_evictions = 0
     for seed in range(3):
         want, _ = run_agents(False, num_pages, handling, seed)
+        device_only, sched = run_agents(True, num_pages, handling, seed, host_cache=False)
+        assert device_only == want and sched.kv.cache.num_host_pages == 0
         got, sched = run_agents(True, num_pages, handling, seed)
         assert got == want
         cache = sched.kv.cache
         assert cache.hit_tokens > 0
         if num_pages == 12:
             assert sched.num_preemptions + cache.evicted_pages > 0
+        host_hits += cache.host_hit_tokens
+        host_evictions += cache.host_evicted_pages
+    if num_pages == 12:
+        assert host_hits > 0 and host_evictions > 0
 
 
 def test_soft_discard_recomputes_only_what_was_evicted():
