@@ -82,7 +82,7 @@ class KVManager:
         self.copy_budget = 0                              # host-tier copies this step may still plan (pages)
         self._copy_outs: list[tuple[int, int]] = []       # (device page, host page) to copy before the forward
         self._copy_ins: list[tuple[int, int]] = []        # (host page, device page) to copy before the forward
-        self._host_reads: set[int] = set()                # host pages this step's copy-ins read
+        self._host_busy: set[int] = set()   # host pages this step's copies read or write: kept this step
 
     # ------------------------------------------------------------ allocation
     def pages_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -121,17 +121,19 @@ class KVManager:
         if self.host_pool.num_free:
             host_page = self.host_pool.allocate(CACHE_OWNER, 1)[0]
         else:
-            host_page = cache.host_evict(self._host_reads)   # stays owned by CACHE_OWNER
+            host_page = cache.host_evict(self._host_busy)   # stays owned by CACHE_OWNER
             if host_page is None:
                 return
         cache.host_insert(host_page, h)
+        self._host_busy.add(host_page)
         self._copy_outs.append((page, host_page))
         self.copy_budget -= 1
 
-    def begin_step(self) -> None:
-        """A new step: the previous plan's copies are done (the executor ran it)."""
+    def copies_done(self) -> None:
+        """The last plan ran (or none is pending): its host-tier copies are done, so
+        no host page is busy and nothing is left to plan (``copy_budget`` 0)."""
         self._copy_outs, self._copy_ins = [], []
-        self._host_reads.clear()
+        self._host_busy.clear()
         self.copy_budget = 0
 
     def take_copies(self) -> tuple[SwapOp | None, SwapOp | None]:
@@ -265,7 +267,7 @@ class KVManager:
         pages = list(pages)
         on_host = [i for i, p in enumerate(pages) if p < 0]
         if on_host:
-            self._host_reads.update(~pages[i] for i in on_host)
+            self._host_busy.update(~pages[i] for i in on_host)
             fresh = self._take(CACHE_OWNER, len(on_host))
             for i, page in zip(on_host, fresh):
                 host_page = ~pages[i]
@@ -336,7 +338,7 @@ class KVManager:
         if n > self.num_free_host:
             return False
         while self.host_pool.num_free < n:   # swapped requests come before host-tier copies
-            host_page = self.cache.host_evict(self._host_reads)
+            host_page = self.cache.host_evict(self._host_busy)
             if host_page is None:
                 return False
             self.host_pool.free(CACHE_OWNER, [host_page])

@@ -292,7 +292,7 @@ class Scheduler:
         self.iteration += 1
         self.now = now
         kv = self.kv
-        kv.begin_step()
+        kv.copies_done()
         self._policy_step(now)
         view = self.view()
         plan = StepPlan(token_budget=max(1, self._token_budget(view)))
@@ -525,6 +525,7 @@ class Scheduler:
         request that produced a token, in chunk order. (Stop strings and parsed
         tool calls need text, so the engine's front end applies those to
         ``TOKEN`` events.)"""
+        self.kv.copies_done()
         ids = result.token_ids
         running_state = RequestState.RUNNING
         commit = self.kv.commit if self.kv.cache is not None else None

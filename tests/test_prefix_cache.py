@@ -117,6 +117,64 @@ def test_swap_in_relinks_pages_still_cached():
     kv.check_invariants([r], set(), set())
 
 
+def make_tiered_kv(device=4, host=3, page_size=4):
+    kv = KVManager(PageAllocator(device, page_size), PageAllocator(host, page_size, "host"), PrefixCache("m"),
+                   host_tier=True)
+    kv.copies_done()
+    kv.copy_budget = 8
+    return kv
+
+
+def test_host_tier_keeps_evicted_pages_and_a_hit_copies_them_back():
+    kv = make_tiered_kv()
+    a = computed(kv, "a", list(range(9)))              # 2 cached pages + a partial one
+    kv.free_device(a)
+    b = computed(kv, "b", list(range(100, 116)))       # 4 pages: a's 2 cached pages are evicted to host
+    assert kv.cache.evicted_pages == 2 and kv.cache.num_host_pages == 2 and kv.cache.num_pages == 4
+    copy_out, copy_in = kv.take_copies()
+    assert copy_in is None and copy_out.request is None and copy_out.owner == CACHE_OWNER
+    assert sorted(copy_out.host_pages) == sorted(kv.cache.host_hash_of)
+    kv.check_invariants([b], set(), set())             # host-resident cached pages are owned by the cache
+    kv.free_device(b)
+    kv.copies_done()
+    kv.copy_budget = 1
+    again = Request("a2", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    hits = kv.lookup(again)
+    assert len(hits) == 1 and hits[0] < 0              # host-resident; the budget allows one copy
+    kv.copy_budget = 8
+    hits = kv.lookup(again)
+    assert len(hits) == 2 and all(p < 0 for p in hits)
+    host_pages = [~p for p in hits]
+    assert kv.num_evictable_in(hits) == 2              # each takes a device page
+    kv.link(again, hits)
+    assert again.num_computed_tokens == 8 and kv.cache.host_hit_tokens == 8 and again.num_shared_pages == 2
+    copy_out, copy_in = kv.take_copies()
+    assert copy_in.host_pages == host_pages and copy_in.device_pages == again.device_pages
+    # The host copies stay (linking took 2 device pages: one of b's evicted pages went to the
+    # last free host page, the other was dropped: the pages this step reads back are never evicted).
+    assert set(host_pages) <= set(kv.cache.host_hash_of) and kv.cache.num_host_pages == 3
+    kv.check_invariants([again], set(), set())
+    kv.free_device(again)
+    kv.copies_done()
+    kv.copy_budget = 8
+    c = computed(kv, "c", list(range(200, 216)))       # evicts all 4 cached pages; 3 host pages to keep them
+    copy_out, _ = kv.take_copies()
+    assert len(copy_out.host_pages) == len(set(copy_out.host_pages))   # a host page is written once a step
+    kv.check_invariants([c], set(), set())
+
+
+def test_swap_out_takes_host_pages_from_the_host_tier_first():
+    kv = make_tiered_kv(device=4, host=5)
+    a = computed(kv, "a", list(range(8)))
+    kv.free_device(a)
+    b = computed(kv, "b", list(range(100, 116)))       # a's 2 pages -> host: 3 host pages left free
+    assert kv.cache.num_host_pages == 2 and kv.host_pool.num_free == 3 and kv.num_free_host == 5
+    kv.copies_done()                                   # the step ran: its copies no longer pin host pages
+    assert kv.start_swap_out(b)                        # needs 4: one taken from the host tier (its oldest)
+    assert len(b.host_pages) == 4 and kv.cache.num_host_pages == 1 and kv.cache.host_evicted_pages == 1
+    kv.check_invariants([b], set(), set())
+
+
 # ------------------------------------------------------- scheduler with fake KV
 class PagedModel:
     """A fake model over simulated KV pages: a computed position writes its token
