@@ -304,3 +304,35 @@ def test_a_context_released_in_an_api_call_outranks_plain_pages_for_a_while_only
     assert kv.lookup(Request("p", 100.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))) == []
     assert kv.cache.residence_s < float("inf") and kv.cache_horizon_s() == kv.cache.residence_s
     kv.check_invariants([s], set(), set())
+
+
+# ------------------------------------------------------------------ simulator
+def test_simulator_models_the_host_tier_and_charges_its_copies():
+    """The simulator runs the same tier: with soft Discard under a tight device
+    pool, parked contexts pushed off the device come back from host (more cached,
+    less recomputed than device-only), and the copies are charged on the host link."""
+    from jaxserve.core import SimClock
+    from jaxserve.executor.sim import SimExecutor
+    from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
+    from scheduler import StepPlan, SwapOp
+
+    def requests():
+        rng = random.Random(4)
+        return [Request(f"s{i}", 0.05 * i, prompt_len=rng.randint(150, 250), max_tokens=40,
+                        segments=[Segment(20, "tool", rng.uniform(0.5, 2.0), 10), Segment(20)]) for i in range(40)]
+
+    results = {}
+    for host_pages in (0, 400):
+        sched = build_scheduler(COST, make_policy("infercept"),
+                                SimConfig(page_size=16, num_device_pages=80, num_host_pages=host_pages,
+                                          handling=Handling.DISCARD, enable_prefix_caching=True))
+        results[host_pages] = run_simulation(sched, COST, requests(), check_invariants=True)
+        assert sched.kv.num_free_device == 80 and sched.kv.num_free_host == host_pages
+    device_only, tiered = results[0], results[400]
+    assert device_only.swapped_tokens == 0 and tiered.swapped_tokens > 0   # Discard: only host-tier copies
+    assert tiered.cached_tokens > device_only.cached_tokens
+    assert tiered.recomputed_tokens < device_only.recomputed_tokens
+    # A host-tier copy costs what a Swap copy of as many pages costs.
+    executor = SimExecutor(COST, 16, SimClock())
+    cache_copy = StepPlan(swap_in=[SwapOp(None, [1, 2], [3, 4])])
+    assert executor.step_time(cache_copy) == (COST.t_swap(32), COST.t_swap(32), 32)
