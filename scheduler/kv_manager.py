@@ -249,8 +249,10 @@ class KVManager:
         """How many pages linking ``pages`` (from ``lookup``) takes from what an
         allocation could get: its evictable device pages, and a new device page
         for each host-resident one."""
-        is_evictable = self.cache.is_evictable
-        return sum(1 for p in pages if p < 0 or is_evictable(p))
+        n = self.cache.num_evictable_among(pages)
+        if self.host_tier and pages and min(pages) < 0:
+            n += sum(1 for p in pages if p < 0)
+        return n
 
     def link(self, request: Request, pages: list[int]) -> None:
         """Give ``request`` (no device KV) the cached ``pages`` from ``lookup``:

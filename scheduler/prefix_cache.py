@@ -101,6 +101,10 @@ class PrefixCache:
     def is_evictable(self, page: int) -> bool:
         return page in self._score
 
+    def num_evictable_among(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` (distinct) are evictable (one C-level set intersection)."""
+        return len(self._score.keys() & pages)
+
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Device pages of the longest cached run of ``hashes`` from the first."""
         pages = []

@@ -299,7 +299,7 @@ class Scheduler:
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
         kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
         budget = self._schedule_running(plan, plan.token_budget, now, view)
-        self._admit_waiting(plan, budget, now, view)
+        self._admit_waiting(plan, budget, now)
         if kv.host_tier:
             copy_out, copy_in = kv.take_copies()
             if copy_out is not None:
@@ -404,17 +404,16 @@ class Scheduler:
                 break
         return budget
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, now: float, step_view: MemoryView) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
         if not self.waiting:
             return
         kv = self.kv
         page_size = kv.page_size
-        view = self.view(step_view.running_tokens)   # after the running batch took its pages
         for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
             if request.state == RequestState.SWAPPED:
-                while not kv.start_swap_in(request) and self._evict_idle_holder(request, now, view):
+                while not kv.start_swap_in(request) and self._evict_idle_holder(request, now):
                     pass
                 if not request.device_pages:
                     break
@@ -438,10 +437,12 @@ class Scheduler:
             need = max(0, -(-(computed + n) // page_size) - held)
             # Linking the hits makes those of them that are evictable unavailable, and
             # each host-resident one takes a device page.
-            while need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
-                if not self._evict_idle_holder(request, now, view):
+            taken = kv.num_evictable_in(hits) if hits else 0
+            while need > kv.num_free_device - taken:
+                if not self._evict_idle_holder(request, now):
                     break
-            if need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
+                taken = kv.num_evictable_in(hits) if hits else 0   # the evicted holder may have shared them
+            if need > kv.num_free_device - taken:
                 break  # keep the policy's order: no skipping ahead of the head
             self._dequeue(request)
             if not request.device_pages:
@@ -485,8 +486,7 @@ class Scheduler:
         self._enqueue(request, self.now)
         plan.preempted.append(request)
 
-    def _evict_idle_holder(self, behind: Request | None = None, now: float | None = None,
-                           view: MemoryView | None = None) -> bool:
+    def _evict_idle_holder(self, behind: Request | None = None, now: float | None = None) -> bool:
         """Free the pages of one request that holds device KV but is not running
         (paused under Preserve first, then one back from its API and still
         waiting, lowest-ranked first): it will be recomputed. When ``behind`` is

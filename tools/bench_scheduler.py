@@ -12,7 +12,7 @@ fraction of that typical step.
 
     python tools/bench_scheduler.py [--profile gptj-6b-a100-40g|PATH]
         [--policies lamps,augserve] [--waiting 64,512,4096] [--running 256] [--steps 300]
-        [--prefix-cache off,on]
+        [--prefix-cache off,on] [--baseline REV] [--clock wall|cpu]
 
 ``--baseline REV`` also times the scheduler of git revision ``REV`` (its
 ``scheduler/`` package, exported to a temporary folder, in a subprocess per
@@ -73,8 +73,11 @@ def make_request(rng: random.Random, i: int, now: float, token_ids: bool = False
 
 
 def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost, seed: int = 0,
-          warmup: int = 300, budget: int = 512, cache: str | None = None) -> dict:
-    """``cache``: None (no token ids, default config), "off" or "on" (token ids, prefix cache off/on)."""
+          warmup: int = 300, budget: int = 512, cache: str | None = None, clock: str = "wall") -> dict:
+    """``cache``: None (no token ids, default config), "off" or "on" (token ids, prefix cache off/on).
+    ``clock``: "wall" (``time.perf_counter``) or "cpu" (``time.thread_time``: this thread's CPU
+    time, which a loaded machine's waits for a core do not inflate)."""
+    timer = time.perf_counter if clock == "wall" else time.thread_time
     rng = random.Random(seed)
     ids = cache is not None
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
@@ -97,9 +100,9 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             pending.remove(item)
             sched.api_return(item[1], item[2], now, token_ids=[5] * item[2] if ids else None)
         gc.disable()
-        t0 = time.perf_counter()
+        t0 = timer()
         plan = sched.schedule(now)
-        t1 = time.perf_counter()
+        t1 = timer()
         gc.enable()
         if step >= warmup:
             times.append(t1 - t0)
@@ -136,13 +139,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma list of off,on: requests carry token ids, cache off/on (default: no ids)")
     ap.add_argument("--baseline", default=None, metavar="REV",
                     help="also time git revision REV's scheduler, row by row (before/after in one run)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time schedule() by wall clock or by this thread's CPU time (robust to a loaded machine)")
     ap.add_argument("--scheduler-src", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json-row", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.json_row:   # one row for a --baseline parent: print its result as JSON
         cache = args.prefix_cache if args.prefix_cache else None
         print(json.dumps(bench(args.policies, int(args.waiting), args.running, args.steps,
-                               load_profile(args.profile), budget=args.budget, cache=cache)))
+                               load_profile(args.profile), budget=args.budget, cache=cache, clock=args.clock)))
         return
     baseline_dir = _export_scheduler(args.baseline) if args.baseline else None
     caches = args.prefix_cache.split(",") if args.prefix_cache else [None]
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     cost = load_profile(args.profile)
     sizes = [int(x) for x in args.waiting.split(",")]
     print(f"profile {cost.name}; {args.running} running (max_num_seqs), budget {args.budget} tokens, "
-          f"{args.steps} timed steps; python {sys.version.split()[0]}")
+          f"{args.steps} timed steps, {args.clock} clock; python {sys.version.split()[0]}")
     print(f"{'policy':<14}{'waiting':>8}{'cache':>6}{'median µs':>11}{'mean µs':>9}{'p99 µs':>9}"
           f"{'step ms':>9}{'% of step':>10}{'running':>9}{'vs off':>8}"
           + (f"{'base µs':>9}{'vs base':>9}" if baseline_dir else ""))
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             base = None
             for cache in caches:
                 base_row = _baseline_row(baseline_dir, args, name, n, cache) if baseline_dir else None
-                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache)
+                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache, clock=args.clock)
                 if cache == "off":
                     base = r["median_us"]
                 ratio = f"{r['median_us'] / base:>7.2f}x" if base and cache == "on" else f"{'':>8}"
@@ -184,7 +189,7 @@ def _baseline_row(src: str, args: argparse.Namespace, policy: str, waiting: int,
     """``bench`` of one row with the scheduler exported to ``src``, in a subprocess."""
     cmd = [sys.executable, __file__, "--scheduler-src", src, "--json-row", "--policies", policy,
            "--waiting", str(waiting), "--running", str(args.running), "--steps", str(args.steps),
-           "--budget", str(args.budget), "--profile", args.profile]
+           "--budget", str(args.budget), "--profile", args.profile, "--clock", args.clock]
     if cache:
         cmd += ["--prefix-cache", cache]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
