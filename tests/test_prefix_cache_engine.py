@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, ApiCall, SamplingParams
+from scheduler import CACHE_OWNER
 
 RNG = np.random.default_rng(0)
 SYSTEM = RNG.integers(3, 500, 45).tolist()
@@ -76,6 +77,9 @@ def test_a_prefix_evicted_to_host_comes_back_by_device_put():
         cached[host_pages] = again.num_cached_tokens
         if host_pages:
             assert cache.host_hit_tokens > 0 and cache.num_host_pages > 0
+            executor = llm.engine.executor   # the host tier's copies are host-memory arrays
+            kinds = {executor.host_memory_kind(CACHE_OWNER, hp) for hp in cache.host_hash_of}
+            assert kinds and kinds <= {"pinned_host", "unpinned_host"}
             assert again.num_cached_tokens == 7 * 8   # every full page of the prompt, from either tier
         else:
             assert cache.host_hit_tokens == 0 and cache.num_host_pages == 0

@@ -33,7 +33,7 @@ from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_
                                         replicated, to_host)
 from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample, sample_masked
-from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
+from scheduler import CACHE_OWNER, Request, ScheduledChunk, StepPlan, StepResult, SwapOp
 
 
 def next_power_of_two(n: int) -> int:
@@ -312,7 +312,8 @@ class ModelExecutor:
     # -------------------------------------------------------------------- swap
     def swap_out(self, ops: list[SwapOp]) -> None:
         """Copy each op's device pages to host memory (``pinned_host`` where the backend has it),
-        filed under the op's owner (a request, or the prefix cache's host tier)."""
+        filed under the op's owner (a request, or the prefix cache's host tier). A host page
+        a request's copy lands in was given up by the host tier, if it held it: its old copy goes."""
         for op in ops:
             n = len(op.device_pages)
             ids = np.zeros(next_power_of_two(n), np.int32)
@@ -320,8 +321,11 @@ class ModelExecutor:
             chunk = self._gather(self.kv, put_replicated(ids, self.mesh))
             host = jax.device_put(chunk, self.host_sharding)
             store = self._host_store.setdefault(op.owner, {})
+            given_up = self._host_store.get(CACHE_OWNER) if op.request is not None else None
             for row, hp in enumerate(op.host_pages):
                 store[hp] = (host, row)
+                if given_up:
+                    given_up.pop(hp, None)
 
     def swap_in(self, ops: list[SwapOp]) -> None:
         """Copy each op's host pages back into its (newly allocated) device pages:
