@@ -41,7 +41,7 @@ def drive(sched, now=0.0, max_steps=5000):
                 assert event.kind is EventKind.FINISHED and r.finish_reason == "length"
         sched.check_invariants()
     assert sched.device_pool.num_free == sched.device_pool.num_pages
-    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    assert sched.kv.num_free_host == sched.host_pool.num_pages
     return steps
 
 
