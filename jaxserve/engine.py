@@ -420,7 +420,8 @@ class LLMEngine:
                 "paused": paused,
                 "device_pages_used": s.device_pool.num_pages - s.kv.num_free_device,   # cached-unreferenced: free
                 "device_pages_total": s.device_pool.num_pages,
-                "host_pages_used": s.host_pool.num_used, "host_pages_total": s.host_pool.num_pages,
+                "host_pages_used": s.host_pool.num_pages - s.kv.num_free_host,   # host-tier cached: free
+                "host_pages_total": s.host_pool.num_pages,
                 "preemptions": s.num_preemptions, **self.prefix_cache_usage()}
 
     def prefix_cache_usage(self) -> dict:
