@@ -54,6 +54,9 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self._ranked = RankedQueue()            # ``waiting`` in admission order, keyed by ``policy.priority``
+        # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
+        # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
+        self._resume_pending: dict[str, Request] = {}
         self._preserved = MappingProxyType(self.kv.paused_holders)   # what ``policy.redecide`` may read
         self._dynamic_budget = DynamicBudget(config.budget_gamma, config.budget_beta_low,
                                              config.budget_beta_high)
@@ -151,6 +154,7 @@ class Scheduler:
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
         self.requests.pop(request.request_id, None)
+        self._resume_pending.pop(request.request_id, None)
         in_call = self.paused.pop(request.request_id, None) is not None
         if request in self.waiting:
             self._dequeue(request)
@@ -275,6 +279,7 @@ class Scheduler:
             # Seed 004 Algorithm 1: a Preserve call resumes straight into the batch.
             request.state = RequestState.RUNNING
             self.running.append(request)
+            self._resume_pending[request.request_id] = request
             return
         if request.state != RequestState.SWAPPED:
             request.state = RequestState.WAITING
@@ -358,6 +363,8 @@ class Scheduler:
             self.swapping_in.remove(request)
             request.state = RequestState.RUNNING
             self.running.append(request)
+            if request.api_returned:
+                self._resume_pending[request.request_id] = request
         return swap_pages - n
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
@@ -395,13 +402,16 @@ class Scheduler:
                 if request.state is not running_state or not kv.allocate_slots(request, need):
                     continue
             append_chunk(new_chunk(ScheduledChunk, (request, start, n, start + n == end)))
-            if request.first_scheduled_time is None or (
-                    request.api_returned and request.api_calls[-1].resume_time is None):
-                self._mark_scheduled(request, now)
             request.last_scheduled_time = now
             budget -= n
             if budget <= 0:
                 break
+        # Every running request was given its first chunk at admission; only a call's resume
+        # may be unmarked (entered ``running`` from Preserve or a swap-in): a few, not the batch.
+        if self._resume_pending:
+            for request in list(self._resume_pending.values()):
+                if request.last_scheduled_time == now and request.state is running_state:
+                    self._mark_scheduled(request, now)
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
@@ -461,8 +471,9 @@ class Scheduler:
         self._mark_scheduled(request, now)
         request.last_scheduled_time = now
 
-    @staticmethod
-    def _mark_scheduled(request: Request, now: float) -> None:
+    def _mark_scheduled(self, request: Request, now: float) -> None:
+        """``request`` was given a chunk at ``now``: its first scheduling, or its call's resume."""
+        self._resume_pending.pop(request.request_id, None)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
         if request.api_calls and request.api_calls[-1].resume_time is None and request.api_returned:
@@ -580,6 +591,7 @@ class Scheduler:
             assert r.num_computed_tokens <= r.num_tokens, f"{r.request_id}: computed > tokens"
             if r.state == RequestState.RUNNING:
                 assert r in self.running, f"{r.request_id} RUNNING but not in running"
+                assert r.first_scheduled_time is not None, f"{r.request_id} RUNNING, never scheduled"
                 assert len(r.device_pages) >= self.kv.device_pool.pages_for_tokens(r.num_computed_tokens)
             if r.state == RequestState.SWAPPED:
                 assert not r.device_pages and r.host_pages, f"{r.request_id}: SWAPPED without host-only KV"
