@@ -38,12 +38,16 @@ owners (``CACHE_OWNER`` for cached pages of either tier) and the cache books.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from scheduler.pages import PageAllocator
 from scheduler.plan import CACHE_OWNER, SwapOp
 from scheduler.prefix_cache import PrefixCache, chain_hashes
 from scheduler.request import Request
 
 __all__ = ["CACHE_OWNER", "KVManager"]
+
+_pages_of = attrgetter("device_pages")
 
 
 class KVManager:
@@ -236,7 +240,7 @@ class KVManager:
             if len(pages) < len(hashes):
                 pages += match(hashes[len(pages):])
         self._lookups[request.request_id] = (cache.epoch, pages)
-        if self.host_tier:
+        if self.host_tier and pages and min(pages) < 0:
             budget = self.copy_budget
             for i, p in enumerate(pages):
                 if p < 0:
@@ -264,10 +268,9 @@ class KVManager:
             return
         assert not request.device_pages and request.num_computed_tokens == 0, "link needs an empty table"
         self._lookups.pop(request.request_id, None)
-        on_device = [p for p in pages if p >= 0]
-        cache.acquire(on_device)   # first: the allocation below must not evict them
         pages = list(pages)
-        on_host = [i for i, p in enumerate(pages) if p < 0]
+        on_host = [i for i, p in enumerate(pages) if p < 0] if pages and min(pages) < 0 else None
+        cache.acquire([p for p in pages if p >= 0] if on_host else pages)   # first: not evictable below
         if on_host:
             self._host_busy.update(~pages[i] for i in on_host)
             fresh = self._take(CACHE_OWNER, len(on_host))
@@ -330,7 +333,7 @@ class KVManager:
 
     def paused_device_pages(self) -> int:
         """Device pages held by requests paused under Preserve."""
-        return sum(len(r.device_pages) for r in self.paused_holders.values())
+        return sum(map(len, map(_pages_of, self.paused_holders.values())))
 
     # ------------------------------------------------------------------ swaps
     def start_swap_out(self, request: Request) -> bool:

@@ -16,6 +16,7 @@ them only through the scheduler's methods.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from types import MappingProxyType
 
 from scheduler.config import SchedulerConfig
@@ -28,6 +29,9 @@ from scheduler.prefix_cache import PrefixCache
 from scheduler.queues import RankedQueue, RequestQueue
 from scheduler.request import ApiCallRecord, Handling, Request, RequestState
 from scheduler.token_budget import DynamicBudget
+
+
+_tokens_of = attrgetter("num_tokens")
 
 
 class Scheduler:
@@ -96,7 +100,7 @@ class Scheduler:
     def view(self, running_tokens: int | None = None) -> MemoryView:
         """Memory now; ``running_tokens`` defaults to the running batch's context tokens."""
         if running_tokens is None:
-            running_tokens = sum(r.num_tokens for r in self.running)
+            running_tokens = sum(map(_tokens_of, self.running))
         device, host = self.kv.device_pool, self.kv.host_pool
         return MemoryView(self.kv.num_free_device, device.num_pages, self.kv.num_free_host, host.num_pages,
                           self.page_size,
