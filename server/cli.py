@@ -7,6 +7,8 @@ is one process of a multi-host job: process 0 serves, the others follow its
 steps (``jaxserve.parallel.protocol``). Server-side tools: the built-in ``calculator`` always, plus Python callables
 named with ``--tools name=module:function,...``; they are registered in the
 engine (which runs them) and advertised to the model by the app.
+With ``--data-parallel-size N`` (or ``--prefill-replicas/--decode-replicas``)
+it runs replicas on Ray Serve instead (``jaxserve.distributed.launch``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--tools", default=None,
                      help="extra server-side tools: name=module:function[,name=module:function...]")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    EngineConfig.add_cli_arguments(parser)
+    EngineConfig.add_cli_arguments(parser, replicas=True)
 
 
 def load_tools(spec: str | None) -> dict:
@@ -101,6 +103,9 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.process_id != 0:
         return run_worker(args)
+    if args.data_parallel_size > 1 or args.prefill_replicas or args.decode_replicas:
+        from jaxserve.distributed.launch import main as serve_replicas   # Ray only on this path
+        return serve_replicas(args)
     try:
         protocol = guarded_h11_protocol(args.header_timeout, args.max_connections)
         engine, app = build_app(args)

@@ -1,0 +1,101 @@
+"""Start replicas on Ray Serve: ``jaxserve serve MODEL --data-parallel-size N``
+(or ``--prefill-replicas N --decode-replicas M``).
+
+``build_application(settings)`` is the Ray Serve application: one deployment
+per replica slot (``replica-0`` ... with one Ray Serve replica each, so each
+has a stable name for the response header, the metric labels and the
+affinity maps; Ray Serve restarts a slot's replica when its actor dies) and
+the ``Frontend`` ingress deployment that routes to them. ``main(args)``
+starts or joins the Ray cluster (``--ray-address``), runs the application on
+``--host/--port`` and blocks until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from jaxserve.config import EngineConfig
+
+log = logging.getLogger("jaxserve.distributed")
+
+APP_NAME = "jaxserve"
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def replica_names(config: EngineConfig) -> list[str]:
+    """The serving replicas' names (decode replicas when disaggregated)."""
+    if config.prefill_replicas:
+        return [f"decode-{i}" for i in range(config.decode_replicas)]
+    return [f"replica-{i}" for i in range(config.data_parallel_size)]
+
+
+def _actor_options(use_gpu: bool, replica_cpus: float) -> dict:
+    """Each replica process: one GPU where the cluster has them, else CPU JAX."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+    if not use_gpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    options = {"num_cpus": replica_cpus, "runtime_env": {"env_vars": env}}
+    if use_gpu:
+        options["num_gpus"] = 1
+    return options
+
+
+def build_application(settings: dict, *, use_gpu: bool = False, replica_cpus: float = 1.0):
+    """The Ray Serve application for the parsed ``serve`` arguments ``settings`` (``vars(args)``)."""
+    from ray import serve
+
+    from jaxserve.distributed.frontend import ingress_class
+    from jaxserve.distributed.replica import EngineReplica
+
+    config = EngineConfig.from_cli(argparse.Namespace(**settings))
+    engine_settings = {**settings, "data_parallel_size": 1, "prefill_replicas": 0, "decode_replicas": 0}
+    options = _actor_options(use_gpu, replica_cpus)
+    replica_deployment = serve.deployment(EngineReplica, max_ongoing_requests=1024, health_check_period_s=2,
+                                          health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+    replicas = {name: replica_deployment.options(name=name, num_replicas=1, ray_actor_options=options)
+                .bind(engine_settings, name) for name in replica_names(config)}
+    front = serve.deployment(ingress_class(), name="frontend", num_replicas=1,
+                             max_ongoing_requests=4096,
+                             ray_actor_options={"num_cpus": 0, "runtime_env": options["runtime_env"]})
+    return front.bind(replicas, {"model": config.model, "page_size": config.page_size,
+                                 "replica_router": config.replica_router})
+
+
+def start(settings: dict, *, route_prefix: str = "/", name: str = APP_NAME, replica_cpus: float = 1.0) -> None:
+    """Run the application on the connected Ray cluster (``ray.init`` done) and wait until it is up."""
+    import ray
+    from ray import serve
+
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    serve.start(http_options={"host": settings["host"], "port": settings["port"]})
+    serve.run(build_application(settings, use_gpu=use_gpu, replica_cpus=replica_cpus), name=name,
+              route_prefix=route_prefix, blocking=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    try:
+        EngineConfig.from_cli(args)
+    except ValueError as e:
+        print(f"jaxserve serve: {e}", file=sys.stderr)
+        return 2
+    ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}}, log_to_driver=True)
+    try:
+        start(settings)
+        log.info("serving %s on http://%s:%d with replicas %s", args.model, args.host, args.port,
+                 ", ".join(replica_names(EngineConfig.from_cli(args))))
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
