@@ -14,13 +14,11 @@ it runs replicas on Ray Serve instead (``jaxserve.distributed.launch``).
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
-from pathlib import Path
 
 from jaxserve.config import EngineConfig
-from jaxserve.model_source import BUILTIN_MODELS
+from server.build import build_app, load_tools  # noqa: F401 - load_tools: part of this module's API
 
 log = logging.getLogger("jaxserve.server")
 
@@ -55,44 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="extra server-side tools: name=module:function[,name=module:function...]")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineConfig.add_cli_arguments(parser, replicas=True)
-
-
-def load_tools(spec: str | None) -> dict:
-    """``"name=module:function,..."`` -> ``{name: callable}``."""
-    tools = {}
-    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
-        name, sep, target = item.partition("=")
-        module, colon, attr = target.partition(":")
-        if not sep or not colon or not name or not module or not attr:
-            raise ValueError(f"--tools: expected name=module:function, got {item!r}")
-        fn = getattr(importlib.import_module(module), attr)
-        if not callable(fn):
-            raise ValueError(f"--tools: {target} is not callable")
-        tools[name] = fn
-    return tools
-
-
-def build_app(args: argparse.Namespace):
-    """The engine and the app for ``args`` (the caller shuts the engine down)."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
-    from server.app import create_app
-
-    engine = LLMEngine(config=EngineConfig.from_cli(args), tools=load_tools(args.tools))
-    async_engine = AsyncEngine(engine=engine)
-    usage = async_engine.usage_snapshot
-    pool_tokens = usage["device_pages_total"] * engine.config.page_size
-    max_model_len = engine.max_model_len
-    if pool_tokens < max_model_len:
-        log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
-                    pool_tokens, max_model_len, pool_tokens)
-        max_model_len = pool_tokens
-    name = args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
-    app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
-                     max_concurrent_requests=args.max_concurrent_requests,
-                     paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
-                     max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
-    return async_engine, app
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 Each replica is its own process (a Ray actor) with its own ``AsyncEngine``
 and its own devices; it builds exactly what ``jaxserve serve`` builds
-(``server.cli.build_app``) and serves the requests the front forwards
+(``server.build.build_app``) and serves the requests the front forwards
 through that app in-process (``asgi_bridge.call_app``), adding the header
 ``x-jaxserve-replica: <name>`` to every response.
 """
@@ -28,7 +28,7 @@ class EngineReplica:
     """
 
     def __init__(self, settings: dict, name: str) -> None:
-        from server.cli import build_app
+        from server.build import build_app
 
         self.name = name
         self.engine, self.app = build_app(argparse.Namespace(**settings))
