@@ -113,6 +113,10 @@ class EngineConfig:
     decode_replicas: int = field(default=0, metadata=_flag(
         "prefill/decode disaggregation: replicas that continue generation from the moved KV pages",
         group="replicas"))
+    decode_policy: str = field(default="prophet", metadata=_flag(
+        "prefill/decode disaggregation: the decode replicas' scheduling policy (default: prophet, whose decode "
+        "phase is MLFQ; prefill replicas run prophet, whose prefill phase is SRPT by prompt tokens)",
+        group="replicas"))
     replica_router: str = field(default="affinity", metadata=_flag(
         "how the front picks a replica: affinity (parked tool context, session key, cached prefix, then least "
         "loaded), least_loaded, round_robin", group="replicas", choices=REPLICA_ROUTERS))
@@ -168,6 +172,7 @@ class EngineConfig:
         if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
                                                      or ":" not in self.coordinator_address):
             raise ValueError(f"coordinator_address must be host:port, got {self.coordinator_address!r}")
+        from scheduler import available_policies
         positive("data_parallel_size", self.data_parallel_size, allow_none=False)
         for name in ("prefill_replicas", "decode_replicas"):
             value = getattr(self, name)
@@ -181,12 +186,15 @@ class EngineConfig:
                              "--prefill-replicas/--decode-replicas (disaggregated), not both")
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
             raise ValueError(f"ray_address must be a non-empty address, got {self.ray_address!r}")
+        if self.decode_policy not in available_policies():
+            raise ValueError(f"decode_policy: unknown policy {self.decode_policy!r}; "
+                             f"available: {', '.join(available_policies())}")
         if self.replica_router not in REPLICA_ROUTERS:
             raise ValueError(f"replica_router must be one of {', '.join(REPLICA_ROUTERS)}, "
                              f"got {self.replica_router!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        from scheduler import available_policies, make_predictor
+        from scheduler import make_predictor
         if self.policy not in available_policies():
             raise ValueError(f"policy: unknown policy {self.policy!r}; available: {', '.join(available_policies())}")
         try:

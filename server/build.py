@@ -33,14 +33,16 @@ def load_tools(spec: str | None) -> dict:
     return tools
 
 
-def build_app(args: argparse.Namespace):
-    """The engine and the app for ``args`` (the caller shuts the engine down)."""
+def build_app(args: argparse.Namespace, async_engine_class=None, **config_overrides):
+    """The engine and the app for ``args`` (the caller shuts the engine down).
+    ``async_engine_class``: an ``AsyncEngine`` subclass to drive the engine with (a
+    disaggregated decode replica's); ``config_overrides``: ``EngineConfig`` fields to change."""
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.engine import LLMEngine
     from server.app import create_app
 
-    engine = LLMEngine(config=EngineConfig.from_cli(args), tools=load_tools(args.tools))
-    async_engine = AsyncEngine(engine=engine)
+    engine = LLMEngine(config=EngineConfig.from_cli(args, **config_overrides), tools=load_tools(args.tools))
+    async_engine = (async_engine_class or AsyncEngine)(engine=engine)
     usage = async_engine.usage_snapshot
     pool_tokens = usage["device_pages_total"] * engine.config.page_size
     max_model_len = engine.max_model_len

@@ -3,6 +3,7 @@ once for the module), the demo model in float32 with a small KV pool, the
 single-engine server in a subprocess as the reference.
 
 - ``dp``: ``--data-parallel-size 2`` (route ``/dp``), affinity routing;
+- ``pd``: ``--prefill-replicas 1 --decode-replicas 1`` (route ``/pd``);
 - the single server (``ServerProcess``) with the same engine settings.
 
 The replica-kill test runs last: it kills ``replica-1``'s actor.
@@ -55,8 +56,10 @@ def cluster():
     single = ServerProcess("demo", ENGINE_ARGS).start()
     try:
         launch.start(_settings(port, "--data-parallel-size", "2"), route_prefix="/dp", name="dp")
+        launch.start(_settings(port, "--prefill-replicas", "1", "--decode-replicas", "1"), route_prefix="/pd",
+                     name="pd")
         single.wait_ready()
-        yield {"dp": f"http://127.0.0.1:{port}/dp", "single": single.url}
+        yield {"dp": f"http://127.0.0.1:{port}/dp", "pd": f"http://127.0.0.1:{port}/pd", "single": single.url}
     finally:
         single.stop()
         serve.shutdown()
@@ -83,7 +86,7 @@ def _metrics(url: str) -> dict[str, float]:
 def test_greedy_answers_identical_to_single_server(cluster):
     prompts = ["hello there", "Write a haiku about the sea.", SYSTEM]
     answers = {}
-    for name in ("single", "dp"):
+    for name in ("single", "dp", "pd"):
         client = openai.OpenAI(base_url=cluster[name] + "/v1", api_key="none", max_retries=0, timeout=120)
         chats = [client.chat.completions.create(model="demo", messages=[{"role": "user", "content": p}],
                                                 max_tokens=12, temperature=0) for p in prompts]
@@ -92,6 +95,12 @@ def test_greedy_answers_identical_to_single_server(cluster):
         answers[name] = [c.choices[0].message.content for c in chats] + [completion.choices[0].text]
         assert all(c.usage.completion_tokens == 12 for c in chats)
     assert answers["dp"] == answers["single"]
+    assert answers["pd"] == answers["single"]
+    # The disaggregated answers really came from moved pages (SYSTEM and the haiku prompt span full pages).
+    moved = _metrics(cluster["pd"])
+    assert moved['jaxserve:remote_prefills_total{replica="decode-0"}'] >= 3
+    assert moved['jaxserve:kv_transfer_pages_total{replica="decode-0"}'] >= 3
+    assert moved.get('jaxserve:remote_prefill_fallbacks_total{replica="decode-0"}', 0) == 0
 
 
 def test_routes_errors_and_header_match_single_server(cluster):

@@ -2,10 +2,13 @@
 (or ``--prefill-replicas N --decode-replicas M``).
 
 ``build_application(settings)`` is the Ray Serve application: one deployment
-per replica slot (``replica-0`` ... with one Ray Serve replica each, so each
+per replica slot (``replica-0`` ..., or ``decode-0`` ... when disaggregated,
+with one Ray Serve replica each, so each
 has a stable name for the response header, the metric labels and the
 affinity maps; Ray Serve restarts a slot's replica when its actor dies) and
-the ``Frontend`` ingress deployment that routes to them. ``main(args)``
+the ``Frontend`` ingress deployment that routes to them; when disaggregated,
+also the ``prefill`` deployment (``--prefill-replicas`` Ray Serve replicas,
+``kv_transfer``). ``main(args)``
 starts or joins the Ray cluster (``--ray-address``), runs the application on
 ``--host/--port`` and blocks until interrupted.
 """
@@ -50,6 +53,7 @@ def build_application(settings: dict, *, use_gpu: bool = False, replica_cpus: fl
     from ray import serve
 
     from jaxserve.distributed.frontend import ingress_class
+    from jaxserve.distributed.kv_transfer import PrefillReplica
     from jaxserve.distributed.replica import EngineReplica
 
     config = EngineConfig.from_cli(argparse.Namespace(**settings))
@@ -57,8 +61,12 @@ def build_application(settings: dict, *, use_gpu: bool = False, replica_cpus: fl
     options = _actor_options(use_gpu, replica_cpus)
     replica_deployment = serve.deployment(EngineReplica, max_ongoing_requests=1024, health_check_period_s=2,
                                           health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+    prefill = None
+    if config.prefill_replicas:
+        prefill = serve.deployment(PrefillReplica, name="prefill", num_replicas=config.prefill_replicas,
+                                   max_ongoing_requests=1024, ray_actor_options=options).bind(engine_settings)
     replicas = {name: replica_deployment.options(name=name, num_replicas=1, ray_actor_options=options)
-                .bind(engine_settings, name) for name in replica_names(config)}
+                .bind(engine_settings, name, prefill) for name in replica_names(config)}
     front = serve.deployment(ingress_class(), name="frontend", num_replicas=1,
                              max_ongoing_requests=4096,
                              ray_actor_options={"num_cpus": 0, "runtime_env": options["runtime_env"]})

@@ -24,14 +24,24 @@ class EngineReplica:
     """A Ray Serve deployment class (decorated by ``launch.build_application``).
 
     ``settings``: the parsed ``jaxserve serve`` arguments (``vars(args)``);
-    ``name``: the replica's name in headers and metric labels.
+    ``name``: the replica's name in headers and metric labels; ``prefill``: the
+    prefill deployment's handle for a disaggregated decode replica (its engine
+    then runs ``--decode-policy``, ``kv_transfer``), else ``None``.
     """
 
-    def __init__(self, settings: dict, name: str) -> None:
+    def __init__(self, settings: dict, name: str, prefill=None) -> None:
         from server.build import build_app
 
         self.name = name
-        self.engine, self.app = build_app(argparse.Namespace(**settings))
+        args = argparse.Namespace(**settings)
+        if prefill is None:
+            self.engine, self.app = build_app(args)
+        else:
+            from jaxserve.distributed.kv_transfer import DisaggregatedEngine, TransferMetrics
+
+            self.engine, self.app = build_app(args, DisaggregatedEngine, policy=settings["decode_policy"])
+            self.engine.prefill = prefill
+            self.engine.metrics = TransferMetrics(self.app.state.server.metrics.registry)
         self._lifespan: Lifespan | None = None
 
     async def _started(self) -> None:
