@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"jaxserve serve: {e}", file=sys.stderr)
         return 2
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)   # stop the replicas (and a cluster we started) on SIGTERM too
     ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}}, log_to_driver=True)
     try:
         start(settings)
