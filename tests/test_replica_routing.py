@@ -66,6 +66,16 @@ def test_prefix_affinity_yields_to_load_and_dead_replicas_are_forgotten():
         router.choose(shared)
 
 
+def test_a_shallow_shared_prefix_does_not_pin_new_conversations():
+    router = ReplicaRouter(["r0", "r1"])
+    router.routed("r0", _hints("Agent 1: the same header, then conversation one"))
+    router.finished("r0")
+    # Only the first page or two ("<user>Agent 1: t...") match: under half of the new prompt's pages.
+    assert router.choose(_hints("Agent 1: the other conversation, which is much longer than the header")) \
+        == ("r0", "least_loaded")   # both idle: the first replica, by load, not by prefix
+    assert router.routed_by == {"least_loaded": 1}
+
+
 def test_round_robin_and_bounded_maps():
     router = ReplicaRouter(["r0", "r1", "r2"], "round_robin", hashes_per_replica=3, max_keys=2)
     assert [router.choose(RoutingHints())[0] for _ in range(4)] == ["r0", "r1", "r2", "r0"]

@@ -15,9 +15,11 @@ and headers, and tells the router what happened (``routed``, ``finished``,
    (``page_size`` tokens each) are hashed as a chain (the hash of page i
    covers pages 0..i, as the engine's prefix cache does); each replica has a
    bounded LRU set of the hashes routed to it, and the replica holding the
-   deepest page wins, unless it has ``max_imbalance`` more requests in
-   flight than the least loaded replica (a shared system prompt must not pin
-   all traffic on one replica);
+   deepest page wins if that covers at least ``min_match_fraction`` of the
+   request's hashed pages and the replica has fewer than ``max_imbalance``
+   more requests in flight than the least loaded one (as SGLang's
+   cache-aware router: a shared system prompt alone must not pin all new
+   conversations on one replica);
 4. **least loaded**: fewest requests in flight from this front.
 
 ``least_loaded`` and ``round_robin`` skip 1-3 (baselines for the benchmark).
@@ -39,6 +41,7 @@ MAX_HASHED_PAGES = 64          # prompt pages hashed per request (a prefix longe
 HASHES_PER_REPLICA = 50_000    # bounded map: page hashes remembered per replica (LRU)
 MAX_KEYS = 100_000             # bounded maps: session keys and parked tool-call ids (LRU)
 MAX_IMBALANCE = 8              # prefix affinity yields when its replica has this many more requests in flight
+MIN_MATCH_FRACTION = 0.5       # prefix affinity needs this fraction of the request's hashed pages cached
 
 
 @dataclass
@@ -121,7 +124,8 @@ class ReplicaRouter:
     """Routing state of one front: in-flight counts, and the bounded affinity maps."""
 
     def __init__(self, replicas: list[str], policy: str = "affinity", *, max_imbalance: int = MAX_IMBALANCE,
-                 hashes_per_replica: int = HASHES_PER_REPLICA, max_keys: int = MAX_KEYS) -> None:
+                 min_match_fraction: float = MIN_MATCH_FRACTION, hashes_per_replica: int = HASHES_PER_REPLICA,
+                 max_keys: int = MAX_KEYS) -> None:
         if not replicas:
             raise ValueError("replicas: at least one replica name")
         if policy not in ("affinity", "least_loaded", "round_robin"):
@@ -129,6 +133,7 @@ class ReplicaRouter:
         self.replicas = list(replicas)
         self.policy = policy
         self.max_imbalance = max_imbalance
+        self.min_match_fraction = min_match_fraction
         self.hashes_per_replica = hashes_per_replica
         self.max_keys = max_keys
         self.alive = {name: True for name in replicas}
@@ -174,7 +179,9 @@ class ReplicaRouter:
                 d += 1
             if d > depth and self.in_flight[replica] - least < self.max_imbalance:
                 best, depth = replica, d
-        return (best, "prefix") if best is not None else None
+        if best is None or depth < self.min_match_fraction * len(hints.page_hashes):
+            return None
+        return best, "prefix"
 
     # ----------------------------------------------------------- recording
     def routed(self, replica: str, hints: RoutingHints) -> None:
