@@ -38,19 +38,24 @@ def replica_names(config: EngineConfig) -> list[str]:
     return [f"replica-{i}" for i in range(config.data_parallel_size)]
 
 
-def _actor_options(use_gpu: bool, replica_cpus: float) -> dict:
-    """Each replica process: one GPU where the cluster has them, else CPU JAX."""
+def _actor_options(accelerator: str | None, devices: int, replica_cpus: float) -> dict:
+    """Each replica process: ``devices`` chips of ``accelerator`` ("GPU", "TPU"; Ray then
+    shows the replica only those), or CPU JAX when the cluster has no accelerator."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
-    if not use_gpu:
+    options: dict = {"num_cpus": replica_cpus}
+    if accelerator == "GPU":
+        options["num_gpus"] = devices
+    elif accelerator == "TPU":
+        options["resources"] = {"TPU": devices}
+    else:
         env["JAX_PLATFORMS"] = "cpu"
-    options = {"num_cpus": replica_cpus, "runtime_env": {"env_vars": env}}
-    if use_gpu:
-        options["num_gpus"] = 1
+    options["runtime_env"] = {"env_vars": env}
     return options
 
 
-def build_application(settings: dict, *, use_gpu: bool = False, replica_cpus: float = 1.0):
-    """The Ray Serve application for the parsed ``serve`` arguments ``settings`` (``vars(args)``)."""
+def build_application(settings: dict, *, accelerator: str | None = None, replica_cpus: float = 1.0):
+    """The Ray Serve application for the parsed ``serve`` arguments ``settings`` (``vars(args)``).
+    ``accelerator``: "GPU" or "TPU" (each replica takes ``--tensor-parallel-size`` of them), None: CPU."""
     from ray import serve
 
     from jaxserve.distributed.frontend import ingress_class
@@ -59,7 +64,7 @@ def build_application(settings: dict, *, use_gpu: bool = False, replica_cpus: fl
 
     config = EngineConfig.from_cli(argparse.Namespace(**settings))
     engine_settings = {**settings, "data_parallel_size": 1, "prefill_replicas": 0, "decode_replicas": 0}
-    options = _actor_options(use_gpu, replica_cpus)
+    options = _actor_options(accelerator, config.tensor_parallel_size, replica_cpus)
     replica_deployment = serve.deployment(EngineReplica, max_ongoing_requests=1024, health_check_period_s=2,
                                           health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
     prefill = None
@@ -80,9 +85,10 @@ def start(settings: dict, *, route_prefix: str = "/", name: str = APP_NAME, repl
     import ray
     from ray import serve
 
-    use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    resources = ray.cluster_resources()
+    accelerator = next((kind for kind in ("GPU", "TPU") if resources.get(kind, 0) >= 1), None)
     serve.start(http_options={"host": settings["host"], "port": settings["port"]})
-    serve.run(build_application(settings, use_gpu=use_gpu, replica_cpus=replica_cpus), name=name,
+    serve.run(build_application(settings, accelerator=accelerator, replica_cpus=replica_cpus), name=name,
               route_prefix=route_prefix, blocking=False)
 
 
