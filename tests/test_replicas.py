@@ -115,6 +115,30 @@ def test_routes_errors_and_header_match_single_server(cluster):
             assert models.headers["x-jaxserve-replica"] in ("replica-0", "replica-1")
     health = httpx.get(cluster["dp"] + "/health", timeout=30).json()
     assert health["status"] == "ok" and health["replicas_up"] == 2
+    single = _metrics(cluster["single"])   # the vLLM-named gauges on the single server too
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= set(single)
+
+
+def test_client_leaving_mid_stream_stops_its_generation_on_the_replica(cluster):
+    body = {"model": "demo", "messages": [{"role": "user", "content": "a very long story"}], "max_tokens": 300,
+            "ignore_eos": True, "stream": True}
+    before = _metrics(cluster["dp"])
+    with httpx.stream("POST", cluster["dp"] + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        replica = r.headers["x-jaxserve-replica"]
+        for line in r.iter_lines():
+            if '"content"' in line and '"content":""' not in line:
+                break   # one token arrived: leave
+    gauge = f'vllm:num_requests_running{{replica="{replica}"}}'
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metrics(cluster["dp"])[gauge] > 0:
+        time.sleep(0.5)
+    metrics = _metrics(cluster["dp"])
+    assert metrics[gauge] == 0
+    generated = f'jaxserve:generation_tokens_total{{replica="{replica}"}}'
+    assert metrics[generated] - before[generated] < 300
+    aborted = f'jaxserve:request_finished_total{{finish_reason="abort",replica="{replica}"}}'
+    assert metrics[aborted] - before.get(aborted, 0) == 1
 
 
 def test_sixteen_concurrent_requests_spread_over_both_replicas(cluster):

@@ -159,6 +159,10 @@ class Frontend:
             request.method, path, request.url.query.encode(), headers, body)
         try:
             head = await stream.__anext__()
+        except asyncio.CancelledError:   # the client left while the replica was starting
+            stream.cancel()
+            release()
+            raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
             release()
             log.warning("replica %s failed before answering: %s", replica, e)
@@ -170,6 +174,9 @@ class Frontend:
             try:
                 async for chunk in stream:
                     chunks.append(chunk)
+            except asyncio.CancelledError:   # the client left: the replica's app sees a disconnect
+                stream.cancel()
+                raise
             except Exception as e:  # noqa: BLE001
                 log.warning("replica %s failed while answering: %s", replica, e)
                 return _error(503, f"replica {replica} failed while serving this request ({type(e).__name__}); "
@@ -181,17 +188,22 @@ class Frontend:
             return Response(content, status_code=head["status"], headers=out_headers)
 
         async def relay():
+            finished = False
             try:
                 async for chunk in stream:
                     self._note_tool_calls(replica, chunk)
                     yield chunk
+                finished = True
             except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                finished = True
                 log.warning("replica %s failed while streaming: %s", replica, e)
                 error = {"error": {"message": f"replica {replica} failed while serving this request "
                                    f"({type(e).__name__})", "type": "server_error", "param": None,
                                    "code": "replica_failed"}}
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
+                if not finished:   # the client left mid-stream: stop the generation on the replica
+                    stream.cancel()
                 release()
 
         return StreamingResponse(relay(), status_code=head["status"], headers=out_headers)
