@@ -220,7 +220,7 @@ def _replica_actor(app: str, replica: str):
 def test_killed_replica_fails_only_its_requests_and_comes_back(cluster):
     url = cluster["dp"]
 
-    async def run() -> list[httpx.Response]:
+    async def run() -> tuple[list[httpx.Response], dict | None]:
         bodies = [{"messages": [{"role": "user", "content": f"long story {i}"}], "max_tokens": 300,
                    "ignore_eos": True} for i in range(8)]
         task = asyncio.ensure_future(_concurrent_chats(url, bodies))
@@ -231,9 +231,16 @@ def test_killed_replica_fails_only_its_requests_and_comes_back(cluster):
             if running.get('vllm:num_requests_running{replica="replica-1"}', 0) > 0:
                 break
         ray.kill(_replica_actor("dp", "replica-1"), no_restart=False)
-        return await task
+        degraded = None
+        deadline = time.monotonic() + 20
+        while degraded is None and time.monotonic() < deadline:   # before Ray Serve has restarted it
+            health = await asyncio.to_thread(httpx.get, url + "/health", timeout=30)
+            if health.json()["status"] == "degraded":
+                degraded = health.json()
+            await asyncio.sleep(0.2)
+        return await task, degraded
 
-    responses = asyncio.run(run())
+    responses, degraded = asyncio.run(run())
     by_replica = {}
     for r in responses:
         by_replica.setdefault(r.headers.get("x-jaxserve-replica"), []).append(r)
@@ -241,15 +248,15 @@ def test_killed_replica_fails_only_its_requests_and_comes_back(cluster):
     failed = by_replica["replica-1"]
     assert failed and all(r.status_code == 503 for r in failed)
     assert all(r.json()["error"]["code"] == "replica_failed" for r in failed)
-    health = httpx.get(url + "/health", timeout=30)
-    assert health.status_code == 200 and health.json()["status"] == "degraded"
-    assert health.json()["replicas"] == {"replica-0": "up", "replica-1": "down"}
+    assert degraded is not None and degraded["replicas"] == {"replica-0": "up", "replica-1": "down"}
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and httpx.get(url + "/health", timeout=30).json()["status"] != "ok":
         time.sleep(1)
     assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
-    r = _chat(url, [{"role": "user", "content": "are you back?"}])
-    assert r.status_code == 200
+    back = asyncio.run(_concurrent_chats(url, [{"messages": [{"role": "user", "content": f"back? {i}"}]}
+                                               for i in range(4)]))
+    assert [r.status_code for r in back] == [200] * 4
+    assert {r.headers["x-jaxserve-replica"] for r in back} == {"replica-0", "replica-1"}   # the new replica serves
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ class Frontend:
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
-        hints = self._hints(path, request, body)
+        lower = {k.lower(): v for k, v in request.headers.items()}
+        hints = await asyncio.to_thread(self._hints, path, request.method, lower, body)   # tokenizes
         try:
             replica, _ = self.router.choose(hints)
         except RuntimeError:
@@ -208,8 +209,8 @@ class Frontend:
 
         return StreamingResponse(relay(), status_code=head["status"], headers=out_headers)
 
-    def _hints(self, path: str, request: Request, body: bytes) -> RoutingHints:
-        if request.method != "POST" or path not in ROUTED_PATHS:
+    def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
+        if method != "POST" or path not in ROUTED_PATHS:
             return RoutingHints()
         try:
             parsed = json.loads(body)
@@ -218,8 +219,7 @@ class Frontend:
         if not isinstance(parsed, dict):
             return RoutingHints()
         try:
-            return read_hints(parsed, {k.lower(): v for k, v in request.headers.items()}, self.tokenize,
-                              self.page_size)
+            return read_hints(parsed, headers, self.tokenize, self.page_size)
         except Exception:  # noqa: BLE001 - text the tokenizer cannot take: route without hints
             return RoutingHints()
 
