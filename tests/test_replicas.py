@@ -186,10 +186,13 @@ def test_second_turn_lands_on_the_same_replica_with_cached_tokens(cluster):
     assert decisions['jaxserve:router_decisions_total{reason="session"}'] >= 4
 
 
-def test_client_tool_follow_up_resumes_on_the_parking_replica(cluster):
-    before = _metrics(cluster["dp"])
+@pytest.mark.parametrize("app", ["dp", "pd"])
+def test_client_tool_follow_up_resumes_on_the_parking_replica(cluster, app):
+    """With ``pd`` the first turn's prompt KV came from the prefill replica; the API pause
+    (the client's tool call) and the follow-up stay on the decode replica."""
+    before = _metrics(cluster[app])
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "weather in Paris?"}]
-    first = _chat(cluster["dp"], messages, tools=[WEATHER_TOOL], max_tokens=64,
+    first = _chat(cluster[app], messages, tools=[WEATHER_TOOL], max_tokens=64,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert first.status_code == 200, first.text
     choice = first.json()["choices"][0]
@@ -199,11 +202,11 @@ def test_client_tool_follow_up_resumes_on_the_parking_replica(cluster):
     follow = messages + [{"role": "assistant", "content": choice["message"].get("content") or "",
                           "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21C"}]
-    r = _chat(cluster["dp"], follow, tools=[WEATHER_TOOL], max_tokens=4)
+    r = _chat(cluster[app], follow, tools=[WEATHER_TOOL], max_tokens=4)
     assert r.status_code == 200, r.text
     assert r.headers["x-jaxserve-replica"] == replica
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    after = _metrics(cluster["dp"])
+    after = _metrics(cluster[app])
     assert after['jaxserve:router_decisions_total{reason="parked"}'] == \
         before.get('jaxserve:router_decisions_total{reason="parked"}', 0) + 1
     resumed = f'jaxserve:resumed_requests_total{{replica="{replica}"}}'
