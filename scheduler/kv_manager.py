@@ -315,6 +315,27 @@ class KVManager:
                 pages[i] = cached
             request.num_shared_pages = i + 1
 
+    def adopt(self, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Cache pages computed by another engine (prefill/decode disaggregation):
+        each of ``hashes`` (a context's chained page hashes, page 0 first) not yet
+        cached gets a device page named by it, left unreferenced (evictable, as
+        after a finished request). Returns ``(index in hashes, page)`` of the pages
+        whose KV the caller must write now; stops when no page is free."""
+        cache = self.cache
+        if cache is None:
+            return []
+        adopted: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            if h in cache.page_of:
+                continue
+            if self.num_free_device == 0:
+                break
+            page = self._take(CACHE_OWNER, 1)[0]   # held (refs 1) until the end: not evicted by the next take
+            cache.insert(page, h)
+            adopted.append((i, page))
+        cache.release([p for _, p in adopted], self.now)
+        return adopted
+
     # ---------------------------------------------------------------- holders
     def hold_paused(self, request: Request) -> None:
         """``request`` paused under Preserve: index it if it holds device KV."""

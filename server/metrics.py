@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxserve.outputs import RequestOutput
 
 PREFIX = "jaxserve:"
+VLLM_PREFIX = "vllm:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
 
@@ -60,6 +61,16 @@ class EngineCollector:
         yield gauge("kv_cache_usage_ratio", "Fraction of KV pages in use.",
                     [([m], usage[f"{m}_pages_used"] / max(1, usage[f"{m}_pages_total"])) for m in ("device", "host")],
                     labels=["memory"])
+
+        # The names vLLM-aware routers (llm-d's inference scheduler, ...) read; usage is a fraction 0..1.
+        for name, doc, value in (
+                ("num_requests_waiting", "Requests waiting to be scheduled (vLLM name).", usage["waiting"]),
+                ("num_requests_running", "Requests in the running batch (vLLM name).", usage["running"]),
+                ("kv_cache_usage_perc", "Fraction of device KV pages in use, 0..1 (vLLM name).",
+                 usage["device_pages_used"] / max(1, usage["device_pages_total"]))):
+            fam = GaugeMetricFamily(VLLM_PREFIX + name, doc)
+            fam.add_metric([], value)
+            yield fam
 
         def counter(name, doc, value):
             fam = CounterMetricFamily(PREFIX + name, doc)

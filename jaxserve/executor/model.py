@@ -352,6 +352,27 @@ class ModelExecutor:
                 chunk = jax.device_put(host, self.chunk_sharding)
                 self.kv = self._scatter(self.kv, chunk, *put_replicated((row_ids, page_ids), self.mesh))
 
+    # ---------------------------------------------- KV export/import (disaggregation)
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """Host copy (numpy, ``jax.device_get``) of device ``pages``: ``[L, 2, n, page_size, Hkv, D]``."""
+        n = len(pages)
+        ids = np.zeros(next_power_of_two(n), np.int32)
+        ids[:n] = pages
+        return np.asarray(jax.device_get(self._gather(self.kv, put_replicated(ids, self.mesh))))[:, :, :n]
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        """Write ``data`` (``[L, 2, n, page_size, Hkv, D]``, from ``read_pages`` of an engine
+        of the same model and dtype) into device ``pages`` with ``jax.device_put`` and the swap scatter."""
+        n = len(pages)
+        size = next_power_of_two(n)
+        padded = np.zeros(data.shape[:2] + (size,) + data.shape[3:], data.dtype)
+        padded[:, :, :n] = data
+        page_ids = np.full(size, self.config.num_pages, np.int32)   # out of range -> dropped
+        page_ids[:n] = pages
+        chunk = jax.device_put(padded, self.chunk_sharding)
+        self.kv = self._scatter(self.kv, chunk, *put_replicated((np.arange(size, dtype=np.int32), page_ids),
+                                                                self.mesh))
+
     def host_memory_kind(self, request_id: str, host_page: int) -> str | None:
         """Memory kind of the host copy of ``host_page`` (e.g. ``"pinned_host"``); None if absent."""
         entry = self._host_store.get(request_id, {}).get(host_page)
