@@ -9,6 +9,12 @@ machine lands on all of them. Decode tokens/s counts tokens after the first one
 (prefill excluded). The baseline runs the same engines with every page table
 padded to ``max_model_len`` (as before page-table bucketing). Goal (issue 17):
 the longest and shortest ``max_model_len`` within 10 % of each other.
+
+A second measurement isolates the jitted decode step from the engine's host
+work: ``--step-calls`` calls per engine of the same one-row decode batch at the
+request's final context, interleaved call by call (ABAB..., order reversed every
+call pair), timed in wall and process CPU seconds; medians. On a shared machine
+the CPU-second figures are the ones to read: they do not stretch with load.
 """
 
 from __future__ import annotations
@@ -39,6 +45,25 @@ def decode_tokens_per_s(engine, prompt_ids: list[int], max_tokens: int) -> tuple
     return tokens / (time.perf_counter() - first), tokens / (time.process_time() - first_cpu)
 
 
+def step_seconds(engines: dict, context: int, calls: int) -> dict[int, tuple[float, float]]:
+    """Median (wall, CPU) seconds of one jitted one-row decode step at ``context`` tokens,
+    per engine; calls interleaved between the engines, the order flipped each pass."""
+    batches = {n: e.executor.synthetic_inputs(e.executor.config.token_buckets[0], context=context)
+               for n, e in engines.items()}
+    for n, e in engines.items():   # compile this page-table width
+        e.executor.forward(batches[n])[0].block_until_ready()
+    times = {n: ([], []) for n in engines}
+    order = list(engines)
+    for _ in range(calls):
+        for n in order:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            engines[n].executor.forward(batches[n])[0].block_until_ready()
+            times[n][0].append(time.perf_counter() - start)
+            times[n][1].append(time.process_time() - cpu_start)
+        order.reverse()
+    return {n: (statistics.median(w), statistics.median(c)) for n, (w, c) in times.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo")
@@ -47,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--step-calls", type=int, default=30,
+                        help="interleaved calls per engine of the jitted decode step alone (0: skip)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from jaxserve import LLM
@@ -80,6 +107,16 @@ def main(argv=None) -> int:
     if "padded" in modes:
         print(f"bucketed / padded at {hi}: {medians[(hi, 'bucketed')] / medians[(hi, 'padded')]:.2f}x "
               f"(per CPU second: {cpu[(hi, 'bucketed')] / cpu[(hi, 'padded')]:.2f}x)")
+    if args.step_calls:
+        for n, engine in engines.items():
+            engine.executor.config = configs[n]["bucketed"]
+        context = args.prompt_len + args.max_tokens
+        step = step_seconds(engines, context, args.step_calls)
+        print(f"jitted decode step alone, one row at context {context}, median of {args.step_calls} interleaved calls:")
+        for n, (wall, cpu_s) in step.items():
+            print(f"{n:>14}  {1e3 * wall:8.2f} ms wall  {1e3 * cpu_s:8.2f} ms CPU")
+        print(f"step time at {hi} / at {lo} = {step[hi][0] / step[lo][0]:.3f} (wall), "
+              f"{step[hi][1] / step[lo][1]:.3f} (CPU)")
     for engine in engines.values():
         engine.shutdown()
     return 0
