@@ -48,20 +48,11 @@ def decode_tokens_per_s(engine, prompt_ids: list[int], max_tokens: int) -> tuple
 def step_seconds(engines: dict, context: int, calls: int) -> dict[int, tuple[float, float]]:
     """Median (wall, CPU) seconds of one jitted one-row decode step at ``context`` tokens,
     per engine; calls interleaved between the engines, the order flipped each pass."""
-    batches = {n: e.executor.synthetic_inputs(e.executor.config.token_buckets[0], context=context)
-               for n, e in engines.items()}
-    for n, e in engines.items():   # compile this page-table width
-        e.executor.forward(batches[n])[0].block_until_ready()
-    times = {n: ([], []) for n in engines}
-    order = list(engines)
-    for _ in range(calls):
-        for n in order:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            engines[n].executor.forward(batches[n])[0].block_until_ready()
-            times[n][0].append(time.perf_counter() - start)
-            times[n][1].append(time.process_time() - cpu_start)
-        order.reverse()
-    return {n: (statistics.median(w), statistics.median(c)) for n, (w, c) in times.items()}
+    from jaxserve.bench import interleaved_step_times
+    runners = {n: e.executor for n, e in engines.items()}
+    batches = {n: r.synthetic_inputs(r.config.token_buckets[0], context=context) for n, r in runners.items()}
+    times = interleaved_step_times(runners, batches, calls)
+    return {n: (statistics.median(wall), statistics.median(cpu)) for n, (wall, cpu) in times.items()}
 
 
 def main(argv=None) -> int:
