@@ -40,6 +40,18 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def min_token_bucket_for(platform: str) -> int:
+    """Smallest token bucket (padded tokens per step) for a backend (``jax.default_backend()``).
+
+    On CPU a step's products cost in proportion to the padded rows, so a decode of one
+    or two sequences runs in a 2-token step (SmolLM2-135M float32, one row at context
+    48: 63 ms of CPU at 2 tokens, 76 at 4, 90 at 8; docs/benchmarks.md). Not 1: XLA
+    CPU lowers one-row products to another kernel that copies every weight matrix each
+    step (twice as slow as 8 rows). On GPU/TPU a step of 8 rows costs what one of 2
+    does, so smaller buckets would only add programs to compile."""
+    return 2 if platform == "cpu" else 8
+
+
 @dataclass(frozen=True)
 class ModelExecutorConfig:
     page_size: int
@@ -50,7 +62,7 @@ class ModelExecutorConfig:
     kv_dtype: jnp.dtype
     attention_impl: str
     interpret: bool = False
-    min_token_bucket: int = 8
+    min_token_bucket: int = 8   # smallest token bucket compiled (see ``min_token_bucket_for``)
     min_page_bucket: int = 4    # narrowest page-table width compiled (pages per sequence)
     keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
 
