@@ -44,11 +44,12 @@ def min_token_bucket_for(platform: str) -> int:
     """Smallest token bucket (padded tokens per step) for a backend (``jax.default_backend()``).
 
     On CPU a step's products cost in proportion to the padded rows, so a decode of one
-    or two sequences runs in a 2-token step (SmolLM2-135M float32, one row at context
-    48: 63 ms of CPU at 2 tokens, 76 at 4, 90 at 8; docs/benchmarks.md). Not 1: XLA
-    CPU lowers one-row products to another kernel that copies every weight matrix each
-    step (twice as slow as 8 rows). On GPU/TPU a step of 8 rows costs what one of 2
-    does, so smaller buckets would only add programs to compile."""
+    or two sequences runs in a 2-token step: SmolLM2-135M float32 decodes 1.5x more
+    tokens per CPU second than in 8-token steps (``tools/decode_context.py``,
+    docs/benchmarks.md). Not 1: in a 1-token program XLA CPU copies the whole KV pool
+    (the one-slot write is not done in place) and the transposed embedding every step,
+    slower than 8 rows and in proportion to the pool. On GPU/TPU a step of 8 rows
+    costs what one of 2 does, so smaller buckets would only add programs to compile."""
     return 2 if platform == "cpu" else 8
 
 
