@@ -40,6 +40,19 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def min_token_bucket_for(platform: str) -> int:
+    """Smallest token bucket (padded tokens per step) for a backend (``jax.default_backend()``).
+
+    On CPU a step's products cost in proportion to the padded rows, so a decode of one
+    or two sequences runs in a 2-token step: SmolLM2-135M float32 decodes 1.5x more
+    tokens per CPU second than in 8-token steps (``tools/decode_context.py``,
+    docs/benchmarks.md). Not 1: in a 1-token program XLA CPU copies the whole KV pool
+    (the one-slot write is not done in place) and the transposed embedding every step,
+    slower than 8 rows and in proportion to the pool. On GPU/TPU a step of 8 rows
+    costs what one of 2 does, so smaller buckets would only add programs to compile."""
+    return 2 if platform == "cpu" else 8
+
+
 @dataclass(frozen=True)
 class ModelExecutorConfig:
     page_size: int
@@ -50,7 +63,7 @@ class ModelExecutorConfig:
     kv_dtype: jnp.dtype
     attention_impl: str
     interpret: bool = False
-    min_token_bucket: int = 8
+    min_token_bucket: int = 8   # smallest token bucket compiled (see ``min_token_bucket_for``)
     min_page_bucket: int = 4    # narrowest page-table width compiled (pages per sequence)
     keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
 
