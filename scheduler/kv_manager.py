@@ -78,8 +78,9 @@ class KVManager:
     def _take(self, owner: str, n: int) -> list[int]:
         """``n`` device pages for ``owner``, evicting cached pages as the free list runs short."""
         pool, cache = self.device_pool, self.cache
-        while pool.num_free < n and cache is not None and cache.num_evictable:
-            pool.free(CACHE_OWNER, [cache.evict(self.now)])
+        short = n - pool.num_free
+        if short > 0 and cache is not None:
+            pool.free(CACHE_OWNER, cache.evict_many(min(short, cache.num_evictable), self.now))
         return pool.allocate(owner, n)
 
     @property
@@ -144,8 +145,7 @@ class KVManager:
 
     def num_evictable_in(self, pages: list[int]) -> int:
         """How many of ``pages`` (from ``lookup``) an allocation could otherwise evict."""
-        is_evictable = self.cache.is_evictable
-        return sum(1 for p in pages if is_evictable(p))
+        return self.cache.count_evictable(pages)
 
     def link(self, request: Request, pages: list[int]) -> None:
         """Give ``request`` (no device KV) the cached ``pages`` from ``lookup``:
@@ -173,17 +173,24 @@ class KVManager:
             return
         hashes = self.hashes(request, full)
         pages, rid, pool = request.device_pages, request.request_id, self.device_pool
+        handed, duplicates, reused = [], [], []   # one pool call for each kind, not one per page
+        page_of = cache.page_of
         for i in range(shared, len(hashes)):
             h, page = hashes[i], pages[i]
-            cached = cache.page_of.get(h)
+            cached = page_of.get(h)
             if cached is None:
-                pool.reassign([page], rid, CACHE_OWNER)
+                handed.append(page)
                 cache.insert(page, h)
             else:
-                cache.acquire([cached])
-                pool.free(rid, [page])
+                duplicates.append(page)
+                reused.append(cached)
                 pages[i] = cached
-            request.num_shared_pages = i + 1
+        if handed:
+            pool.reassign(handed, rid, CACHE_OWNER)
+        if duplicates:
+            cache.acquire(reused)
+            pool.free(rid, duplicates)
+        request.num_shared_pages = max(shared, len(hashes))
 
     # ---------------------------------------------------------------- holders
     def hold_paused(self, request: Request) -> None:

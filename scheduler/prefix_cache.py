@@ -72,6 +72,10 @@ class PrefixCache:
     def is_evictable(self, page: int) -> bool:
         return page in self._score
 
+    def count_evictable(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` are evictable (one C-level pass: admission asks every step)."""
+        return sum(map(self._score.__contains__, pages))
+
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Device pages of the longest cached run of ``hashes`` from the first."""
         pages = []
@@ -115,27 +119,35 @@ class PrefixCache:
                 heapq.heappush(self._heap, (score, self._seq, p))
 
     def evict(self, now: float | None = None) -> int:
-        """Forget the evictable page with the lowest score; returns its page id.
+        """Forget the evictable page with the lowest score; returns its page id."""
+        return self.evict_many(1, now)[0]
+
+    def evict_many(self, n: int, now: float | None = None) -> list[int]:
+        """Forget the ``n`` evictable pages with the lowest scores; returns their ids.
         ``now`` (seconds) updates ``residence_s``, the EMA of how long an
         evicted page stayed cached after its release."""
-        heap, score = self._heap, self._score
-        while heap:
-            s, seq, p = heapq.heappop(heap)
-            if score.get(p) == (s, seq):
-                del score[p]
-                released = self._released.pop(p)
-                if now is not None:
-                    age = max(0.0, now - released)
-                    self.residence_s = age if self.residence_s == float("inf") else \
-                        0.9 * self.residence_s + 0.1 * age
-                del self.page_of[self.hash_of.pop(p)]
-                del self.refs[p]
-                self.evicted_pages += 1
-                if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
-                    self._heap = [(e[0], e[1], q) for q, e in score.items()]
-                    heapq.heapify(self._heap)
-                return p
-        raise RuntimeError("prefix cache: nothing evictable")
+        heap, score, released_at = self._heap, self._score, self._released
+        page_of, hash_of, refs, pop = self.page_of, self.hash_of, self.refs, heapq.heappop
+        evicted: list[int] = []
+        while len(evicted) < n:
+            if not heap:
+                raise RuntimeError("prefix cache: nothing evictable")
+            s, seq, p = pop(heap)
+            if score.get(p) != (s, seq):
+                continue                      # a stale entry
+            del score[p]
+            released = released_at.pop(p)
+            if now is not None:
+                age = max(0.0, now - released)
+                self.residence_s = age if self.residence_s == float("inf") else 0.9 * self.residence_s + 0.1 * age
+            del page_of[hash_of.pop(p)]
+            del refs[p]
+            evicted.append(p)
+        self.evicted_pages += len(evicted)
+        if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
+            self._heap = [(e[0], e[1], q) for q, e in score.items()]
+            heapq.heapify(self._heap)
+        return evicted
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self, listed: dict[int, int]) -> None:

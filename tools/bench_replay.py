@@ -70,7 +70,7 @@ def main() -> int:
         b = cache_bounds([w.entry for w in workload], config.num_device_pages * config.page_size)
         print(f"trace bounds: every block kept {b.infinite_share:.1%}, LRU of the device pool "
               f"({b.capacity_tokens:,} tokens) {b.lru_share:.1%}")
-    print(f"{'policy':>14} {'wall s':>8} {'steps':>8} {'steps/s':>9} {'sim end s':>10} {'E2E mean s':>11} "
+    print(f"{'policy':>14} {'wall s':>8} {'CPU s':>7} {'steps':>8} {'steps/s':>9} {'sim end s':>10} {'E2E mean s':>11} "
           f"{'cached':>7}  goal")
     worst = 0.0
     for name in args.policies.split(","):
@@ -78,18 +78,19 @@ def main() -> int:
         names = GridRun(None, name, spec, workload, {}, "").page_names(config.page_size) if cache else None
         sched = build_scheduler(cost, make_policy(name, make_predictor("oracle", args.seed)), config)
         prof = cProfile.Profile() if args.profile_top else None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if prof:
             prof.enable()
         result = run_simulation(sched, cost, requests, page_names=names)
         if prof:
             prof.disable()
         wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
         worst = max(worst, wall)
         e2e = [m.e2e_s for m in map(request_metrics, requests) if m.completed]
         ok = "ok" if wall < args.goal_s else "SLOW"
         cached = sum(r.num_cached_tokens for r in requests) / sum(r.prompt_len for r in requests)
-        print(f"{name:>14} {wall:8.1f} {result.num_steps:8d} {result.num_steps / wall:9.0f} "
+        print(f"{name:>14} {wall:8.1f} {cpu:7.1f} {result.num_steps:8d} {result.num_steps / wall:9.0f} "
               f"{result.end_time_s:10.0f} {sum(e2e) / len(e2e):11.2f} {cached:7.1%}  {ok}", flush=True)
         if prof:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile_top)
