@@ -208,3 +208,44 @@ def test_llama3_profile_is_built_in():
     assert 0.005 < cost.t_fwd(1) < 0.008            # a decode step of an 8B model: ~6 ms of weights
     with pytest.raises(ValueError, match="llama3-8b-h100"):
         load_profile("no-such-profile")
+
+
+# ---------------------------------------------------------------- CLI
+def _cli(argv):
+    import argparse
+
+    from jaxserve.replay import cli as replay_cli
+
+    parser = argparse.ArgumentParser()
+    replay_cli.add_arguments(parser)
+    return replay_cli.main(parser.parse_args(argv))
+
+
+def test_cli_resend_on_replicas_writes_rows_per_cache_and_router(tmp_path):
+    out = tmp_path / "out"
+    rc = _cli(["--mode", "resend", "--sim-cache", "both", "--replicas", "2", "--routers", "round_robin,affinity",
+               "--policies", "fcfs", "--rate", "4", "--num-requests", "20", "--out", str(out), "--quiet", "--no-plots"])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["prefix_cache"], r["router"]) for r in rows] == [
+        (False, "round_robin"), (False, "affinity"), (True, "round_robin"), (True, "affinity")]
+    for r in rows:
+        assert r["mode"] == "resend" and r["replicas"] == 2 and sum(r["requests_by_replica"]) == r["requests"]
+        assert r["prompt_tokens"] > 0 and r["recomputed_tokens"] >= 0
+    assert rows[3]["affinity_hit_rate"] >= rows[2]["affinity_hit_rate"]
+    assert "| cache" in (out / "summary.md").read_text()
+
+
+def test_cli_mooncake_with_the_llama3_profile(tmp_path, capsys):
+    trace = tmp_path / "mc.jsonl"
+    trace.write_text(to_jsonl(MOONCAKE))
+    out = tmp_path / "out"
+    assert _cli([str(trace), "--arrival", "trace", "--profile", "llama3-8b-h100", "--sim-cache", "on",
+                 "--policies", "fcfs", "--out", str(out), "--quiet", "--no-plots"]) == 0
+    (row,) = json.loads((out / "results.json").read_text())
+    # request 2 re-links blocks 1, 2; request 4 all but its last page (one token is always computed)
+    assert row["profile"] == "llama3-8b-h100" and row["cached_prompt_tokens"] == 1024 + 1008
+    assert row["bound_infinite_share"] == pytest.approx(2048 / 4324)
+    assert _cli([str(trace), "--arrival", "trace", "--token-scale", "0.5", "--out", str(out), "--quiet"]) == 2
+    assert _cli(["--mode", "resend", "--model", "demo", "--out", str(out), "--quiet"]) == 2
+    assert "drop --model" in capsys.readouterr().err
