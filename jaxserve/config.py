@@ -62,7 +62,8 @@ class EngineConfig:
     num_pages: int | None = field(default=None, metadata=_flag(
         "device KV pages (default: what the model and max_model_len need, within free device memory)"))
     num_host_pages: int | None = field(default=None, metadata=_flag(
-        "host KV pages for Swap (default: as many as device pages)"))
+        "host KV pages for Swap and the prefix cache's host tier (cached pages evicted from the device; "
+        "Swap's pages come first); 0: no Swap to host, device-only cache (default: as many as device pages)"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "share the KV of full pages of equal token prefixes across requests and turns"))
     prefix_retention_s: float = field(default=30.0, metadata=_flag(

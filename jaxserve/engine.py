@@ -93,7 +93,9 @@ class LLMEngine:
                                     enable_prefix_caching=config.enable_prefix_caching,
                                     prefix_cache_key=f"{self.model_dir.resolve()}|{config.dtype}|"
                                                      f"{config.load_format}|{config.seed}",
-                                    prefix_retention_s=float(config.prefix_retention_s))
+                                    prefix_retention_s=float(config.prefix_retention_s),
+                                    # the host tier's copies are not on the multi-host wire
+                                    host_cache=config.num_processes == 1)
         predictor = make_predictor(config.predictor, config.seed)
         if length_probe is not None:
             predictor.default_len = length_probe.train_mean_tokens
@@ -422,12 +424,15 @@ class LLMEngine:
                 "preemptions": s.num_preemptions, **self.prefix_cache_usage()}
 
     def prefix_cache_usage(self) -> dict:
-        """Prefix cache counters (tokens, cumulative) and cached device pages now."""
+        """Prefix cache counters (tokens, cumulative; host hits are part of the hits) and
+        cached pages now (device; host tier)."""
         cache = self.scheduler.kv.cache
         if cache is None:
-            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cached_pages": 0}
+            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_host_hits": 0,
+                    "prefix_cached_pages": 0, "prefix_cached_host_pages": 0}
         return {"prefix_cache_queries": cache.query_tokens, "prefix_cache_hits": cache.hit_tokens,
-                "prefix_cached_pages": cache.num_pages}
+                "prefix_cache_host_hits": cache.host_hit_tokens, "prefix_cached_pages": cache.num_pages,
+                "prefix_cached_host_pages": cache.num_host_pages}
 
     def shutdown(self) -> None:
         self.api.shutdown()

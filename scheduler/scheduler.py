@@ -41,7 +41,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: Policy, device_pool: PageAllocator,
                  host_pool: PageAllocator, cost: CostModel) -> None:
         cache = PrefixCache(config.prefix_cache_key) if config.enable_prefix_caching else None
-        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s)
+        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s, config.host_cache)
         self.config = config
         self.policy = policy
         self.cost = cost
@@ -95,7 +95,8 @@ class Scheduler:
         if running_tokens is None:
             running_tokens = sum(r.num_tokens for r in self.running)
         device, host = self.kv.device_pool, self.kv.host_pool
-        return MemoryView(self.kv.num_free_device, device.num_pages, host.num_free, host.num_pages, self.page_size,
+        return MemoryView(self.kv.num_free_device, device.num_pages, self.kv.num_free_host, host.num_pages,
+                          self.page_size,
                           running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost,
                           self.kv.cache_horizon_s())
 
@@ -143,6 +144,7 @@ class Scheduler:
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
         self.now = now
+        self.kv.hash_context(request)
         self.policy.on_arrival(request, now, self.view())
         self._enqueue(request, now)
 
@@ -260,6 +262,7 @@ class Scheduler:
             self.finish(request, "length", now)
             return True
         self.policy.on_api_return(request, now, self.view())
+        self.kv.hash_context(request)
         if request.state != RequestState.SWAPPING_OUT:
             self._requeue_returned(request)
         return False
@@ -288,13 +291,21 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         self.iteration += 1
         self.now = now
+        kv = self.kv
+        kv.copies_done()
         self._policy_step(now)
         view = self.view()
         plan = StepPlan(token_budget=max(1, self._token_budget(view)))
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
-        swap_pages = self._continue_swaps(plan, swap_pages, view)
+        kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
         budget = self._schedule_running(plan, plan.token_budget, now, view)
-        self._admit_waiting(plan, budget, swap_pages, now, view)
+        self._admit_waiting(plan, budget, now, view)
+        if kv.host_tier:
+            copy_out, copy_in = kv.take_copies()
+            if copy_out is not None:
+                plan.swap_out.append(copy_out)
+            if copy_in is not None:
+                plan.swap_in.append(copy_in)
         self.policy.on_plan(plan, now, self.iteration)
         return plan
 
@@ -355,19 +366,21 @@ class Scheduler:
         # the slow path (evict an idle holder, else preempt the lowest priority).
         kv = self.kv
         page_size = kv.page_size
-        chunks = plan.chunks
+        append_chunk = plan.chunks.append
+        new_chunk = tuple.__new__   # ScheduledChunk(...) without its Python-level __new__ frame
         running_state = RequestState.RUNNING
         for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
-            if budget <= 0:
-                break
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
-            n = request.num_tokens - start
-            if n <= 0:
-                continue
+            end = request.num_tokens
+            n = end - start
             if n > budget:
+                if budget <= 0:
+                    break
                 n = budget
+            elif n <= 0:
+                continue
             need = -(-(start + n) // page_size) - len(request.device_pages)   # kv.pages_needed, inlined
             if need > 0:
                 while need > kv.num_free_device:
@@ -381,16 +394,17 @@ class Scheduler:
                         break
                 if request.state is not running_state or not kv.allocate_slots(request, need):
                     continue
-            chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
+            append_chunk(new_chunk(ScheduledChunk, (request, start, n, start + n == end)))
             if request.first_scheduled_time is None or (
                     request.api_returned and request.api_calls[-1].resume_time is None):
                 self._mark_scheduled(request, now)
             request.last_scheduled_time = now
             budget -= n
+            if budget <= 0:
+                break
         return budget
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, swap_pages: int, now: float,
-                       step_view: MemoryView) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, now: float, step_view: MemoryView) -> None:
         if not self.waiting:
             return
         kv = self.kv
@@ -407,7 +421,7 @@ class Scheduler:
                 self._dequeue(request)
                 request.state = RequestState.SWAPPING_IN
                 self.swapping_in.append(request)
-                swap_pages = self._swap_chunk(plan, request, swap_pages, out=False)
+                kv.copy_budget = self._swap_chunk(plan, request, kv.copy_budget, out=False)
                 if request.state != RequestState.RUNNING:
                     continue
                 n = min(request.num_uncomputed_tokens, budget)
@@ -422,7 +436,8 @@ class Scheduler:
             n = min(request.num_tokens - computed, budget)
             held = len(hits) if hits else len(request.device_pages)
             need = max(0, -(-(computed + n) // page_size) - held)
-            # Linking the hits makes those of them that are evictable unavailable.
+            # Linking the hits makes those of them that are evictable unavailable, and
+            # each host-resident one takes a device page.
             while need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
                 if not self._evict_idle_holder(request, now, view):
                     break
@@ -510,6 +525,7 @@ class Scheduler:
         request that produced a token, in chunk order. (Stop strings and parsed
         tool calls need text, so the engine's front end applies those to
         ``TOKEN`` events.)"""
+        self.kv.copies_done()
         ids = result.token_ids
         running_state = RequestState.RUNNING
         commit = self.kv.commit if self.kv.cache is not None else None

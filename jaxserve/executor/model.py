@@ -311,14 +311,15 @@ class ModelExecutor:
 
     # -------------------------------------------------------------------- swap
     def swap_out(self, ops: list[SwapOp]) -> None:
-        """Copy each op's device pages to host memory (``pinned_host`` where the backend has it)."""
+        """Copy each op's device pages to host memory (``pinned_host`` where the backend has it),
+        filed under the op's owner (a request, or the prefix cache's host tier)."""
         for op in ops:
             n = len(op.device_pages)
             ids = np.zeros(next_power_of_two(n), np.int32)
             ids[:n] = op.device_pages
             chunk = self._gather(self.kv, put_replicated(ids, self.mesh))
             host = jax.device_put(chunk, self.host_sharding)
-            store = self._host_store.setdefault(op.request.request_id, {})
+            store = self._host_store.setdefault(op.owner, {})
             for row, hp in enumerate(op.host_pages):
                 store[hp] = (host, row)
 
@@ -326,12 +327,15 @@ class ModelExecutor:
         """Copy each op's host pages back into its (newly allocated) device pages:
         one host->device copy and one donated scatter per host chunk involved. The
         row ids are padded to the chunk's rows, so the scatter has the shapes
-        ``warmup`` compiled even when only part of a chunk comes back."""
+        ``warmup`` compiled even when only part of a chunk comes back. A
+        request's host copies are dropped once copied back; the host tier's
+        (an op without a request) stay, as the scheduler's books say."""
         for op in ops:
             groups: dict[int, tuple[jax.Array, list[int], list[int]]] = {}
-            store = self._host_store[op.request.request_id]
+            store = self._host_store[op.owner]
+            take = store.pop if op.request is not None else store.__getitem__
             for hp, dp in zip(op.host_pages, op.device_pages):
-                host, row = store.pop(hp)
+                host, row = take(hp)
                 _, rows, pages = groups.setdefault(id(host), (host, [], []))
                 rows.append(row)
                 pages.append(dp)
