@@ -67,9 +67,14 @@ def main() -> int:
     print(f"{len(workload)} requests over {args.duration:g} s at {print_rate}, profile {cost.name}, "
           f"prefix cache {args.sim_cache}, {config.num_device_pages} device / {config.num_host_pages} host pages")
     if blocks:
-        b = cache_bounds([w.entry for w in workload], config.num_device_pages * config.page_size)
+        device_tokens = config.num_device_pages * config.page_size
+        b = cache_bounds([w.entry for w in workload], device_tokens)
         print(f"trace bounds: every block kept {b.infinite_share:.1%}, LRU of the device pool "
-              f"({b.capacity_tokens:,} tokens) {b.lru_share:.1%}")
+              f"({b.capacity_tokens:,} tokens) {b.lru_share:.1%}", end="")
+        if cache and config.num_host_pages:
+            both = cache_bounds([w.entry for w in workload], device_tokens + config.num_host_pages * config.page_size)
+            print(f", LRU of device + host pools ({both.capacity_tokens:,} tokens) {both.lru_share:.1%}", end="")
+        print()
     print(f"{'policy':>14} {'wall s':>8} {'CPU s':>7} {'steps':>8} {'steps/s':>9} {'sim end s':>10} {'E2E mean s':>11} "
           f"{'cached':>7}  goal")
     worst = 0.0

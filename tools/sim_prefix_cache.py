@@ -4,7 +4,7 @@ the cache cut recomputation and mean TTFT (issue 20's goal: >= 80 % and >= 50 %
 at a loaded rate).
 
     python tools/sim_prefix_cache.py --mode resend --rates 4,6 --duration 1800
-    python tools/sim_prefix_cache.py --mode requests --rates 5 --duration 1800
+    python tools/sim_prefix_cache.py --mode requests --rates 10 --num-requests 1000
 
 Re-send mode (``jaxserve.replay.cluster``): each segment of the bundled
 multi-API trace arrives as a new request carrying the whole conversation, as an
@@ -33,16 +33,19 @@ def main() -> int:
     ap.add_argument("--policies", default="infercept,lamps")
     ap.add_argument("--rates", default="4,6")
     ap.add_argument("--duration", type=float, default=1800.0)
+    ap.add_argument("--num-requests", type=int, default=None, help="a fixed number of arrivals instead")
     ap.add_argument("--profile", default="gptj-6b-a100-40g")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     cost = load_profile(args.profile)
     config = ReplayConfig(policies=args.policies.split(","), rates=[float(r) for r in args.rates.split(",")],
-                          duration_s=args.duration, seed=args.seed, mode=args.mode, prefix_cache=(False, True),
+                          duration_s=None if args.num_requests else args.duration,
+                          num_requests=args.num_requests, seed=args.seed, mode=args.mode, prefix_cache=(False, True),
                           count="all")
     start = time.process_time()
     rows = [r.row for r in simulate(load_trace(), cost, config, progress=False)]
-    print(f"mode {args.mode}, profile {cost.name}, {args.duration:g} s of arrivals, seed {args.seed}; "
+    arrivals = f"{args.num_requests} arrivals" if args.num_requests else f"{args.duration:g} s of arrivals"
+    print(f"mode {args.mode}, profile {cost.name}, {arrivals}, seed {args.seed}; "
           f"latencies over every request (the run drains)")
     print(f"{'policy':>10} {'rate':>5} {'cache':>5} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
           f"{'recomputed':>11} {'E2E mean':>9} {'E2E p99':>8} {'TTFT mean':>9} {'TTFT p99':>8} {'preempt':>7}")
