@@ -15,9 +15,10 @@ Replicas: ``N`` ``EngineCore``s, each with its own ``Scheduler``,
 ``SimExecutor`` and ``SimClock``; they share nothing but the arrival stream.
 The driver is an exact discrete-event loop: it always handles the earliest
 event next — an arrival (routed then, on the replicas' state as of their
-latest step) or the pass of the replica whose clock is earliest (one
+latest step) or the pass of the replica whose next pass is earliest (one
 ``EngineCore.step``: deliver returned calls, schedule, execute). A replica
-with nothing to run sleeps until its next API return or a new arrival. With
+with nothing to run sleeps until its next API return or a new arrival,
+whichever comes first. With
 one replica this is ``EngineCore.run``'s loop, pass for pass.
 
 Routers (``ROUTERS``): ``round_robin``; ``least_loaded`` (fewest live
@@ -183,8 +184,8 @@ def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Seque
     arrivals: list[tuple[float, int, Conversation]] = [(w.arrival_time, next(seq), Conversation(w))
                                                        for w in workload]
     heapq.heapify(arrivals)
-    active: list[tuple[float, int]] = []        # (next pass time, replica) of replicas with something to do
-    is_active = [False] * len(replicas)
+    active: list[tuple[float, int]] = []        # (next pass time, replica); stale unless it is next_pass's
+    next_pass: list[float | None] = [None] * len(replicas)   # None: nothing to do until an arrival
     sent: list[Request] = []
     conversation_of: dict[str, Conversation] = {}
     follow_ups: list[tuple[Request, Request]] = []   # (follow-up, its predecessor)
@@ -192,11 +193,12 @@ def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Seque
     finished = passes = 0
     reported = 0
 
-    def activate(replica: Replica, at: float) -> None:
-        if not is_active[replica.index]:
-            replica.clock.sleep_until(at)
-            is_active[replica.index] = True
-            heapq.heappush(active, (replica.clock.now(), replica.index))
+    def wake_at(i: int, at: float) -> None:
+        """Replica ``i``'s next pass is at ``at`` (s), or earlier if one was due sooner."""
+        at = max(at, replicas[i].clock.now())
+        if next_pass[i] is None or at < next_pass[i]:
+            next_pass[i] = at
+            heapq.heappush(active, (at, i))
 
     while arrivals or active:
         t_arrival = arrivals[0][0] if arrivals else float("inf")
@@ -219,11 +221,15 @@ def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Seque
             sent.append(request)
             replica = replicas[i]
             replica.core.add(request, t_arrival)
-            activate(replica, t_arrival)
+            wake_at(i, t_arrival)
             continue
-        _, i = heapq.heappop(active)
+        t, i = heapq.heappop(active)
+        if next_pass[i] != t:
+            continue                            # superseded by an earlier wake-up
+        next_pass[i] = None
         replica = replicas[i]
         core, clock = replica.core, replica.clock
+        clock.sleep_until(t)
         touched = core.step()
         passes += 1
         for r in touched:
@@ -237,18 +243,15 @@ def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Seque
             progress(finished - reported, clock.now())
             reported = finished
         if core.last_step_ran or core.api.poll_ready(clock.now()):
-            heapq.heappush(active, (clock.now(), i))
+            wake_at(i, clock.now())
             continue
         wake = core.next_wakeup()
         if wake is not None:
-            clock.sleep_until(wake)
-            heapq.heappush(active, (clock.now(), i))
+            wake_at(i, wake)
         elif core.scheduler.has_unfinished():
             raise SimulationStalled(
                 f"replica {i}: {len(core.scheduler.requests)} request(s) left but nothing can run at "
                 f"t={clock.now():.3f}s (device pool {core.scheduler.device_pool.num_pages} pages)")
-        else:
-            is_active[i] = False
     if progress is not None:
         progress(finished - reported, max(r.clock.now() for r in replicas))
     return _result(replicas, sent, follow_ups, same_replica)
