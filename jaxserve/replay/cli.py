@@ -9,6 +9,10 @@ Examples::
     jaxserve replay diverse_oneapi_merged_exp_uniform.json --policies fcfs,infercept,lamps \\
         --rate 6 --num-requests 2000 --arrival gamma --cv 1.5 --predictor noisy:0.3
     jaxserve replay --model demo --policies fcfs,infercept --rate 2 --num-requests 32
+    jaxserve replay --mode resend --sim-cache both --policies infercept,lamps --rate 4 --duration 600
+    jaxserve replay --mode resend --sim-cache on --replicas 8 --routers round_robin,least_loaded,affinity \
+        --rate 32 --duration 600
+    jaxserve replay mooncake.jsonl --arrival trace --profile llama3-8b-h100 --sim-cache on --policies fcfs
 """
 
 from __future__ import annotations
@@ -70,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sch.add_argument("--prefill-decode-split", action="store_true",
                      help="simulate Prophet's disaggregation: prefill and decode chunks on two executors in "
                           "parallel, each finished prefill shipping its KV over the host link")
+    sch.add_argument("--mode", choices=("requests", "resend"), default="requests",
+                     help="requests: each trace request pauses for its API calls (default); resend: each "
+                          "segment arrives as a new request carrying the whole conversation, the next one "
+                          "when it has finished plus the API time (as an OpenAI client drives an agent)")
+    sch.add_argument("--sim-cache", choices=("off", "on", "both"), default="off",
+                     help="model the prefix cache in the simulator: off (default), on, or both side by side")
+    sch.add_argument("--replicas", type=int, default=1,
+                     help="simulated replicas behind a router (re-send mode)")
+    sch.add_argument("--routers", default="round_robin",
+                     help="comma-separated routers for --replicas: round_robin, least_loaded, affinity")
     sch.add_argument("--horizon", type=float, default=None,
                      help="stop the simulation at this time (s); unfinished requests count as not completed")
     out = parser.add_argument_group("metrics and output")
@@ -134,6 +148,8 @@ def build_config(args: argparse.Namespace):
     from jaxserve.replay.simulate import SimConfig
     from scheduler import Handling
 
+    if args.model is not None and (args.mode != "requests" or args.replicas != 1 or args.sim_cache != "off"):
+        raise ValueError("--mode resend, --replicas and --sim-cache are simulator settings; drop --model")
     rates = _parse_rates(args)
     policies = _parse_policies(args.policies)
     engine = EngineConfig.from_cli(args, model=args.model or "demo", seed=args.seed)   # validates every setting
@@ -147,6 +163,8 @@ def build_config(args: argparse.Namespace):
             duration = DEFAULT_DURATION_S
     if not args.step_time_scale > 0:
         raise ValueError("--step-time-scale must be > 0")
+    caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.sim_cache]
+    routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
     sim = SimConfig(page_size=engine.page_size, num_device_pages=engine.num_pages,
                     num_host_pages=engine.num_host_pages, max_num_batched_tokens=engine.max_num_batched_tokens,
                     max_num_seqs=engine.max_num_seqs, swap_budget_tokens=engine.swap_budget_tokens,
@@ -157,13 +175,14 @@ def build_config(args: argparse.Namespace):
                         duration_s=duration, seed=args.seed, predictor=engine.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
                         slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor,
-                        count=args.count)
+                        count=args.count, mode=args.mode, prefix_cache=caches, replicas=args.replicas,
+                        routers=routers)
 
 
 def main(args: argparse.Namespace) -> int:
     from jaxserve.replay.experiment import simulate, write_outputs
     from jaxserve.replay.trace import load_trace, resolve_trace_path, scale_entries
-    from scheduler import load_profile
+    from jaxserve.profiles import load_profile
 
     if args.model is not None and args.simulate:
         print("jaxserve replay: give --simulate or --model, not both", file=sys.stderr)

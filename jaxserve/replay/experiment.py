@@ -8,23 +8,26 @@ runs the real engine (imported lazily: it needs JAX). Both produce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
+from jaxserve.replay.page_keys import PageNamer
 from jaxserve.replay.plots import RunCurves, write_plots
 from jaxserve.executor.sim import StepTimer
 from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadSpec, make_workload
-from scheduler import CostModel, Handling, make_policy, make_predictor
+from scheduler import CostModel, Handling, Request, make_policy, make_predictor
 
 
 COUNT_MODES = ("in-window", "all")
+MODES = ("requests", "resend")
 BY_COUNT_KEYS = ("completed", "mean_e2e_s", "p99_e2e_s", "mean_ttft_s", "p99_ttft_s", "mean_norm_latency_s",
                  "slo_attainment")
 
@@ -41,6 +44,12 @@ class ReplayConfig:
     and normalized latency < ``slo_norm_latency_s`` (default: ``slo_step_factor``
     × the reference step time, the simulated time of a full step of
     ``max_num_batched_tokens``).
+
+    ``mode``: ``"requests"`` (each trace request is one request that pauses for
+    its API calls) or ``"resend"`` (each segment is a new request carrying the
+    whole conversation, ``jaxserve.replay.cluster``). ``prefix_cache``: one run
+    per value (cache off/on side by side). ``replicas`` and ``routers``
+    (re-send mode): one run per router over that many simulated replicas.
     """
 
     policies: Sequence[str]
@@ -59,10 +68,27 @@ class ReplayConfig:
     slo_norm_latency_s: float | None = None
     slo_step_factor: float = 10.0
     count: str = "in-window"
+    mode: str = "requests"
+    prefix_cache: Sequence[bool] = (False,)
+    replicas: int = 1
+    routers: Sequence[str] = ("round_robin",)
 
     def __post_init__(self) -> None:
+        from jaxserve.replay.cluster import ROUTERS
+
         if self.count not in COUNT_MODES:
             raise ValueError(f"count must be one of {', '.join(COUNT_MODES)}, got {self.count!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.prefix_cache:
+            raise ValueError("prefix_cache needs at least one setting (False, True)")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.replicas > 1 and self.mode != "resend":
+            raise ValueError("several replicas are simulated in re-send mode only (--mode resend)")
+        unknown = [r for r in self.routers if r not in ROUTERS]
+        if unknown or not self.routers:
+            raise ValueError(f"unknown router {', '.join(unknown) or '(none)'}; available: {', '.join(ROUTERS)}")
 
     def spec(self, rate: float | None) -> WorkloadSpec:
         return WorkloadSpec(self.arrival, rate, self.cv, self.num_requests, self.duration_s, self.seed)
@@ -105,6 +131,8 @@ def summarize_run(policy: str, rate: float | None, config: ReplayConfig, request
     row["api_calls"] = everything["api_calls"]
     calls = max(1, everything["api_calls"])
     row["handling_mix"] = {h: n / calls for h, n in everything["handling_counts"].items()}
+    row["prompt_tokens"] = sum(r.prompt_len for r in requests)
+    row["cached_prompt_tokens"] = sum(r.num_cached_tokens for r in requests)
     row["by_count"] = {"in-window": {k: windowed[k] for k in BY_COUNT_KEYS},
                        "all": {k: everything[k] for k in BY_COUNT_KEYS}}
     row["completed_in_window"] = windowed["completed"]
@@ -128,6 +156,19 @@ class GridRun:
     workload: list
     kinds: dict[str, str]
     label: str          # "[i/n] policy @ rate", for the progress bar
+
+    def page_names(self, page_size: int) -> Callable[[Request], list]:
+        """Prefix-cache page names for this run's requests (``jaxserve.replay.page_keys``):
+        a Mooncake entry's from its ``block_ids``, any other request's of its own."""
+        namer = PageNamer(page_size)
+        blocks = {w.request_id: w.entry for w in self.workload if w.entry.block_ids is not None}
+
+        def name(request: Request) -> list:
+            entry = blocks.get(request.request_id)
+            if entry is None:
+                return namer.fresh(request)
+            return namer.blocks(entry.block_ids, entry.prompt_len, request.prompt_len + request.max_tokens)
+        return name
 
 
 def grid(entries: Sequence[TraceEntry], config: ReplayConfig, suffix: str = "") -> Iterator[GridRun]:
@@ -154,45 +195,95 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
     slo = config.slo(reference_step)
     runs: list[RunCurves] = []
     for run in grid(entries, config):
-        requests = [w.to_request() for w in run.workload]
+        for cache in config.prefix_cache:
+            for router in (config.routers if config.mode == "resend" else (None,)):
+                runs.append(_simulate_one(run, cache, router, cost, config, sim, slo, progress))
+                if progress:
+                    tqdm.write(one_line_summary(runs[-1].row))
+    return runs
+
+
+def _simulate_one(run: GridRun, cache: bool, router: str | None, cost: CostModel, config: ReplayConfig,
+                  sim: SimConfig, slo: Slo, progress: bool) -> RunCurves:
+    """One simulated run (prefix cache ``cache``; ``router`` in re-send mode)."""
+    from tqdm import tqdm
+
+    from jaxserve.replay.cluster import run_resend
+
+    sim = dataclasses.replace(sim, enable_prefix_caching=cache)
+
+    def scheduler():
         predictor = make_predictor(config.predictor, seed=config.seed)
-        policy = make_policy(run.policy, predictor=predictor, **config.policy_options)
-        sched = build_scheduler(cost, policy, sim)
-        with tqdm(total=len(requests), desc=run.label, unit="req", disable=not progress,
-                  leave=False, dynamic_ncols=True) as bar:
-            def tick(n: int, now: float, bar=bar) -> None:
-                bar.update(n)
-                bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
-            result = run_simulation(sched, cost, requests, horizon_s=config.horizon_s, progress=tick,
+        return build_scheduler(cost, make_policy(run.policy, predictor=predictor, **config.policy_options), sim)
+
+    label = run.label + (" cache" if cache else "") + (f" {router}" if router and config.replicas > 1 else "")
+    total = len(run.workload) if config.mode == "requests" else sum(len(w.entry.segments) for w in run.workload)
+    with tqdm(total=total, desc=label, unit="req", disable=not progress, leave=False, dynamic_ncols=True) as bar:
+        def tick(n: int, now: float) -> None:
+            bar.update(n)
+            bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
+        if config.mode == "resend":
+            result = run_resend([scheduler() for _ in range(config.replicas)], cost, run.workload, router,
+                                horizon_s=config.horizon_s, check_invariants=sim.check_invariants,
+                                step_model=sim.step_model, step_time_scale=sim.step_time_scale, progress=tick)
+            kinds = {r.request_id: run.kinds.get(r.request_id.rpartition("/")[0]) for r in result.requests}
+        else:
+            names = run.page_names(sim.page_size) if cache else None
+            result = run_simulation(scheduler(), cost, [w.to_request() for w in run.workload],
+                                    horizon_s=config.horizon_s, progress=tick,
                                     sample_interval_s=sim.sample_interval_s,
                                     check_invariants=sim.check_invariants, step_model=sim.step_model,
                                     step_time_scale=sim.step_time_scale,
-                                    prefill_decode_split=sim.prefill_decode_split)
-        makespan = result.end_time_s
-        window = measurement_window(run.spec, makespan)
-        if config.horizon_s is not None:
-            window = min(window, config.horizon_s)
-        row, per_request = summarize_run(run.policy, run.rate, config, result.requests, run.kinds,
-                                         window, makespan, slo)
-        row.update({
-            "executor": "sim", "profile": cost.name, "step_model": StepTimer(cost, sim.step_model).model,
-            "step_time_scale": sim.step_time_scale, "prefill_decode_split": sim.prefill_decode_split,
-            "steps": result.num_steps, "batched_tokens": result.batched_tokens,
-            "mean_step_s": result.mean_step_s, "steps_by_bucket": result.steps_by_bucket.as_row(),
-            "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
-            "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,
-            "device_pages": result.total_device_pages, "host_pages": result.total_host_pages,
-            "page_size": sim.page_size, "max_num_batched_tokens": sim.max_num_batched_tokens,
-            "swap_budget_tokens": sim.swap_budget_tokens,
-        })
-        occ = result.occupancy
-        runs.append(RunCurves(
-            run.policy, run.rate, row, e2e_values(per_request), occ.time_s,
-            [u / result.total_device_pages for u in occ.device_used],
-            [u / result.total_host_pages if result.total_host_pages else 0.0 for u in occ.host_used]))
-        if progress:
-            tqdm.write(one_line_summary(row))
-    return runs
+                                    prefill_decode_split=sim.prefill_decode_split, page_names=names)
+            kinds = run.kinds
+    makespan = result.end_time_s
+    window = measurement_window(run.spec, makespan)
+    if config.horizon_s is not None:
+        window = min(window, config.horizon_s)
+    row, per_request = summarize_run(run.policy, run.rate, config, result.requests, kinds, window, makespan, slo)
+    row.update({
+        "executor": "sim", "profile": cost.name, "step_model": StepTimer(cost, sim.step_model).model,
+        "step_time_scale": sim.step_time_scale, "prefill_decode_split": sim.prefill_decode_split,
+        "mode": config.mode, "prefix_cache": cache, "replicas": config.replicas, "router": router,
+        "steps": result.num_steps, "batched_tokens": result.batched_tokens,
+        "recomputed_tokens": result.recomputed_tokens,
+        "mean_step_s": result.busy_time_s / result.num_steps if result.num_steps else 0.0,
+        "page_size": sim.page_size, "max_num_batched_tokens": sim.max_num_batched_tokens,
+        "swap_budget_tokens": sim.swap_budget_tokens,
+    })
+    if any(w.entry.block_ids is not None for w in run.workload):
+        row.update(_block_trace_totals(run, row, sim.num_device_pages * sim.page_size))
+    if config.mode == "resend":
+        row.update({"affinity_hit_rate": result.affinity_hit_rate, "follow_ups": result.follow_ups,
+                    "follow_ups_same_replica": result.follow_ups_same_replica,
+                    "requests_by_replica": result.requests_by_replica,
+                    "busy_fraction": result.busy_time_s / (makespan * config.replicas) if makespan > 0 else 0.0})
+        return RunCurves(run.policy, run.rate, row, e2e_values(per_request), [], [], [])
+    row.update({
+        "steps_by_bucket": result.steps_by_bucket.as_row(),
+        "busy_fraction": result.busy_time_s / makespan if makespan > 0 else 0.0,
+        "swap_stall_s": result.swap_stall_s, "swapped_tokens": result.swapped_tokens,
+        "device_pages": result.total_device_pages, "host_pages": result.total_host_pages,
+    })
+    occ = result.occupancy
+    return RunCurves(run.policy, run.rate, row, e2e_values(per_request), occ.time_s,
+                     [u / result.total_device_pages for u in occ.device_used],
+                     [u / result.total_host_pages if result.total_host_pages else 0.0 for u in occ.host_used])
+
+
+def _block_trace_totals(run: GridRun, row: dict, capacity_tokens: int) -> dict:
+    """A Mooncake run's cached share of input tokens next to the trace's bounds
+    (``jaxserve.replay.mooncake.cache_bounds`` at the device pool's capacity), and
+    its recomputed tokens counting the input an earlier request had computed
+    (the unbounded cache's hits) but this run did not serve from the cache."""
+    from jaxserve.replay.mooncake import cache_bounds
+
+    bounds = cache_bounds([w.entry for w in run.workload], capacity_tokens)
+    cached = row["cached_prompt_tokens"]
+    return {"cached_share": cached / bounds.input_tokens if bounds.input_tokens else 0.0,
+            "bound_infinite_share": bounds.infinite_share, "bound_lru_share": bounds.lru_share,
+            "bound_lru_capacity_tokens": bounds.capacity_tokens,
+            "recomputed_tokens": row["recomputed_tokens"] + max(0, bounds.infinite_tokens - cached)}
 
 
 def one_line_summary(row: dict) -> str:

@@ -139,6 +139,8 @@ def e2e_values(metrics: Iterable[RequestMetrics]) -> list[float]:
 SUMMARY_COLUMNS = (
     ("policy", "policy", "{}"),
     ("rate", "rate", "{}"),
+    ("cache", "prefix_cache", "{}"),
+    ("router", "router", "{}"),
     ("done", "completed", "{}"),
     ("E2E mean s", "mean_e2e_s", "{:.2f}"),
     ("E2E p99 s", "p99_e2e_s", "{:.2f}"),
@@ -149,6 +151,8 @@ SUMMARY_COLUMNS = (
     ("thru req/s", "throughput_req_s", "{:.3f}"),
     ("goodput req/s", "goodput_req_s", "{:.3f}"),
     ("preempt", "preemptions", "{}"),
+    ("recomputed tok", "recomputed_tokens", "{}"),
+    ("cached prompt tok", "cached_prompt_tokens", "{}"),
     ("P/D/S", "handling_counts", "{}"),
 )
 
@@ -159,6 +163,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
         return "-"
     if key == "handling_counts":
         return f"{v.get('preserve', 0)}/{v.get('discard', 0)}/{v.get('swap', 0)}"
+    if key == "prefix_cache":
+        return "on" if v else "off"
     if key == "mean_tpot_s":
         return fmt.format(v * 1e3)
     if key == "rate" and isinstance(v, float):

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from jaxserve.core import EngineCore, SimClock, StepTally
 from jaxserve.executor.sim import SimExecutor
+from jaxserve.replay.page_keys import PageNamer
 from scheduler import CostModel, Handling, PageAllocator, Policy, Request, Scheduler, SchedulerConfig
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +46,9 @@ class SimConfig:
     step_model: str = "auto"             # "linear" T_fwd(n), "buckets" measured per padded bucket, "auto"
     step_time_scale: float = 1.0         # multiplies every simulated step time
     prefill_decode_split: bool = False   # Prophet's disaggregation: prefill and decode on two executors
-    # Model the prefix cache. Trace requests carry no token ids, so each request's pages are
-    # named by (request id, page index): no sharing between requests, but soft discard,
-    # preemption and swap-in re-link whatever of its own context was not evicted.
+    # Model the prefix cache. Trace requests carry no token ids: their pages get names from the
+    # trace's structure (jaxserve.replay.page_keys) — their own by default, a conversation's
+    # in re-send mode, a Mooncake trace's hash_ids.
     enable_prefix_caching: bool = False
     host_cache: bool = True   # the cache's host tier in the host pool (SchedulerConfig.host_cache)
 
@@ -127,15 +128,17 @@ class SimulationStalled(RuntimeError):
 def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Request], *,
                    horizon_s: float | None = None, progress: Callable[[int, float], None] | None = None,
                    sample_interval_s: float = 1.0, check_invariants: bool = False, step_model: str = "auto",
-                   step_time_scale: float = 1.0, prefill_decode_split: bool = False) -> SimResult:
+                   step_time_scale: float = 1.0, prefill_decode_split: bool = False,
+                   page_names: Callable[[Request], list] | None = None) -> SimResult:
     """Simulate ``requests`` (fresh, never scheduled; ``arrival_time`` says when
     each enters) until every one ends, or the clock passes ``horizon_s``.
     ``progress(num_finished_since_last_call, now)`` is called every 500 steps
-    and at the end."""
-    if scheduler.kv.cache is not None:
-        for r in requests:
-            if not r.token_ids and not r.block_hashes:
-                r.block_hashes = own_page_names(r, scheduler.page_size)
+    and at the end. With a prefix cache, each request without token ids or
+    names gets ``page_names(request)`` (default: names of its own,
+    ``PageNamer.fresh``) when it arrives, so a long trace never holds every
+    request's names at once."""
+    naming = sorted(requests, key=lambda r: r.arrival_time) if scheduler.kv.cache is not None else []
+    name_pages = page_names or PageNamer(scheduler.page_size).fresh
     clock = SimClock()
     executor = SimExecutor(cost, scheduler.page_size, clock, step_model=step_model,
                            step_time_scale=step_time_scale, prefill_decode_split=prefill_decode_split)
@@ -143,12 +146,19 @@ def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Req
     total = len(requests)
     occ = Occupancy()
     device_pool, host_pool = scheduler.device_pool, scheduler.host_pool
-    marks = {"next_sample": 0.0, "reported_steps": 0, "reported_finished": 0}
+    marks = {"next_sample": 0.0, "reported_steps": 0, "reported_finished": 0, "named": 0}
 
     def finished() -> int:
         return sum(core.stats.finished.values())
 
     def observe(now: float) -> None:
+        named = marks["named"]
+        while named < len(naming) and naming[named].arrival_time <= now:   # the arrivals just added
+            r = naming[named]
+            if not r.token_ids and not r.block_hashes:
+                r.block_hashes = name_pages(r)
+            named += 1
+        marks["named"] = named
         if now >= marks["next_sample"]:
             occ.time_s.append(now)
             occ.device_used.append(device_pool.num_used)
@@ -185,11 +195,3 @@ def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Req
                      total_host_pages=host_pool.num_pages, recomputed_tokens=core.stats.recomputed_tokens,
                      cached_tokens=scheduler.kv.cache.hit_tokens if scheduler.kv.cache is not None else 0)
 
-
-def own_page_names(request: Request, page_size: int) -> list[bytes]:
-    """Prefix-cache names for every full page ``request``'s context can reach
-    (prompt, generated and API-returned tokens): unique to the request, so its
-    pages match only its own earlier copies (a simulated request has no token ids)."""
-    total = request.prompt_len + request.max_tokens + sum(s.num_returned_tokens for s in request.segments)
-    prefix = request.request_id.encode() + b"#"
-    return [prefix + i.to_bytes(4, "little") for i in range(total // page_size)]

@@ -14,6 +14,8 @@ Formats (DESIGN section 9, ``docs/replay.md``):
   ``api_time`` and ``api_token_length``; text form segments have ``prompt``,
   ``completion``, ``api_token`` (strings) and ``api_time``. Only segment 0's
   prompt is read (the context grows by itself afterwards).
+* Mooncake JSONL (``timestamp``, ``input_length``, ``output_length``,
+  ``hash_ids``; ``jaxserve.replay.mooncake``), recognised by its first line.
 * JSONL: one object per line with ``id`` and ``segments`` (segments as above,
   each may add ``api_type``), optionally ``arrival_time`` (seconds),
   ``api_type`` (the default for its calls) and ``predictions`` (copied into
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from jaxserve.replay.page_keys import MOONCAKE_BLOCK_TOKENS
 from scheduler import Request, Segment
 
 Tokenizer = Callable[[str], Sequence[int]]
@@ -64,6 +67,7 @@ class TraceEntry:
     arrival_time: float | None = None
     kind: str = "unknown"                     # workload class, e.g. "math", "chat"
     predictions: dict = field(default_factory=dict)
+    block_ids: tuple[int, ...] | None = None  # Mooncake: ids of the prompt's 512-token blocks
 
     @property
     def num_api_calls(self) -> int:
@@ -123,6 +127,8 @@ def load_trace(path: str | Path | None = None, tokenizer: Tokenizer | None = Non
     stripped = text.lstrip()
     if not stripped:
         raise TraceError(f"trace {p}: file is empty")
+    if stripped.startswith("{") and looks_like_mooncake(stripped.split("\n", 1)[0]):
+        return parse_mooncake(text, source=str(p))
     if p.suffix == ".jsonl" or (stripped.startswith("{") and _looks_like_jsonl(stripped)):
         return parse_jsonl(text, tokenizer, source=str(p))
     try:
@@ -130,6 +136,57 @@ def load_trace(path: str | Path | None = None, tokenizer: Tokenizer | None = Non
     except json.JSONDecodeError as e:
         raise TraceError(f"trace {p}: not valid JSON ({e})") from None
     return parse_infercept(data, tokenizer, source=str(p))
+
+
+MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
+
+
+def looks_like_mooncake(first_line: str) -> bool:
+    """True when a JSONL file's first line is a Mooncake record."""
+    try:
+        obj = json.loads(first_line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and "hash_ids" in obj and "input_length" in obj
+
+
+def parse_mooncake(text: str, source: str = "<trace>") -> list[TraceEntry]:
+    """Mooncake JSONL -> entries (ids ``mc-<line>``), in file order. Raises
+    ``TraceError`` naming the file and line for any malformed record."""
+    entries = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"trace {source} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object")
+        missing = MOONCAKE_KEYS - set(obj)
+        if missing:
+            raise TraceError(f"{where}: missing field(s) {sorted(missing)}")
+        unknown = set(obj) - MOONCAKE_KEYS
+        if unknown:
+            raise TraceError(f"{where}: unknown field(s) {sorted(unknown)}; expected {sorted(MOONCAKE_KEYS)}")
+        ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            raise TraceError(f"{where}: field 'timestamp' must be a non-negative number of ms, got {ts!r}")
+        for key, v in (("input_length", n_in), ("output_length", n_out)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise TraceError(f"{where}: field {key!r} must be a positive integer, got {v!r}")
+        if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise TraceError(f"{where}: field 'hash_ids' must be a list of integers")
+        blocks = -(-n_in // MOONCAKE_BLOCK_TOKENS)
+        if len(ids) != blocks:
+            raise TraceError(f"{where}: 'hash_ids' has {len(ids)} ids; input_length {n_in} needs {blocks} "
+                             f"(one per {MOONCAKE_BLOCK_TOKENS}-token block)")
+        entries.append(TraceEntry(f"mc-{lineno}", n_in, (Segment(n_out),), ts / 1000.0, "mooncake",
+                                  block_ids=tuple(ids)))
+    if not entries:
+        raise TraceError(f"trace {source}: no requests")
+    return entries
 
 
 def _looks_like_jsonl(text: str) -> bool:
@@ -370,6 +427,9 @@ def scale_entries(entries: Iterable[TraceEntry], factor: float = 1.0,
         raise ValueError(f"token scale must be > 0, got {factor}")
     if not api_time_factor >= 0:
         raise ValueError(f"API time scale must be >= 0, got {api_time_factor}")
+    entries = list(entries)
+    if factor != 1.0 and any(e.block_ids is not None for e in entries):
+        raise ValueError("a Mooncake trace's 512-token blocks cannot be token-scaled; drop --token-scale")
 
     def scale(n: int, least: int) -> int:
         return max(least, round(n * factor))
@@ -380,5 +440,5 @@ def scale_entries(entries: Iterable[TraceEntry], factor: float = 1.0,
     return [TraceEntry(e.request_id, scale(e.prompt_len, 1),
                        tuple(Segment(scale(s.num_tokens, 1), s.api_type, seconds(s.api_duration_s),
                                      scale(s.num_returned_tokens, 0)) for s in e.segments),
-                       e.arrival_time, e.kind, dict(e.predictions))
+                       e.arrival_time, e.kind, dict(e.predictions), e.block_ids)
             for e in entries]

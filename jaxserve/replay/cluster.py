@@ -1,0 +1,278 @@
+"""Re-send replay on N simulated replicas behind a router.
+
+Re-send mode drives the engine as an OpenAI client drives an agent: each
+segment of a trace request arrives as a new request carrying the whole
+conversation so far (segment ``k``'s prompt = the original prompt + every
+earlier completion and API return) and generating segment ``k``'s tokens; the
+next segment arrives when this one has finished plus the API call's duration.
+A trailing API call (after the last segment) has nothing left to generate and
+is dropped. Every segment request of a conversation lists the conversation's
+page names (``PageNamer.conversation``), so with the prefix cache on a
+follow-up re-links the pages its predecessors computed, if they are still
+cached on the replica it lands on.
+
+Replicas: ``N`` ``EngineCore``s, each with its own ``Scheduler``,
+``SimExecutor`` and ``SimClock``; they share nothing but the arrival stream.
+The driver is an exact discrete-event loop: it always handles the earliest
+event next — an arrival (routed then, on the replicas' state as of their
+latest step) or the pass of the replica whose next pass is earliest (one
+``EngineCore.step``: deliver returned calls, schedule, execute). A replica
+with nothing to run sleeps until its next API return or a new arrival,
+whichever comes first. With
+one replica this is ``EngineCore.run``'s loop, pass for pass.
+
+Routers (``ROUTERS``): ``round_robin``; ``least_loaded`` (fewest live
+requests, ties in rotation); ``affinity`` (the longest cached prefix of the
+request's pages on any replica, ties to the replica that served the
+conversation last, then least loaded; no hit anywhere: least loaded).
+Parked client-side tool contexts do not occur here: a re-sent turn arrives
+only after its predecessor finished.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from jaxserve.core import EngineCore, SimClock
+from jaxserve.executor.sim import SimExecutor
+from jaxserve.replay.page_keys import PageNamer
+from jaxserve.replay.simulate import SimulationStalled
+from jaxserve.replay.workload import WorkloadItem
+from scheduler import CostModel, Request, Scheduler, Segment
+
+ROUTERS = ("round_robin", "least_loaded", "affinity")
+
+
+@dataclass(eq=False, slots=True)
+class Conversation:
+    """One trace request replayed as re-sent segment requests (built lazily)."""
+
+    item: WorkloadItem
+    index: int = 0                       # the next segment to send
+    names: list | None = None            # page names of the whole conversation (prefix cache on)
+    previous: Request | None = None      # the last segment request sent
+    replica: int | None = None           # where it went
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.item.entry.segments)
+
+    def next_request(self, arrival_time: float) -> Request:
+        """Segment ``index`` as a new request arriving at ``arrival_time`` (s)."""
+        entry, k = self.item.entry, self.index
+        prompt = entry.prompt_len + sum(s.num_tokens + s.num_returned_tokens for s in entry.segments[:k])
+        tokens = entry.segments[k].num_tokens
+        request = Request(f"{self.item.request_id}/{k}", arrival_time=arrival_time, prompt_len=prompt,
+                          max_tokens=tokens, segments=[Segment(tokens)], ignore_eos=True,
+                          predictions=dict(entry.predictions))
+        self.index += 1
+        return request
+
+    @property
+    def total_tokens(self) -> int:
+        """Context length of the whole conversation, returned tokens included."""
+        e = self.item.entry
+        return e.prompt_len + sum(s.num_tokens + s.num_returned_tokens for s in e.segments)
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    """One simulated engine: a core over its own scheduler, executor and clock."""
+
+    index: int
+    core: EngineCore
+    clock: SimClock
+    executor: SimExecutor
+
+    @property
+    def load(self) -> int:
+        """Live requests (running, waiting, paused)."""
+        return len(self.core.scheduler.requests)
+
+    def cached_prefix_pages(self, names: Sequence, limit: int) -> int:
+        """Leading pages of ``names[:limit]`` this replica's prefix cache holds."""
+        cache = self.core.scheduler.kv.cache
+        if cache is None or limit <= 0:
+            return 0
+        page_of = cache.page_of
+        n = 0
+        for name in itertools.islice(names, limit):
+            if name not in page_of:
+                break
+            n += 1
+        return n
+
+
+class Router:
+    """Picks the replica of each arriving request (see module doc)."""
+
+    def __init__(self, name: str) -> None:
+        if name not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
+        self.name = name
+        self._turn = 0
+
+    def _least_loaded(self, replicas: Sequence[Replica], among: Sequence[int] | None = None) -> int:
+        """The least loaded replica of ``among`` (default all), ties in rotation."""
+        n = len(replicas)
+        start, self._turn = self._turn, (self._turn + 1) % n
+        order = among if among is not None else range(n)
+        return min(order, key=lambda i: (replicas[i].load, (i - start) % n))
+
+    def route(self, request: Request, conversation: Conversation, replicas: Sequence[Replica]) -> int:
+        if self.name == "round_robin":
+            i, self._turn = self._turn, (self._turn + 1) % len(replicas)
+            return i
+        if self.name == "least_loaded" or conversation.names is None:
+            return self._least_loaded(replicas)
+        limit = (request.num_tokens - 1) // replicas[0].core.scheduler.page_size
+        hits = [r.cached_prefix_pages(conversation.names, limit) for r in replicas]
+        best = max(hits)
+        if best == 0:
+            return self._least_loaded(replicas)
+        tied = [i for i, h in enumerate(hits) if h == best]
+        if conversation.replica in tied:
+            return conversation.replica
+        return self._least_loaded(replicas, tied)
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    """What a re-send run produced; ``requests`` are every segment request sent."""
+
+    requests: list[Request]
+    end_time_s: float
+    num_steps: int
+    busy_time_s: float              # simulated step seconds, summed over replicas
+    batched_tokens: int
+    num_preemptions: int
+    recomputed_tokens: int          # within requests (Discard, preemption) + re-sent context not cached
+    follow_ups: int                 # segment requests after a conversation's first
+    follow_up_hits: int             # of those, requests that re-linked at least one cached page
+    follow_ups_same_replica: int    # of those, routed to the replica of their predecessor
+    requests_by_replica: list[int] = field(default_factory=list)
+
+    @property
+    def affinity_hit_rate(self) -> float | None:
+        return self.follow_up_hits / self.follow_ups if self.follow_ups else None
+
+
+def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Sequence[WorkloadItem],
+               router: str = "round_robin", *, horizon_s: float | None = None, check_invariants: bool = False,
+               step_model: str = "auto", step_time_scale: float = 1.0,
+               progress: Callable[[int, float], None] | None = None) -> ClusterResult:
+    """Replay ``workload`` in re-send mode on one replica per scheduler (see module doc).
+
+    ``progress(num_requests_finished_since_last_call, now)`` every 2,000 passes and at the end.
+    """
+    if not schedulers:
+        raise ValueError("need at least one replica")
+    page_size = schedulers[0].page_size
+    caching = schedulers[0].kv.cache is not None
+    namer = PageNamer(page_size)
+    replicas = []
+    for i, sched in enumerate(schedulers):
+        clock = SimClock()
+        executor = SimExecutor(cost, page_size, clock, step_model=step_model, step_time_scale=step_time_scale)
+        replicas.append(Replica(i, EngineCore(sched, executor, clock, check_invariants=check_invariants),
+                                clock, executor))
+    pick = Router(router)
+    seq = itertools.count()
+    arrivals: list[tuple[float, int, Conversation]] = [(w.arrival_time, next(seq), Conversation(w))
+                                                       for w in workload]
+    heapq.heapify(arrivals)
+    active: list[tuple[float, int]] = []        # (next pass time, replica); stale unless it is next_pass's
+    next_pass: list[float | None] = [None] * len(replicas)   # None: nothing to do until an arrival
+    sent: list[Request] = []
+    conversation_of: dict[str, Conversation] = {}
+    follow_ups: list[tuple[Request, Request]] = []   # (follow-up, its predecessor)
+    same_replica = 0
+    finished = passes = 0
+    reported = 0
+
+    def wake_at(i: int, at: float) -> None:
+        """Replica ``i``'s next pass is at ``at`` (s), or earlier if one was due sooner."""
+        at = max(at, replicas[i].clock.now())
+        if next_pass[i] is None or at < next_pass[i]:
+            next_pass[i] = at
+            heapq.heappush(active, (at, i))
+
+    while arrivals or active:
+        t_arrival = arrivals[0][0] if arrivals else float("inf")
+        t_pass = active[0][0] if active else float("inf")
+        if horizon_s is not None and min(t_arrival, t_pass) >= horizon_s:
+            break
+        if t_arrival <= t_pass:
+            _, _, conv = heapq.heappop(arrivals)
+            request = conv.next_request(t_arrival)
+            if caching:
+                if conv.names is None:
+                    conv.names = namer.conversation(conv.total_tokens)
+                request.block_hashes = conv.names
+            i = pick.route(request, conv, replicas)
+            if conv.previous is not None:
+                follow_ups.append((request, conv.previous))
+                same_replica += i == conv.replica
+            conv.previous, conv.replica = request, i
+            conversation_of[request.request_id] = conv
+            sent.append(request)
+            replica = replicas[i]
+            replica.core.add(request, t_arrival)
+            wake_at(i, t_arrival)
+            continue
+        t, i = heapq.heappop(active)
+        if next_pass[i] != t:
+            continue                            # superseded by an earlier wake-up
+        next_pass[i] = None
+        replica = replicas[i]
+        core, clock = replica.core, replica.clock
+        clock.sleep_until(t)
+        touched = core.step()
+        passes += 1
+        for r in touched:
+            if r.is_finished and r.request_id in conversation_of:
+                conv = conversation_of.pop(r.request_id)
+                finished += 1
+                if conv.index < conv.num_segments:
+                    api_s = conv.item.entry.segments[conv.index - 1].api_duration_s or 0.0
+                    heapq.heappush(arrivals, (r.finish_time + api_s, next(seq), conv))
+        if progress is not None and passes % 2000 == 0:
+            progress(finished - reported, clock.now())
+            reported = finished
+        if core.last_step_ran or core.api.poll_ready(clock.now()):
+            wake_at(i, clock.now())
+            continue
+        wake = core.next_wakeup()
+        if wake is not None:
+            wake_at(i, wake)
+        elif core.scheduler.has_unfinished():
+            raise SimulationStalled(
+                f"replica {i}: {len(core.scheduler.requests)} request(s) left but nothing can run at "
+                f"t={clock.now():.3f}s (device pool {core.scheduler.device_pool.num_pages} pages)")
+    if progress is not None:
+        progress(finished - reported, max(r.clock.now() for r in replicas))
+    return _result(replicas, sent, follow_ups, same_replica)
+
+
+def _result(replicas: Sequence[Replica], sent: list[Request], follow_ups: list[tuple[Request, Request]],
+            same_replica: int) -> ClusterResult:
+    """Totals over replicas. A follow-up recomputes the context its predecessor
+    computed (``max_computed_tokens``) less what it re-linked from the cache."""
+    resent_uncached = hits = 0
+    for request, previous in follow_ups:
+        if request.first_scheduled_time is not None:
+            resent_uncached += max(0, previous.max_computed_tokens - request.num_cached_tokens)
+        hits += request.num_cached_tokens > 0
+    stats = [rep.core.stats for rep in replicas]
+    return ClusterResult(
+        requests=sorted(sent, key=lambda r: r.arrival_time),
+        end_time_s=max(rep.clock.now() for rep in replicas),
+        num_steps=sum(s.steps for s in stats), busy_time_s=sum(s.busy_time_s for s in stats),
+        batched_tokens=sum(s.batched_tokens for s in stats),
+        num_preemptions=sum(rep.core.scheduler.num_preemptions for rep in replicas),
+        recomputed_tokens=sum(s.recomputed_tokens for s in stats) + resent_uncached,
+        follow_ups=len(follow_ups), follow_up_hits=hits, follow_ups_same_replica=same_replica,
+        requests_by_replica=[s.requests for s in stats])
