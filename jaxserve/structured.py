@@ -2,7 +2,8 @@
 
 ``StructuredDecoding`` (one per engine) compiles a request's
 ``StructuredOutput`` into an llguidance grammar (JSON Schema, any JSON object,
-or a forced tool call in the Hermes format) and gives the request a
+or a forced turn of tool calls in the engine's tool-call format: one call, or
+one or more with ``parallel``) and gives the request a
 ``RequestGrammar``: its matcher state, kept in the engine's request record, so
 it survives API pauses (returned tokens are context, never fed to it) and
 preemption. Every step, ``bitmask_fn`` returns a function that fills the packed
@@ -27,12 +28,10 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.constraints import StructuredOutput
+from jaxserve.tool_format.base import ToolFormat
 
 log = logging.getLogger("jaxserve")
 
-# Tool-call markup of the Hermes format. Forced calls are generated in it until the
-# tool_format package owns the formats; then ``tool_call_lark`` asks the chosen format.
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 # Fixed separators as json.dumps / chat templates write them (what models saw most),
 # and no other whitespace (a model cannot stall in endless spaces).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -41,14 +40,23 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 class RequestGrammar:
     """One request's position in its grammar.
 
-    ``active`` is False once a forced tool call is complete (the constraint
-    ended) or the matcher stopped; inactive grammars constrain no row.
+    ``forced_call``: the grammar is a turn of tool calls. When the turn is
+    complete (``turn_complete``) the constraint ends: the engine pauses on the
+    calls parsed from it (``calls``, kept here by the engine) and, after their
+    results, the request continues unconstrained. ``ends_with_eos``: the turn is
+    complete only when the model ends it with an EOS token (parallel Hermes
+    blocks: after a block, another may follow); otherwise when its text is.
+    ``active`` is False once the turn is complete or the matcher stopped;
+    inactive grammars constrain no row.
     """
 
-    def __init__(self, matcher, ends_after_match: bool) -> None:
+    def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False) -> None:
         self.matcher = matcher
-        self.ends_after_match = ends_after_match
+        self.forced_call = forced_call
+        self.ends_with_eos = ends_with_eos
         self.active = True
+        self.turn_complete = False
+        self.calls: list = []   # ParsedToolCall of the forced turn so far
 
     def accept(self, token: int) -> str | None:
         """Advance by a generated token. Returns a finish reason when the request
@@ -64,8 +72,9 @@ class RequestGrammar:
                         m.get_error()[:200])
             self.active = False
             return "length"
-        if self.ends_after_match and (m.is_accepting() or m.is_stopped()):
-            self.active = False   # the forced call is complete: the engine pauses on it, then free text
+        if self.forced_call and (m.is_stopped() or (m.is_accepting() and not self.ends_with_eos)):
+            self.active = False   # the forced turn is complete: the engine pauses on its calls, then free text
+            self.turn_complete = True
             return None
         if m.is_stopped():
             self.active = False
@@ -78,13 +87,16 @@ class StructuredDecoding:
 
     ``vocab_size``: the model's logits width (may exceed the tokenizer's; extra
     ids are never allowed). ``eos_token_ids``: the ids that end a completed
-    grammar. The llguidance tokenizer (about 0.6 s for a 49k vocabulary) is
+    grammar. ``tool_format``: the format forced tool calls are written in
+    (``jaxserve.tool_format``). The llguidance tokenizer (about 0.6 s for a 49k vocabulary) is
     built on the first constrained request, so engines that never see one pay
     nothing.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int] | list[int], cache_size: int = 256) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int] | list[int], tool_format: ToolFormat,
+                 cache_size: int = 256) -> None:
         self.hf_tokenizer = tokenizer
+        self.tool_format = tool_format
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.eos_token_ids = sorted(eos_token_ids)
@@ -114,7 +126,7 @@ class StructuredDecoding:
         elif spec.kind == "json_object":
             text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         else:
-            text = tool_call_lark(spec, self._markup)
+            text = tool_call_lark(spec, self.tool_format, self._markup)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.llg_tokenizer)
         if is_error:
             raise ValueError(f"{spec.param}: the schema cannot be compiled: {messages[0][:300]}")
@@ -135,7 +147,9 @@ class StructuredDecoding:
                 self._pristine.popitem(last=False)
         else:
             self._pristine.move_to_end(key)
-        return RequestGrammar(pristine.deep_copy(), ends_after_match=spec.kind == "tool_call")
+        forced_call = spec.kind == "tool_call"
+        return RequestGrammar(pristine.deep_copy(), forced_call,
+                              ends_with_eos=forced_call and self.tool_format.turn_ends_with_eos(spec.parallel))
 
     def _markup(self, text: str) -> str:
         """A lark terminal for tool-call markup: the token itself when the tokenizer
@@ -169,16 +183,17 @@ class StructuredDecoding:
         return bitmask
 
 
-def tool_call_lark(spec: StructuredOutput, markup: Callable[[str], str]) -> str:
-    """Lark grammar (llguidance dialect) for one Hermes tool call to one of
-    ``spec.tools``: ``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>``,
-    ARGS valid against that tool's ``parameters``. ``markup(text)`` renders the
-    start/end tags as lark terminals."""
+def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str]) -> str:
+    """Lark grammar (llguidance dialect) for a turn of tool calls in format ``fmt`` to
+    ``spec.tools`` (one call, or one or more with ``spec.parallel``): each call object
+    ``{"name": NAME, <fmt.args_key>: ARGS}``, ARGS valid against that tool's
+    ``parameters``. ``markup(text)`` renders the format's fixed markup as lark terminals."""
     alternatives, rules = [], []
     for i, tool in enumerate(spec.tools):
-        call = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False,
+        call = {"type": "object", "properties": {"name": {"const": tool.name}, fmt.args_key: tool.parameters},
+                "required": ["name", fmt.args_key], "additionalProperties": False,
                 "x-guidance": _JSON_OPTIONS}
         alternatives.append(f"call_{i}")
         rules.append(f"call_{i}: %json {json.dumps(call)}")
-    return "\n".join([f"start: {markup(HERMES_START)} ({' | '.join(alternatives)}) {markup(HERMES_END)}", *rules])
+    return "\n".join([fmt.forced_call_grammar("call", spec.parallel, markup),
+                      f"call: {' | '.join(alternatives)}", *rules])

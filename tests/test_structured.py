@@ -139,6 +139,82 @@ def test_forced_server_side_call_runs_then_generation_continues_free(llm):
     assert after          # it went on writing after the tool's result, no longer constrained
 
 
+def test_forced_parallel_server_side_calls_all_run_and_return_in_call_order(llm):
+    """Sampled (seed 1), the demo model writes several ``add`` calls in its forced turn: every one
+    runs (the first sleeps longest), and their results enter the context together, in
+    call order, before decoding goes on unconstrained."""
+    import time
+    ran, contexts = [], []
+
+    def add(a: int, b: int) -> str:
+        time.sleep(0.2 if not ran else 0.0)
+        ran.append((a, b))
+        return f"sum {a}+{b}={a + b}"
+
+    engine = llm.engine
+    tool = Tool("add", add, api_type="math", parameters=ADD.parameters)
+    engine.tools["add"], wrap = tool, engine.result_token_ids
+    engine.result_token_ids = lambda request, result: contexts.append(wrap(request, result)) or contexts[-1]
+    try:
+        spec = StructuredOutput.tool_call([tool.openai_schema()], "add")
+        out = llm.generate(["Compute"], SamplingParams(max_tokens=120, temperature=1.0, seed=1, structured=spec))[0]
+    finally:
+        engine.tools["add"] = ADD
+        del engine.result_token_ids
+    [pause] = out.api_calls
+    args = [valid(c["arguments"], ADD.parameters) for c in pause.tool_calls]
+    assert len(args) >= 2 and [c["name"] for c in pause.tool_calls] == ["add"] * len(args)
+    assert sorted(ran) == sorted((a["a"], a["b"]) for a in args) and pause.error is None
+    [context] = contexts
+    text = llm.tokenizer.decode(context, skip_special_tokens=False)
+    positions = [text.index(f"sum {a['a']}+{a['b']}={a['a'] + a['b']}") for a in args]
+    assert positions == sorted(positions) and text.count("<|im_start|>tool") == len(args)
+    assert pause.returned_tokens == len(context) and out.finish_reason in ("stop", "length")
+    assert out.text.count("</tool_call>") >= len(args)
+
+
+PARALLEL_TOOLS = {"a": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                        "additionalProperties": False},
+                  "b": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"],
+                        "additionalProperties": False}}
+PARALLEL_TURN = {
+    "hermes": ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>',
+               '\n<tool_call>{"name": "b", "arguments": {"s": "]}"}}</tool_call>', ""),
+    "llama3_json": ('[{"name": "a", "parameters": {"x": 1}}', ', {"name": "b", "parameters": {"s": "]}"}}', "]"),
+    "mistral": ('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}', ', {"name": "b", "arguments": {"s": "]}"}}',
+                "]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
+def test_forced_call_grammar_of_each_format_allows_several_calls_only_when_parallel(llm, name):
+    """Per format, on the demo tokenizer: the parallel grammar takes a turn of two calls
+    (and the format's parser reads both back); the one-call grammar refuses the second."""
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+    fmt, tok = get_format(name), llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, fmt)
+    first, second, close = PARALLEL_TURN[name]
+    ids = tok.encode(first + second + close, add_special_tokens=False)
+    grammar = decoding.start(StructuredOutput.tool_call(PARALLEL_TOOLS, parallel=True))
+    assert all(grammar.accept(t) is None for t in ids) and grammar.matcher.is_accepting()
+    if grammar.ends_with_eos:   # Hermes: another block could follow; the model's EOS completes the turn
+        assert grammar.active and grammar.accept(min(llm.engine.eos_token_ids)) is None
+    assert grammar.turn_complete and not grammar.active
+    calls = get_format(name).parser().feed(tok.decode(ids))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {"s": "]}"})]
+
+    one = StructuredOutput.tool_call(PARALLEL_TOOLS, parallel=False)
+    single = decoding.start(one)
+    one_call = {"hermes": first, "llama3_json": first[1:], "mistral": first + "]"}[name]
+    assert all(single.accept(t) is None for t in tok.encode(one_call, add_special_tokens=False))
+    assert single.turn_complete          # one call completes the turn, no EOS needed
+    if name != "hermes":                 # the list form is refused (Llama 3), or its second item (Mistral)
+        refused = tok.encode("[" if name == "llama3_json" else first + second, add_special_tokens=False)
+        other = decoding.start(one)
+        assert "length" in [other.accept(t) for t in refused]
+
+
 def test_unsatisfiable_within_max_tokens_ends_with_length(llm):
     long_string = {"type": "string", "minLength": 200}
     outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.json(s))
