@@ -173,6 +173,31 @@ def test_forced_parallel_server_side_calls_all_run_and_return_in_call_order(llm)
     assert out.text.count("</tool_call>") >= len(args)
 
 
+def test_client_side_parallel_turn_is_resumed_with_one_result_per_call(llm):
+    """A forced turn of several client-side calls pauses once with all of them; resuming
+    with one text per call appends one tool turn each, in order, and decoding goes on."""
+    engine = llm.engine
+    spec = StructuredOutput.tool_call(TOOLS, "get_weather")   # the request's own tool: client-side
+    rid = engine.add_request(prompt="Weather?", sampling_params=SamplingParams(
+        max_tokens=160, temperature=1.0, seed=7, structured=spec))   # seed 7: two calls
+    paused = None
+    while paused is None:
+        paused = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
+    assert paused.finish_reason == "tool_calls" and len(paused.tool_calls) >= 2, paused.text
+    for call in paused.tool_calls:
+        valid(call["arguments"], WEATHER)
+    results = [f"weather #{i}" for i in range(len(paused.tool_calls))]
+    engine.resume(rid, text=results)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
+    [pause] = final.api_calls
+    expected = engine.tokenizer.encode(engine.tool_format.wrap_results(results, engine.tokenizer.chat_template),
+                                       add_special_tokens=False)
+    assert pause.returned_tokens == len(expected) and final.finish_reason in ("stop", "length", "tool_calls")
+    engine.abort(rid)   # it may have paused on a free-text call after the results
+
+
 PARALLEL_TOOLS = {"a": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
                         "additionalProperties": False},
                   "b": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"],

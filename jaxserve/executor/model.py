@@ -160,8 +160,8 @@ class ModelExecutor:
             return StepResult()
         inputs = self.prepare(plan.chunks)
         start = time.perf_counter()
-        fill = self.constraints and self.constraints.bitmask_fn(
-            [c.request.grammar for c in plan.chunks], len(inputs.logits_indices))
+        fill = self.constraints and self.constraints.bitmask_fn(   # rows that sample a token only
+            [c.request.grammar if c.samples else None for c in plan.chunks], len(inputs.logits_indices))
         device_tokens, self.last_logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
         waited = time.perf_counter()
         tokens = to_host(device_tokens)
