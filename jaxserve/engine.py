@@ -332,20 +332,17 @@ class LLMEngine:
             self.core.finish(request, "stop")
             return
         grammar = request.grammar
-        if grammar is not None and not request.is_finished and (reason := grammar.accept(token)) is not None:
+        if grammar is not None and not request.is_finished \
+                and (reason := grammar.accept(token, request.max_tokens - request.num_generated)) is not None:
             self.core.finish(request, reason)
             return
         if event.kind is not EventKind.TOKEN or request.tool_parser is None:
             return
         calls = request.tool_parser.feed(delta) if delta else []
         if grammar is not None and grammar.forced_call and (grammar.active or grammar.turn_complete):
-            # A forced turn of calls: pause on all of them once the grammar says the turn is complete,
-            # or before a call that would not fit in the rest of max_tokens (judged by the calls so far).
+            # A forced turn of calls: pause on all of them once the grammar says the turn is complete
+            # (it closes the turn itself before a call that would not fit in the rest of max_tokens).
             grammar.calls.extend(calls)
-            if calls and grammar.active and grammar.ends_with_eos:
-                per_call = request.num_generated / len(grammar.calls)
-                if request.max_tokens - request.num_generated < per_call + 1:
-                    grammar.active, grammar.turn_complete = False, True
             if not grammar.turn_complete:
                 return
             grammar.turn_complete = False

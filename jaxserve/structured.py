@@ -46,24 +46,34 @@ class RequestGrammar:
     results, the request continues unconstrained. ``ends_with_eos``: the turn is
     complete only when the model ends it with an EOS token (parallel Hermes
     blocks: after a block, another may follow); otherwise when its text is.
-    ``active`` is False once the turn is complete or the matcher stopped;
-    inactive grammars constrain no row.
+    ``close_token``: in a parallel turn, the token that ends it after a complete
+    call (EOS for Hermes blocks, ``]`` for a list); at such a point, when the
+    tokens left would not fit another call of the average size so far, the next
+    token is forced to it (``forced_token``), so a model that keeps calling still
+    returns its complete calls. ``active`` is False once the turn is complete or
+    the matcher stopped; inactive grammars constrain no row.
     """
 
-    def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False) -> None:
+    def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False,
+                 close_token: int | None = None, string_token: int | None = None) -> None:
         self.matcher = matcher
         self.forced_call = forced_call
         self.ends_with_eos = ends_with_eos
+        self.close_token = close_token
+        self.string_token = string_token   # '"': allowed inside no call boundary, only around strings
         self.active = True
         self.turn_complete = False
         self.calls: list = []   # ParsedToolCall of the forced turn so far
+        self.forced_token: int | None = None
+        self._tokens = 0        # tokens of the turn so far
+        self._boundaries = 0    # points after a complete call where the turn could close
 
-    def accept(self, token: int) -> str | None:
-        """Advance by a generated token. Returns a finish reason when the request
-        must end here: ``"stop"`` when the grammar is complete (nothing can follow,
-        or its stop token was taken), ``"length"`` when it cannot continue (the token broke it, or the
-        grammar hit the library's limits): no allowed text fits, as when
-        ``max_tokens`` runs out."""
+    def accept(self, token: int, tokens_left: int | None = None) -> str | None:
+        """Advance by a generated token (``tokens_left``: of ``max_tokens``, after it).
+        Returns a finish reason when the request must end here: ``"stop"`` when the
+        grammar is complete (nothing can follow, or its stop token was taken),
+        ``"length"`` when it cannot continue (the token broke it, or the grammar hit
+        the library's limits): no allowed text fits, as when ``max_tokens`` runs out."""
         if not self.active:
             return None
         m = self.matcher
@@ -79,7 +89,19 @@ class RequestGrammar:
         if m.is_stopped():
             self.active = False
             return "stop"
+        self._tokens += 1
+        if self.close_token is not None and tokens_left is not None and self._at_call_boundary():
+            self._boundaries += 1
+            if tokens_left < self._tokens / self._boundaries + 1:
+                self.forced_token = self.close_token
         return None
+
+    def _at_call_boundary(self) -> bool:
+        """Right after a complete call of a parallel turn: the close token is allowed
+        (and, for a list, no string is open or about to open, where ``]`` is text too)."""
+        m = self.matcher
+        return m.validate_tokens([self.close_token]) == 1 and \
+            (self.string_token is None or m.validate_tokens([self.string_token]) == 0)
 
 
 class StructuredDecoding:
@@ -147,9 +169,17 @@ class StructuredDecoding:
                 self._pristine.popitem(last=False)
         else:
             self._pristine.move_to_end(key)
-        forced_call = spec.kind == "tool_call"
-        return RequestGrammar(pristine.deep_copy(), forced_call,
-                              ends_with_eos=forced_call and self.tool_format.turn_ends_with_eos(spec.parallel))
+        if spec.kind != "tool_call":
+            return RequestGrammar(pristine.deep_copy())
+        ends_with_eos = self.tool_format.turn_ends_with_eos(spec.parallel)
+        close = self.eos_token_ids[0] if ends_with_eos else self._single_token("]") if spec.parallel else None
+        return RequestGrammar(pristine.deep_copy(), True, ends_with_eos, close,
+                              None if ends_with_eos else self._single_token('"'))
+
+    def _single_token(self, text: str) -> int | None:
+        """The id of ``text`` when the tokenizer has it as one token, else None."""
+        ids = self.hf_tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _markup(self, text: str) -> str:
         """A lark terminal for tool-call markup: the token itself when the tokenizer
@@ -164,10 +194,15 @@ class StructuredDecoding:
         """For a batch whose row ``i`` belongs to ``grammars[i]`` (None: unconstrained),
         padded to ``num_rows``: a function returning the ``int32 [num_rows, words]``
         bitmask, or ``None`` when no row is constrained."""
-        rows = [(g.matcher, i) for i, g in enumerate(grammars) if g is not None and g.active]
-        if not rows:
+        rows = [(g.matcher, i) for i, g in enumerate(grammars)
+                if g is not None and g.active and g.forced_token is None]
+        forced = [(i, g.forced_token) for i, g in enumerate(grammars)
+                  if g is not None and g.active and g.forced_token is not None]
+        if not rows and not forced:
             return None
-        return lambda: self.fill(rows, num_rows)
+        if not forced:
+            return lambda: self.fill(rows, num_rows)
+        return lambda: _force_tokens(self.fill(rows, num_rows), forced)
 
     def fill(self, rows: list[tuple[object, int]], num_rows: int) -> np.ndarray:
         """Fill the masks of ``rows`` (matcher, row index) on the host, one after the
@@ -184,6 +219,14 @@ class StructuredDecoding:
         self.fill_s += time.perf_counter() - start
         self.rows_filled += len(rows)
         return bitmask
+
+
+def _force_tokens(bitmask: np.ndarray, forced: list[tuple[int, int]]) -> np.ndarray:
+    """Rows ``(row, token)`` of ``bitmask`` allow that one token only."""
+    for row, token in forced:
+        bitmask[row] = 0
+        bitmask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+    return bitmask
 
 
 def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str]) -> str:

@@ -74,6 +74,23 @@ def test_json_schema_answers_validate_greedy_and_sampled_in_one_batch(llm):
     assert valid(a.text, PERSON) != valid(b.text, PERSON)
 
 
+def test_both_mask_paths_give_the_same_tokens(llm):
+    """The mask filled before one step program (the CPU path) and filled while the forward
+    runs, sampled by a second program (the accelerator path): same tokens, greedy and seeded."""
+    executor = llm.engine.executor
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=3, structured=StructuredOutput.json(PERSON))
+              for t in (0.0, 1.0)]
+    default = executor.overlap_mask_fill
+    answers = {}
+    try:
+        for overlap in (False, True):
+            executor.overlap_mask_fill = overlap
+            answers[overlap] = [o.token_ids for o in llm.generate(["Who?", "Who?"], params)]
+    finally:
+        executor.overlap_mask_fill = default
+    assert answers[False] == answers[True]
+
+
 def test_unconstrained_neighbours_are_untouched(llm):
     plain = SamplingParams(max_tokens=24, temperature=0.0)
     alone = llm.generate(["Hello there"], plain)[0]
@@ -196,6 +213,33 @@ def test_client_side_parallel_turn_is_resumed_with_one_result_per_call(llm):
                                        add_special_tokens=False)
     assert pause.returned_tokens == len(expected) and final.finish_reason in ("stop", "length", "tool_calls")
     engine.abort(rid)   # it may have paused on a free-text call after the results
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_forced_parallel_turn_in_list_formats_runs_every_call(parser):
+    """With the Llama 3 JSON or Mistral format, the forced turn is a list of calls: the
+    engine parses every call of it, runs them all (server-side) and goes on. The demo
+    model keeps adding calls; the list is closed for it (``]`` forced) before a call that
+    would not fit in ``max_tokens``, so the turn ends with complete calls, not "length"."""
+    ran = []
+
+    def add(a: int, b: int) -> str:
+        ran.append((a, b))
+        return str(a + b)
+
+    tool = Tool("add", add, api_type="math", parameters=ADD.parameters)
+    llm = LLM("demo", tools=[tool], tool_call_parser=parser, **SIZES)
+    try:
+        spec = StructuredOutput.tool_call([tool.openai_schema()], "add")
+        outs = llm.generate(["Compute", "Sum"], [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
+                                                                structured=spec) for s in (1, 2)])
+    finally:
+        llm.engine.shutdown()
+    calls = [c for out in outs for c in out.api_calls[0].tool_calls]
+    assert all(c["name"] == "add" for c in calls) and len(calls) >= 2
+    assert sorted(ran) == sorted((a["a"], a["b"]) for a in (valid(c["arguments"], ADD.parameters) for c in calls))
+    opener = "[" if parser == "llama3_json" else "[TOOL_CALLS]["
+    assert all(out.text.startswith(opener) or out.text.startswith("{") for out in outs)
 
 
 PARALLEL_TOOLS = {"a": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
