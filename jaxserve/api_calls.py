@@ -47,16 +47,14 @@ class ToolOutput:
 
 @dataclass
 class ApiResult:
-    """A returned call. Exactly one of ``token_ids``/``text``/``error``/``outputs`` is
-    the result, or none when only ``num_tokens`` is known (the simulator);
+    """A returned call. ``token_ids`` or ``outputs`` is the result, or neither when only
+    ``num_tokens`` is known (the simulator);
     ``time`` is when it returned on the engine's clock (a timer's due time;
     None: when polled)."""
 
     request_id: str
     token_ids: list[int] | None = None   # given directly (declared calls, or resume with ids)
-    text: str | None = None              # to be tokenized (and wrapped) by the engine's front end
-    error: str | None = None
-    outputs: list[ToolOutput] | None = None   # tool calls of one turn, in call order (tokenized and wrapped too)
+    outputs: list[ToolOutput] | None = None   # one turn's tool outputs, in call order (the front end wraps them)
     num_tokens: int = 0                  # returned tokens when no ids are known (simulator)
     time: float | None = None
 
@@ -183,11 +181,6 @@ class ApiCalls:
     async def _as_text(self, coroutine) -> tuple[str, int]:
         return self._cap(await coroutine)
 
-    def fail(self, request_id: str, error: str) -> None:
-        """Answer a call with an error right away (e.g. a malformed call)."""
-        with self._lock:
-            self._ready.append(ApiResult(request_id, error=error))
-
     def expect_external(self, request_id: str) -> None:
         with self._lock:
             self._external.add(request_id)
@@ -200,10 +193,9 @@ class ApiCalls:
             if request_id not in self._external:
                 raise KeyError(request_id)
             self._external.discard(request_id)
-            if isinstance(text, list):
-                self._ready.append(ApiResult(request_id, outputs=[ToolOutput(text=t) for t in text]))
-            else:
-                self._ready.append(ApiResult(request_id, token_ids=token_ids, text=text))
+            texts = None if text is None else [text] if isinstance(text, str) else text
+            self._ready.append(ApiResult(request_id, token_ids=token_ids,
+                                         outputs=None if texts is None else [ToolOutput(text=t) for t in texts]))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

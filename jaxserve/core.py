@@ -189,8 +189,8 @@ class EngineCore:
             request.pending_tool_calls = []
             if result.token_ids is not None:
                 ids = [int(t) for t in result.token_ids]
-            elif result.text is not None or result.error is not None or result.outputs is not None:
-                errors = [result.error] if result.outputs is None else [o.error for o in result.outputs]
+            elif result.outputs is not None:
+                errors = [o.error for o in result.outputs]
                 if any(e is not None for e in errors):
                     request.api_calls[-1].error = "; ".join(e for e in errors if e is not None)
                 ids = self.frontend.result_token_ids(request, result) if self.frontend else []

@@ -373,13 +373,13 @@ class LLMEngine:
 
     def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
         """Tool outputs of one turn as context tokens, wrapped the way the chat template
-        shows tool turns, in call order; an output over its share of ``MAX_TOOL_RESULT_TOKENS``
-        (or of the room left in the context) is cut inside the wrapper, and the call is
-        marked ``truncated``. When the model ended its turn with EOS (a parallel turn of
+        shows tool turns, in call order; an output over ``MAX_TOOL_RESULT_TOKENS`` (or over
+        its equal share of the room left in the context) is cut inside the wrapper, and the
+        call is marked ``truncated``. When the model ended its turn with EOS (a parallel turn of
         calls), the wrapper's own leading end-of-turn token is left out."""
         if self.tokenizer is None:
             return []
-        outputs = result.outputs if result.outputs is not None else [ToolOutput(text=result.text, error=result.error)]
+        outputs = result.outputs
         room = self.context_limit - request.num_tokens - 1
         template = getattr(self.tokenizer, "chat_template", None)
         fmt, encode = self.tool_format, self.tokenizer.encode

@@ -181,7 +181,7 @@ def test_engine_cuts_a_huge_result_inside_the_tool_turn_wrapper():
         assert text.endswith("omitted]<|im_end|>\n<|im_start|>assistant\n")
         assert big.api_calls[-1].truncated and len(ids) <= min(MAX_TOOL_RESULT_TOKENS, 501) + 16
         small = paused(engine.context_limit - 41)   # room: 40 tokens
-        ids = engine.result_token_ids(small, ApiResult("r", text="y" * 60_000))
+        ids = engine.result_token_ids(small, ApiResult("r", outputs=[ToolOutput(text="y" * 60_000)]))
         assert len(ids) <= 40 and engine.tokenizer.decode(ids, skip_special_tokens=False).endswith(
             "<|im_start|>assistant\n")
         assert small.api_calls[-1].truncated

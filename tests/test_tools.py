@@ -84,7 +84,7 @@ def test_external_resume_and_cancel():
     ex.resume("x", text="result")
     with pytest.raises(KeyError):
         ex.resume("x", text="twice")
-    assert ex.poll(time.monotonic())[0].text == "result"
+    assert ex.poll(time.monotonic())[0].outputs[0].text == "result"
     ex.call_simulated("y", time.monotonic() + 10, [1])
     ex.cancel("y")
     assert ex.next_due() is None
