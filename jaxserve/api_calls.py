@@ -4,8 +4,9 @@ engine loop and hands results back at step boundaries (``poll(now)``).
 Three kinds: simulated calls (a timer on the engine's clock: return given
 tokens, or just a token count in the simulator, after a duration),
 registered tools (sync callables each on its own thread, async ones on an
-event loop thread; each with a timeout), and external calls resumed by the
-caller (``resume``). A tool that raises or times out yields an error text as
+event loop thread; each with a timeout; the calls of one turn run at once and
+return together, in call order), and external calls resumed by the caller
+(``resume``). A tool that raises or times out yields an error text as
 its result, so a request never hangs on a tool. The model sees a short,
 generic error unless the tool raised ``ToolError`` (text meant for it); the
 full exception goes to the log.
@@ -35,19 +36,27 @@ log = logging.getLogger("jaxserve")
 
 
 @dataclass
+class ToolOutput:
+    """What one tool call returned: its text (cut to ``max_result_chars``; ``full_chars``:
+    its length before the cut) or an error text for the model."""
+
+    text: str | None = None
+    error: str | None = None
+    full_chars: int | None = None
+
+
+@dataclass
 class ApiResult:
-    """A returned call. Exactly one of ``token_ids``/``text``/``error`` is the
-    result, or none when only ``num_tokens`` is known (the simulator);
+    """A returned call. ``token_ids`` or ``outputs`` is the result, or neither when only
+    ``num_tokens`` is known (the simulator);
     ``time`` is when it returned on the engine's clock (a timer's due time;
     None: when polled)."""
 
     request_id: str
     token_ids: list[int] | None = None   # given directly (declared calls, or resume with ids)
-    text: str | None = None              # to be tokenized (and wrapped) by the engine's front end
-    error: str | None = None
+    outputs: list[ToolOutput] | None = None   # one turn's tool outputs, in call order (the front end wraps them)
     num_tokens: int = 0                  # returned tokens when no ids are known (simulator)
     time: float | None = None
-    full_chars: int | None = None        # length of the tool's text before the pool cut it
 
 
 def _bind(tool: Tool, kwargs: dict) -> None:
@@ -60,6 +69,35 @@ def _bind(tool: Tool, kwargs: dict) -> None:
         pass
 
 
+@dataclass
+class _Running:
+    """One tool call of a turn: its future until ``output`` is known."""
+
+    name: str
+    future: concurrent.futures.Future | None
+    deadline: float
+    output: ToolOutput | None = None
+
+
+def _finished_output(call: _Running, request_id: str, now: float) -> ToolOutput | None:
+    """The call's output once its future is done or its deadline passed; else None."""
+    name = call.name
+    if call.future.done():
+        try:
+            text, full = call.future.result()
+            return ToolOutput(text=text, full_chars=full)
+        except ToolError as e:   # written for the model
+            return ToolOutput(error=f"tool {name!r}: {str(e)[:500]}")
+        except Exception as e:  # noqa: BLE001 - the tool's own failure: generic for the model
+            log.warning("tool %r failed for %s", name, request_id, exc_info=e)
+            return ToolOutput(error=f"tool {name!r} failed (internal error)")
+    if now >= call.deadline:
+        call.future.cancel()
+        log.warning("tool %r timed out for %s", name, request_id)
+        return ToolOutput(error=f"tool {name!r} timed out")
+    return None
+
+
 class ApiCalls:
     """Timers, tool threads and external waits, keyed by request id.
 
@@ -70,7 +108,7 @@ class ApiCalls:
     def __init__(self, max_tool_threads: int = 64, max_result_chars: int = 64_000) -> None:
         self._timers: list[tuple[float, int, ApiResult]] = []
         self._seq = 0
-        self._pending: dict[str, tuple[concurrent.futures.Future, float, str]] = {}
+        self._pending: dict[str, list[_Running]] = {}   # request id -> its turn's tool calls
         self._external: set[str] = set()
         self._ready: list[ApiResult] = []
         self._lock = threading.Lock()
@@ -89,18 +127,28 @@ class ApiCalls:
                            num_tokens=len(token_ids) if token_ids is not None else num_tokens, time=due_time)
         heapq.heappush(self._timers, (due_time, self._seq, result))
 
-    def call_tool(self, request_id: str, tool: Tool, arguments: str, now: float) -> None:
-        try:
-            kwargs = call_arguments(arguments)
-            _bind(tool, kwargs)
-        except ValueError as e:
-            self.fail(request_id, str(e))
-            return
-        if tool.is_async:
-            future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), self._event_loop())
-        else:
-            future = self._start_thread(tool, kwargs)
-        self._pending[request_id] = (future, now + tool.timeout_s, tool.name)
+    def call_tools(self, request_id: str, calls: list[tuple[Tool, str] | ToolOutput], now: float) -> None:
+        """Run the tool calls of one turn at once: ``(tool, JSON arguments)`` each, or a
+        ``ToolOutput`` already known (a malformed call's error). One result with every
+        output, in call order, when the last one returns (or times out)."""
+        running = []
+        for call in calls:
+            if isinstance(call, ToolOutput):
+                running.append(_Running("", None, now, call))
+                continue
+            tool, arguments = call
+            try:
+                kwargs = call_arguments(arguments)
+                _bind(tool, kwargs)
+            except ValueError as e:
+                running.append(_Running(tool.name, None, now, ToolOutput(error=str(e))))
+                continue
+            if tool.is_async:
+                future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), self._event_loop())
+            else:
+                future = self._start_thread(tool, kwargs)
+            running.append(_Running(tool.name, future, now + tool.timeout_s))
+        self._pending[request_id] = running
 
     def _start_thread(self, tool: Tool, kwargs: dict) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -133,31 +181,31 @@ class ApiCalls:
     async def _as_text(self, coroutine) -> tuple[str, int]:
         return self._cap(await coroutine)
 
-    def fail(self, request_id: str, error: str) -> None:
-        """Answer a call with an error right away (e.g. a malformed call)."""
-        with self._lock:
-            self._ready.append(ApiResult(request_id, error=error))
-
     def expect_external(self, request_id: str) -> None:
         with self._lock:
             self._external.add(request_id)
 
-    def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | None = None) -> None:
-        """Deliver an external call's result (thread-safe); ``KeyError`` if none is awaited."""
+    def resume(self, request_id: str, token_ids: list[int] | None = None,
+               text: str | list[str] | None = None) -> None:
+        """Deliver an external call's result (thread-safe): token ids, a text, or one text per
+        call of the turn (in call order); ``KeyError`` if none is awaited."""
         with self._lock:
             if request_id not in self._external:
                 raise KeyError(request_id)
             self._external.discard(request_id)
-            self._ready.append(ApiResult(request_id, token_ids=token_ids, text=text))
+            texts = None if text is None else [text] if isinstance(text, str) else text
+            self._ready.append(ApiResult(request_id, token_ids=token_ids,
+                                         outputs=None if texts is None else [ToolOutput(text=t) for t in texts]))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
             self._external.discard(request_id)
-            entry = self._pending.pop(request_id, None)
+            running = self._pending.pop(request_id, [])
             self._timers = [t for t in self._timers if t[2].request_id != request_id]
             heapq.heapify(self._timers)
-        if entry is not None:
-            entry[0].cancel()
+        for call in running:
+            if call.future is not None:
+                call.future.cancel()
 
     def is_waiting_external(self, request_id: str) -> bool:
         return request_id in self._external
@@ -169,34 +217,26 @@ class ApiCalls:
             out, self._ready = self._ready, []
         while self._timers and self._timers[0][0] <= now:
             out.append(heapq.heappop(self._timers)[2])
-        for request_id, (future, deadline, name) in list(self._pending.items()):
-            if future.done():
+        for request_id, running in list(self._pending.items()):
+            for call in running:
+                if call.output is None:
+                    call.output = _finished_output(call, request_id, now)
+            if all(call.output is not None for call in running):
                 del self._pending[request_id]
-                try:
-                    text, full = future.result()
-                    out.append(ApiResult(request_id, text=text, full_chars=full))
-                except ToolError as e:   # written for the model
-                    out.append(ApiResult(request_id, error=f"tool {name!r}: {str(e)[:500]}"))
-                except Exception as e:  # noqa: BLE001 - the tool's own failure: generic for the model
-                    log.warning("tool %r failed for %s", name, request_id, exc_info=e)
-                    out.append(ApiResult(request_id, error=f"tool {name!r} failed (internal error)"))
-            elif now >= deadline:
-                del self._pending[request_id]
-                future.cancel()
-                log.warning("tool %r timed out for %s", name, request_id)
-                out.append(ApiResult(request_id, error=f"tool {name!r} timed out"))
+                out.append(ApiResult(request_id, outputs=[call.output for call in running]))
         return out
 
     def poll_ready(self, now: float) -> bool:
         """True when ``poll(now)`` would return something (cheap check, no side effects)."""
         if self._ready or (self._timers and self._timers[0][0] <= now):
             return True
-        return any(f.done() or now >= d for f, d, _ in self._pending.values())
+        return any(all(c.output is not None or c.future.done() or now >= c.deadline for c in running)
+                   for running in self._pending.values())
 
     def next_due(self) -> float | None:
         """Earliest time a timer or tool deadline falls due (None if none)."""
         times = [self._timers[0][0]] if self._timers else []
-        times += [deadline for _, deadline, _ in self._pending.values()]
+        times += [c.deadline for running in self._pending.values() for c in running if c.output is None]
         return min(times) if times else None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:

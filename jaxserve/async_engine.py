@@ -79,7 +79,7 @@ class AsyncEngine:
             yield out
 
     async def resume(self, request_id: str, token_ids: list[int] | None = None,
-                     text: str | None = None, max_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
+                     text: str | list[str] | None = None, max_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
         """Return a client-side tool's result to a paused request and stream the continuation
         (``max_tokens``: a fresh budget for it). ``KeyError`` if the request is not paused on such a call."""
         stream = self._open_stream(request_id)

@@ -36,13 +36,13 @@ class StructuredOutput:
 
     ``json_schema``: the text is one JSON value valid against ``schema``.
     ``json_object``: the text is one JSON object (any keys).
-    ``tool_call``: the text is a tool call in the engine's tool-call format
-    (Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) to one
-    of ``tools``, its arguments valid against that tool's ``parameters``. Once
-    the call is complete the constraint ends: the request pauses on the call
-    and, after the tool's result, continues unconstrained.
-    ``parallel``: the OpenAI ``parallel_tool_calls`` flag. Several calls are
-    permitted, not required, so one call per turn honours both values.
+    ``tool_call``: the text is a turn of tool calls in the engine's tool-call
+    format (e.g. Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
+    each to one of ``tools``, its arguments valid against that tool's
+    ``parameters``. Once the turn is complete the constraint ends: the request
+    pauses on its calls and, after their results, continues unconstrained.
+    ``parallel``: the OpenAI ``parallel_tool_calls`` flag: one or more calls in
+    the turn (the model decides how many), else exactly one.
 
     Build with ``json(schema)``, ``json_object()`` or ``tool_call(tools, name)``.
     """

@@ -163,10 +163,10 @@ class EngineCore:
 
     def _released(self, request: Request) -> None:
         """Free what a request that just ended holds outside the scheduler."""
-        if request.pending_tool_call is not None or (request.api_calls and not request.api_returned):
+        if request.pending_tool_calls or (request.api_calls and not request.api_returned):
             self.api.cancel(request.request_id)
         self.executor.release(request)
-        request.pending_tool_call = None
+        request.pending_tool_calls = []
         self.stats.finished[request.finish_reason] = self.stats.finished.get(request.finish_reason, 0) + 1
 
     # ------------------------------------------------------------------ state
@@ -186,12 +186,13 @@ class EngineCore:
             request = sched.requests.get(result.request_id)
             if request is None or request.request_id not in sched.paused or request.api_returned:
                 continue   # aborted meanwhile
-            request.pending_tool_call = None
+            request.pending_tool_calls = []
             if result.token_ids is not None:
                 ids = [int(t) for t in result.token_ids]
-            elif result.text is not None or result.error is not None:
-                if result.error is not None:
-                    request.api_calls[-1].error = result.error
+            elif result.outputs is not None:
+                errors = [o.error for o in result.outputs]
+                if any(e is not None for e in errors):
+                    request.api_calls[-1].error = "; ".join(e for e in errors if e is not None)
                 ids = self.frontend.result_token_ids(request, result) if self.frontend else []
             else:
                 ids = None

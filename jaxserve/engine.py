@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import kernels
-from jaxserve.api_calls import ApiCalls, ApiResult
+from jaxserve.api_calls import ApiCalls, ApiResult, ToolOutput
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
@@ -119,7 +119,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
         # Structured output: the executor asks it for the token bitmask of constrained rows.
-        self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self.eos_token_ids) \
+        self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.tool_format) \
             if self.tokenizer is not None else None
         executor.constraints = self.structured
         self.core = EngineCore(scheduler, executor, clock or WallClock(), frontend=self,
@@ -226,7 +226,9 @@ class LLMEngine:
             parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else \
             (self.config.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**32
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        stop_ids = self._stop_ids(params)
+        if grammar is not None and grammar.ends_with_eos:
+            stop_ids -= self.eos_token_ids   # its EOS ends the turn of calls (a pause), not the request
         request = Request(
             request_id, arrival_time if arrival_time is not None else now, prompt_len=len(ids),
             max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,
@@ -236,6 +238,9 @@ class LLMEngine:
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar)
         return request
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
     def _start_grammar(self, params: SamplingParams) -> RequestGrammar | None:
         if params.structured is None:
@@ -274,10 +279,12 @@ class LLMEngine:
         request = self.core.abort(request_id)
         return None if request is None else self._output(request)
 
-    def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | None = None,
+    def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | list[str] | None = None,
                max_tokens: int | None = None) -> None:
-        """Return the result of an external (client-side) call the request is paused on.
-        ``max_tokens``: a fresh budget of generated tokens for the continuation (None: keep the rest)."""
+        """Return the result of the external (client-side) calls the request is paused on:
+        context ``token_ids``, or ``text`` (one string, or one per call of the turn, in call
+        order, each wrapped as its own tool turn). ``max_tokens``: a fresh budget of
+        generated tokens for the continuation (None: keep the rest)."""
         if (token_ids is None) == (text is None):
             raise ValueError("resume: give exactly one of token_ids or text")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
@@ -289,8 +296,8 @@ class LLMEngine:
         if token_ids is not None:
             token_ids = list(token_ids)
             self._check_token_ids(token_ids, "token_ids")
-        elif not isinstance(text, str):
-            raise ValueError("text must be a string")
+        elif not (isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
+            raise ValueError("text must be a string or a non-empty list of strings")
         if max_tokens is not None:
             request.max_tokens = request.num_generated + max_tokens
             request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=request.max_tokens)
@@ -327,48 +334,73 @@ class LLMEngine:
         if hit_stop:
             self.core.finish(request, "stop")
             return
-        if request.grammar is not None and not request.is_finished \
-                and (reason := request.grammar.accept(token)) is not None:
+        grammar = request.grammar
+        if grammar is not None and not request.is_finished \
+                and (reason := grammar.accept(token, request.max_tokens - request.num_generated)) is not None:
             self.core.finish(request, reason)
             return
-        if event.kind is EventKind.TOKEN and request.tool_parser is not None and delta:
-            parsed = request.tool_parser.feed(delta)
-            if parsed is not None:
-                self._pause_for_tool(request, parsed, now)
+        if event.kind is not EventKind.TOKEN or request.tool_parser is None:
+            return
+        calls = request.tool_parser.feed(delta) if delta else []
+        if grammar is not None and grammar.forced_call and (grammar.active or grammar.turn_complete):
+            # A forced turn of calls: pause on all of them once the grammar says the turn is complete
+            # (it closes the turn itself before a call that would not fit in the rest of max_tokens).
+            grammar.calls.extend(calls)
+            if not grammar.turn_complete:
+                return
+            grammar.turn_complete = False
+            calls, grammar.calls = grammar.calls, []
+            request.stop_token_ids = frozenset(self._stop_ids(request.sampling_params))
+        if calls:
+            self._pause_for_tools(request, calls, now)
 
-    def _pause_for_tool(self, request: Request, parsed, now: float) -> None:
-        tool = self.tools.get(parsed.name)
-        if tool is None and parsed.name:
-            # Client-side tool: pause, hand the call to the caller, wait for resume().
+    def _pause_for_tools(self, request: Request, calls: list, now: float) -> None:
+        """Pause ``request`` on the calls of one turn (``ParsedToolCall``, in order). If
+        any names a client-side tool, the caller gets every well-formed call of the turn
+        (``pending_tool_calls``) and answers with ``resume``; otherwise the server-side
+        tools run at once and their results (a malformed call's error among them) come
+        back together, in call order."""
+        if any(c.name and c.name not in self.tools for c in calls):
             self.scheduler.pause(request, now, "external", None)
-            request.pending_tool_call = {"name": parsed.name, "arguments": parsed.arguments}
+            request.pending_tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls if c.name]
             self.api.expect_external(request.request_id)
         else:
-            self.scheduler.pause(request, now, tool.api_type if tool else "invalid", None)
-            if tool is None:
-                self.api.fail(request.request_id, f"malformed tool call: {parsed.arguments[:200]}")
-            else:
-                self.api.call_tool(request.request_id, tool, parsed.arguments, now)
+            tools = [self.tools.get(c.name) for c in calls]
+            self.scheduler.pause(request, now, next((t.api_type for t in tools if t), "invalid"), None)
+            self.api.call_tools(request.request_id, [
+                (tool, c.arguments) if tool else ToolOutput(error=f"malformed tool call: {c.arguments[:200]}")
+                for tool, c in zip(tools, calls)], now)
         record = request.api_calls[-1]
-        record.name, record.arguments = parsed.name, parsed.arguments
+        record.name, record.arguments = calls[0].name, calls[0].arguments
+        record.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
 
     def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
-        """Tool output as context tokens, wrapped the way the chat template shows tool turns;
-        over ``MAX_TOOL_RESULT_TOKENS`` (or the room left in the context) it is cut inside
-        the wrapper, and the call is marked ``truncated``."""
+        """Tool outputs of one turn as context tokens, wrapped the way the chat template
+        shows tool turns, in call order; an output over ``MAX_TOOL_RESULT_TOKENS`` (or over
+        its equal share of the room left in the context) is cut inside the wrapper, and the
+        call is marked ``truncated``. When the model ended its turn with EOS (a parallel turn of
+        calls), the wrapper's own leading end-of-turn token is left out."""
         if self.tokenizer is None:
             return []
-        text = f"error: {result.error}" if result.error is not None else (result.text or "")
+        outputs = result.outputs
         room = self.context_limit - request.num_tokens - 1
-        full_chars = result.full_chars if result.error is None else None
         template = getattr(self.tokenizer, "chat_template", None)
-        wrapper = len(self.tokenizer.encode(self.tool_format.wrap_result("", template), add_special_tokens=False))
-        limit = min(MAX_TOOL_RESULT_TOKENS, room - wrapper - 2)   # 2: merges across the seams
-        text, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
-        if truncated:
-            request.api_calls[-1].truncated = True
-            log.info("tool result cut to %d tokens (%s characters in full)", limit, full_chars or len(text))
-        return self.tokenizer.encode(self.tool_format.wrap_result(text, template), add_special_tokens=False)
+        fmt, encode = self.tool_format, self.tokenizer.encode
+        wrapper = len(encode(fmt.wrap_results([""] * len(outputs), template), add_special_tokens=False))
+        limit = min(MAX_TOOL_RESULT_TOKENS, (room - wrapper) // len(outputs) - 2)   # 2: merges across the seams
+        texts = []
+        for out in outputs:
+            full_chars = out.full_chars if out.error is None else None
+            text = f"error: {out.error}" if out.error is not None else (out.text or "")
+            text, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
+            if truncated:
+                request.api_calls[-1].truncated = True
+                log.info("tool result cut to %d tokens (%s characters in full)", limit, full_chars or len(text))
+            texts.append(text)
+        ids = encode(fmt.wrap_results(texts, template), add_special_tokens=False)
+        if ids and ids[0] in self.eos_token_ids and request.token_ids and request.token_ids[-1] in self.eos_token_ids:
+            ids = ids[1:]
+        return ids
 
     # -------------------------------------------------------------- outputs
     def _output(self, request: Request) -> RequestOutput:
@@ -377,15 +409,16 @@ class LLMEngine:
         new_ids = generated[request.reported_tokens:]
         new_text = text[request.reported_text:]
         request.reported_tokens, request.reported_text = len(generated), len(text)
-        tool_call = request.pending_tool_call
-        reason = request.finish_reason if request.is_finished else ("tool_calls" if tool_call else None)
+        tool_calls = request.pending_tool_calls
+        reason = request.finish_reason if request.is_finished else ("tool_calls" if tool_calls else None)
         final = reason is not None
         calls = [ApiCallOutput(
             api_type=rec.api_type, handling=rec.handling.value, call_time=rec.call_time,
             return_time=rec.return_time, resume_time=rec.resume_time, context_tokens=rec.context_tokens,
             returned_tokens=rec.num_returned_tokens,
             fell_back_from=rec.fell_back_from.value if rec.fell_back_from else None,
-            name=rec.name, arguments=rec.arguments, error=rec.error, truncated=rec.truncated)
+            name=rec.name, arguments=rec.arguments, tool_calls=[dict(c) for c in rec.tool_calls], error=rec.error,
+            truncated=rec.truncated)
             for rec in request.api_calls]
         metrics = {} if not final else {
             "arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time,
@@ -396,7 +429,7 @@ class LLMEngine:
         return RequestOutput(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                              token_ids=list(generated), text=text, delta_token_ids=new_ids,
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
-                             tool_call=dict(tool_call) if tool_call else None, metrics=metrics,
+                             tool_calls=[dict(c) for c in tool_calls], metrics=metrics,
                              num_cached_tokens=request.num_cached_tokens)
 
     # ------------------------------------------------------------ helpers

@@ -33,7 +33,7 @@ class LLM:
         """Generate for every prompt; returns final outputs in input order.
 
         A request whose model calls a tool that is not registered ends with
-        ``finish_reason == "tool_calls"`` and the call in ``tool_call``.
+        ``finish_reason == "tool_calls"`` and the calls in ``tool_calls``.
 
         All inputs are validated before any request is queued, so a bad one
         raises ``ValueError`` and leaves the engine as it was.
@@ -66,7 +66,7 @@ class LLM:
                 if out.finished and out.request_id in wanted and out.request_id not in final:
                     if out.finish_reason == "tool_calls":
                         # A call to a tool nobody registered: offline there is no one to resume
-                        # it, so it ends here with the call in ``out.tool_call``; free its pages.
+                        # it, so it ends here with the calls in ``out.tool_calls``; free its pages.
                         self.engine.abort(out.request_id)
                     final[out.request_id] = out
                     bar.update(1)

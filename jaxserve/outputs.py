@@ -37,8 +37,9 @@ class ApiCallOutput:
     context_tokens: int
     returned_tokens: int
     fell_back_from: str | None = None
-    name: str | None = None        # tool name for parsed calls
-    arguments: str | None = None   # JSON arguments for parsed calls
+    name: str | None = None        # tool name for parsed calls (the first, when the turn had several)
+    arguments: str | None = None   # JSON arguments for parsed calls (the first's)
+    tool_calls: list[dict] = field(default_factory=list)   # every parsed call of the turn: {"name", "arguments"}
     error: str | None = None
     truncated: bool = False        # the result was cut to fit (jaxserve.tools.truncate_tool_result)
 
@@ -49,8 +50,8 @@ class RequestOutput:
 
     ``token_ids`` are generated ids only (API-returned tokens go into the
     context, not here). ``finish_reason`` is "stop", "length", "abort",
-    "tool_calls" (paused on a client-side tool call; resume it with
-    ``resume``) or None while running. ``num_cached_tokens``: prompt tokens
+    "tool_calls" (paused on client-side tool calls, ``tool_calls``, in
+    call order; resume with their results via ``resume``) or None while running. ``num_cached_tokens``: prompt tokens
     whose KV came from the prefix cache when the request was first scheduled
     (whole pages).
     """
@@ -63,7 +64,7 @@ class RequestOutput:
     delta_text: str = ""
     finish_reason: str | None = None
     api_calls: list[ApiCallOutput] = field(default_factory=list)
-    tool_call: dict | None = None      # set when finish_reason == "tool_calls"
+    tool_calls: list[dict] = field(default_factory=list)   # {"name", "arguments"} each, with "tool_calls"
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
@@ -71,3 +72,8 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def tool_call(self) -> dict | None:
+        """The first of ``tool_calls`` (None without any): the call, when the turn had one."""
+        return self.tool_calls[0] if self.tool_calls else None

@@ -2,7 +2,8 @@
 
 ``StructuredDecoding`` (one per engine) compiles a request's
 ``StructuredOutput`` into an llguidance grammar (JSON Schema, any JSON object,
-or a forced tool call in the Hermes format) and gives the request a
+or a forced turn of tool calls in the engine's tool-call format: one call, or
+one or more with ``parallel``) and gives the request a
 ``RequestGrammar``: its matcher state, kept in the engine's request record, so
 it survives API pauses (returned tokens are context, never fed to it) and
 preemption. Every step, ``bitmask_fn`` returns a function that fills the packed
@@ -27,12 +28,10 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.constraints import StructuredOutput
+from jaxserve.tool_format.base import ToolFormat
 
 log = logging.getLogger("jaxserve")
 
-# Tool-call markup of the Hermes format. Forced calls are generated in it until the
-# tool_format package owns the formats; then ``tool_call_lark`` asks the chosen format.
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 # Fixed separators as json.dumps / chat templates write them (what models saw most),
 # and no other whitespace (a model cannot stall in endless spaces).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -41,21 +40,40 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 class RequestGrammar:
     """One request's position in its grammar.
 
-    ``active`` is False once a forced tool call is complete (the constraint
-    ended) or the matcher stopped; inactive grammars constrain no row.
+    ``forced_call``: the grammar is a turn of tool calls. When the turn is
+    complete (``turn_complete``) the constraint ends: the engine pauses on the
+    calls parsed from it (``calls``, kept here by the engine) and, after their
+    results, the request continues unconstrained. ``ends_with_eos``: the turn is
+    complete only when the model ends it with an EOS token (parallel Hermes
+    blocks: after a block, another may follow); otherwise when its text is.
+    ``close_token``: in a parallel turn, the token that ends it after a complete
+    call (EOS for Hermes blocks, ``]`` for a list); at such a point, when the
+    tokens left would not fit another call of the average size so far, the next
+    token is forced to it (``forced_token``), so a model that keeps calling still
+    returns its complete calls. ``active`` is False once the turn is complete or
+    the matcher stopped; inactive grammars constrain no row.
     """
 
-    def __init__(self, matcher, ends_after_match: bool) -> None:
+    def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False,
+                 close_token: int | None = None, string_token: int | None = None) -> None:
         self.matcher = matcher
-        self.ends_after_match = ends_after_match
+        self.forced_call = forced_call
+        self.ends_with_eos = ends_with_eos
+        self.close_token = close_token
+        self.string_token = string_token   # '"': allowed inside no call boundary, only around strings
         self.active = True
+        self.turn_complete = False
+        self.calls: list = []   # ParsedToolCall of the forced turn so far
+        self.forced_token: int | None = None
+        self._tokens = 0        # tokens of the turn so far
+        self._boundaries = 0    # points after a complete call where the turn could close
 
-    def accept(self, token: int) -> str | None:
-        """Advance by a generated token. Returns a finish reason when the request
-        must end here: ``"stop"`` when the grammar is complete (nothing can follow,
-        or its stop token was taken), ``"length"`` when it cannot continue (the token broke it, or the
-        grammar hit the library's limits): no allowed text fits, as when
-        ``max_tokens`` runs out."""
+    def accept(self, token: int, tokens_left: int | None = None) -> str | None:
+        """Advance by a generated token (``tokens_left``: of ``max_tokens``, after it).
+        Returns a finish reason when the request must end here: ``"stop"`` when the
+        grammar is complete (nothing can follow, or its stop token was taken),
+        ``"length"`` when it cannot continue (the token broke it, or the grammar hit
+        the library's limits): no allowed text fits, as when ``max_tokens`` runs out."""
         if not self.active:
             return None
         m = self.matcher
@@ -64,13 +82,26 @@ class RequestGrammar:
                         m.get_error()[:200])
             self.active = False
             return "length"
-        if self.ends_after_match and (m.is_accepting() or m.is_stopped()):
-            self.active = False   # the forced call is complete: the engine pauses on it, then free text
+        if self.forced_call and (m.is_stopped() or (m.is_accepting() and not self.ends_with_eos)):
+            self.active = False   # the forced turn is complete: the engine pauses on its calls, then free text
+            self.turn_complete = True
             return None
         if m.is_stopped():
             self.active = False
             return "stop"
+        self._tokens += 1
+        if self.close_token is not None and tokens_left is not None and self._at_call_boundary():
+            self._boundaries += 1
+            if tokens_left < self._tokens / self._boundaries + 1:
+                self.forced_token = self.close_token
         return None
+
+    def _at_call_boundary(self) -> bool:
+        """Right after a complete call of a parallel turn: the close token is allowed
+        (and, for a list, no string is open or about to open, where ``]`` is text too)."""
+        m = self.matcher
+        return m.validate_tokens([self.close_token]) == 1 and \
+            (self.string_token is None or m.validate_tokens([self.string_token]) == 0)
 
 
 class StructuredDecoding:
@@ -78,13 +109,16 @@ class StructuredDecoding:
 
     ``vocab_size``: the model's logits width (may exceed the tokenizer's; extra
     ids are never allowed). ``eos_token_ids``: the ids that end a completed
-    grammar. The llguidance tokenizer (about 0.6 s for a 49k vocabulary) is
+    grammar. ``tool_format``: the format forced tool calls are written in
+    (``jaxserve.tool_format``). The llguidance tokenizer (about 0.6 s for a 49k vocabulary) is
     built on the first constrained request, so engines that never see one pay
     nothing.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int] | list[int], cache_size: int = 256) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int] | list[int], tool_format: ToolFormat,
+                 cache_size: int = 256) -> None:
         self.hf_tokenizer = tokenizer
+        self.tool_format = tool_format
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.eos_token_ids = sorted(eos_token_ids)
@@ -114,7 +148,7 @@ class StructuredDecoding:
         elif spec.kind == "json_object":
             text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         else:
-            text = tool_call_lark(spec, self._markup)
+            text = tool_call_lark(spec, self.tool_format, self._markup)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.llg_tokenizer)
         if is_error:
             raise ValueError(f"{spec.param}: the schema cannot be compiled: {messages[0][:300]}")
@@ -135,7 +169,17 @@ class StructuredDecoding:
                 self._pristine.popitem(last=False)
         else:
             self._pristine.move_to_end(key)
-        return RequestGrammar(pristine.deep_copy(), ends_after_match=spec.kind == "tool_call")
+        if spec.kind != "tool_call":
+            return RequestGrammar(pristine.deep_copy())
+        ends_with_eos = self.tool_format.turn_ends_with_eos(spec.parallel)
+        close = self.eos_token_ids[0] if ends_with_eos else self._single_token("]") if spec.parallel else None
+        return RequestGrammar(pristine.deep_copy(), True, ends_with_eos, close,
+                              None if ends_with_eos else self._single_token('"'))
+
+    def _single_token(self, text: str) -> int | None:
+        """The id of ``text`` when the tokenizer has it as one token, else None."""
+        ids = self.hf_tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _markup(self, text: str) -> str:
         """A lark terminal for tool-call markup: the token itself when the tokenizer
@@ -150,35 +194,52 @@ class StructuredDecoding:
         """For a batch whose row ``i`` belongs to ``grammars[i]`` (None: unconstrained),
         padded to ``num_rows``: a function returning the ``int32 [num_rows, words]``
         bitmask, or ``None`` when no row is constrained."""
-        rows = [(g.matcher, i) for i, g in enumerate(grammars) if g is not None and g.active]
-        if not rows:
+        rows = [(g.matcher, i) for i, g in enumerate(grammars)
+                if g is not None and g.active and g.forced_token is None]
+        forced = [(i, g.forced_token) for i, g in enumerate(grammars)
+                  if g is not None and g.active and g.forced_token is not None]
+        if not rows and not forced:
             return None
-        return lambda: self.fill(rows, num_rows)
+        if not forced:
+            return lambda: self.fill(rows, num_rows)
+        return lambda: _force_tokens(self.fill(rows, num_rows), forced)
 
     def fill(self, rows: list[tuple[object, int]], num_rows: int) -> np.ndarray:
         """Fill the masks of ``rows`` (matcher, row index) on the host, one after the
-        other: about 5 us a row for JSON Schemas over the demo vocabulary, where
-        llguidance's thread-pool fill took 10x longer on a busy 2-core machine."""
-        import llguidance.numpy
+        other, each matcher writing straight into its row (the call
+        ``llguidance.numpy.fill_next_token_bitmask`` makes, without its per-row checks
+        and slicing: 1.3 us a row less). About 5-10 us a row for JSON Schemas over the
+        demo vocabulary; llguidance's thread-pool fill (``fill_next_token_bitmask_par``)
+        waits for its pool thread, which on a busy 2-core machine cost more than it saved."""
         start = time.perf_counter()
         bitmask = np.full((num_rows, self.words), -1, np.int32)
+        base, row_bytes = bitmask.ctypes.data, bitmask.strides[0]   # C-contiguous int32 rows
         for matcher, row in rows:
-            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
+            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
         self.fill_s += time.perf_counter() - start
         self.rows_filled += len(rows)
         return bitmask
 
 
-def tool_call_lark(spec: StructuredOutput, markup: Callable[[str], str]) -> str:
-    """Lark grammar (llguidance dialect) for one Hermes tool call to one of
-    ``spec.tools``: ``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>``,
-    ARGS valid against that tool's ``parameters``. ``markup(text)`` renders the
-    start/end tags as lark terminals."""
+def _force_tokens(bitmask: np.ndarray, forced: list[tuple[int, int]]) -> np.ndarray:
+    """Rows ``(row, token)`` of ``bitmask`` allow that one token only."""
+    for row, token in forced:
+        bitmask[row] = 0
+        bitmask[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+    return bitmask
+
+
+def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str]) -> str:
+    """Lark grammar (llguidance dialect) for a turn of tool calls in format ``fmt`` to
+    ``spec.tools`` (one call, or one or more with ``spec.parallel``): each call object
+    ``{"name": NAME, <fmt.args_key>: ARGS}``, ARGS valid against that tool's
+    ``parameters``. ``markup(text)`` renders the format's fixed markup as lark terminals."""
     alternatives, rules = [], []
     for i, tool in enumerate(spec.tools):
-        call = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False,
+        call = {"type": "object", "properties": {"name": {"const": tool.name}, fmt.args_key: tool.parameters},
+                "required": ["name", fmt.args_key], "additionalProperties": False,
                 "x-guidance": _JSON_OPTIONS}
         alternatives.append(f"call_{i}")
         rules.append(f"call_{i}: %json {json.dumps(call)}")
-    return "\n".join([f"start: {markup(HERMES_START)} ({' | '.join(alternatives)}) {markup(HERMES_END)}", *rules])
+    return "\n".join([fmt.forced_call_grammar("call", spec.parallel, markup),
+                      f"call: {' | '.join(alternatives)}", *rules])

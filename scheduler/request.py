@@ -77,8 +77,9 @@ class ApiCallRecord:
     context_tokens: int = 0             # C_i at the call
     num_returned_tokens: int = 0
     fell_back_from: Handling | None = None  # e.g. SWAP -> DISCARD when the host pool was full
-    name: str | None = None             # parsed tool calls: tool name, raw JSON arguments, error text
-    arguments: str | None = None
+    name: str | None = None             # parsed tool calls: the first call's tool name and raw JSON
+    arguments: str | None = None        # arguments; every call of the turn in tool_calls; error texts
+    tool_calls: list[dict] = field(default_factory=list)
     error: str | None = None
     truncated: bool = False             # the tool's result was cut to fit (inside its wrapper)
 
@@ -110,7 +111,7 @@ class Request:
     detokenizer: object | None = None
     tool_parser: object | None = None
     grammar: object | None = None           # structured-output state (kept across API pauses)
-    pending_tool_call: dict | None = None   # a client-side call the caller must answer (resume)
+    pending_tool_calls: list[dict] = field(default_factory=list)   # client-side calls the caller must answer
     max_computed_tokens: int = 0            # high-water mark of computed context (recompute accounting)
     reported_tokens: int = 0                # streamed so far: generated tokens, text characters
     reported_text: int = 0

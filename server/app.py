@@ -406,7 +406,7 @@ async def _collect(merger: ChoiceMerger, choices: list[ChoiceState]) -> None:
 async def _park_paused(state: ServerState, choices: list[ChoiceState], owner: str) -> None:
     """Keep the contexts of choices that paused on a client-side tool call."""
     for c in choices:
-        if c.tool_call is None or c.settled:
+        if not c.tool_calls or c.settled:
             continue
         context = c.parkable_context()
         if context is None:
@@ -421,7 +421,7 @@ async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> No
     """A response that ended before its paused tool calls were parked (client gone,
     a sibling choice failed): abort them, or they would hold their KV forever."""
     for c in choices:
-        if c.tool_call is not None and not c.settled:
+        if c.tool_calls and not c.settled:
             c.settled = True
             await state.engine.abort(c.job.request_id)
 
@@ -441,9 +441,9 @@ def _usage(choices: list[ChoiceState]) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
 
 
-def _tool_call_dict(c: ChoiceState) -> dict:
-    call = c.tool_call
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def _tool_call_dicts(c: ChoiceState) -> list[dict]:
+    return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in c.tool_calls]
 
 
 def _full_response(state: ServerState, body, chat: bool, choices: list[ChoiceState], response_id: str) -> dict:
@@ -453,10 +453,10 @@ def _full_response(state: ServerState, body, chat: bool, choices: list[ChoiceSta
         reason = c.finish_reason or "abort"
         if chat:
             message: dict = {"role": "assistant"}
-            if c.text or c.tool_call is None:
+            if c.text or not c.tool_calls:
                 message["content"] = c.text
-            if c.tool_call is not None:
-                message["tool_calls"] = [_tool_call_dict(c)]
+            if c.tool_calls:
+                message["tool_calls"] = _tool_call_dicts(c)
             out["choices"].append({"index": c.index, "message": message, "finish_reason": reason})
         else:
             out["choices"].append({"index": c.index, "text": c.text, "finish_reason": reason})
@@ -501,14 +501,13 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
                 yield chunk({"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text})
             if c.finish_reason is None:
                 continue
-            if chat and c.tool_call is not None:
-                call = c.tool_call
-                yield chunk({"index": index, "delta": {"tool_calls": [
-                    {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
+            for position, call in enumerate(c.tool_calls if chat else []):   # tool_calls[i] of the message
+                yield chunk({"index": index, "delta": {"tool_calls": [{"index": position, "id": call.id,
+                             "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
                 args = call.arguments
                 for at in range(0, len(args), ARGUMENT_FRAGMENT_CHARS):
                     yield chunk({"index": index, "delta": {"tool_calls": [
-                        {"index": 0, "function": {"arguments": args[at:at + ARGUMENT_FRAGMENT_CHARS]}}]}})
+                        {"index": position, "function": {"arguments": args[at:at + ARGUMENT_FRAGMENT_CHARS]}}]}})
             final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
             final["finish_reason"] = c.finish_reason
             yield chunk(final)

@@ -5,8 +5,8 @@ One HTTP request has ``n`` choices (times prompts, for batched completions);
 each is one engine request (``Job``). ``ChoiceMerger`` runs them
 concurrently and interleaves their outputs; closing it aborts whatever is
 still running in the engine. ``ChoiceState`` follows one choice: visible
-text (tool markup hidden for chat), token counts, the tool call it paused on,
-and its latency metrics.
+text (tool markup hidden for chat), token counts, the tool calls it paused on
+(one turn's, each with its own id), and its latency metrics.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class ChoiceState:
     text_parts: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
-    tool_call: ToolCallOut | None = None
+    tool_calls: list[ToolCallOut] = field(default_factory=list)   # the turn's calls it paused on
     server_calls: int = 0        # server-side tool calls completed in this response
     last: RequestOutput | None = None
     settled: bool = False        # a paused tool call was parked for the follow-up, or aborted
@@ -170,9 +170,9 @@ class ChoiceState:
             if self._filter:
                 text += self._filter.flush()
             self.finish_reason = out.finish_reason
-            if out.finish_reason == "tool_calls" and out.tool_call:
-                self.tool_call = ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", out.tool_call["name"],
-                                             out.tool_call.get("arguments") or "{}")
+            if out.finish_reason == "tool_calls":
+                self.tool_calls = [ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", call["name"],
+                                               call.get("arguments") or "{}") for call in out.tool_calls]
             self.timer.on_end(self.finish_reason, time.monotonic())
         if text:
             self.text_parts.append(text)
@@ -183,7 +183,7 @@ class ChoiceState:
         else ``None``: server-side tool results inside this response put tokens in
         the context that the client never sees, so no follow-up could match it."""
         out = self.last
-        if out is None or self.tool_call is None:
+        if out is None or not self.tool_calls:
             return None
         earlier = self.job.resume_from.calls_seen + 1 if self.job.resume_from else 0
         if len(out.api_calls) != earlier + 1:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jaxserve.api_calls import ApiCalls, ApiResult
+from jaxserve.api_calls import ApiCalls, ApiResult, ToolOutput
 from scheduler import ApiCallRecord, Handling, Request
 from jaxserve.tool_worker import IsolatedFunction, ToolError, ToolTimeout
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, TRUNCATION_MARK, Tool, evaluate_arithmetic, truncate_tool_result
@@ -61,14 +61,14 @@ def test_calculator_tool_runs_in_the_worker_and_reports_bad_input_to_the_model()
     ex = ApiCalls()
     from jaxserve.tools import CALCULATOR
     now = time.monotonic()
-    ex.call_tool("ok", CALCULATOR, '{"expression": "6*7"}', now)
-    ex.call_tool("big", CALCULATOR, '{"expression": "(((9**99)**99)**99)**8"}', now)
-    ex.call_tool("zero", CALCULATOR, '{"expression": "1/0"}', now)
+    ex.call_tools("ok", [(CALCULATOR, '{"expression": "6*7"}')], now)
+    ex.call_tools("big", [(CALCULATOR, '{"expression": "(((9**99)**99)**99)**8"}')], now)
+    ex.call_tools("zero", [(CALCULATOR, '{"expression": "1/0"}')], now)
     res = _results(ex, 3, timeout=30)
     ex.shutdown()
-    assert res["ok"].text == "42"
-    assert res["big"].error == "tool 'calculator': result too large"
-    assert res["zero"].error == "tool 'calculator': division by zero"
+    assert res["ok"].outputs[0].text == "42"
+    assert res["big"].outputs[0].error == "tool 'calculator': result too large"
+    assert res["zero"].outputs[0].error == "tool 'calculator': division by zero"
 
 
 def test_hung_tools_do_not_starve_later_calls():
@@ -88,18 +88,18 @@ def test_hung_tools_do_not_starve_later_calls():
     try:
         now = time.monotonic()
         for i in range(16):
-            ex.call_tool(f"hung-{i}", Tool("hang", hang, timeout_s=0.2), "{}", now)
+            ex.call_tools(f"hung-{i}", [(Tool("hang", hang, timeout_s=0.2), "{}")], now)
         timed_out = _results(ex, 16, timeout=10)
-        assert all("timed out" in r.error for r in timed_out.values()) and len(timed_out) == 16
+        assert all("timed out" in r.outputs[0].error for r in timed_out.values()) and len(timed_out) == 16
         for i in range(4):
-            ex.call_tool(f"q-{i}", Tool("quick", quick, timeout_s=5), f'{{"x": {i}}}', time.monotonic())
+            ex.call_tools(f"q-{i}", [(Tool("quick", quick, timeout_s=5), f'{{"x": {i}}}')], time.monotonic())
         res = _results(ex, 4)
-        assert {r.text for r in res.values()} == {f"ran {i}" for i in range(4)}, res
+        assert {r.outputs[0].text for r in res.values()} == {f"ran {i}" for i in range(4)}, res
         # At the cap of live threads a call is refused at once, with a clear error.
         for i in range(9):   # 16 hung + 8 = the cap of 24; the ninth is refused
-            ex.call_tool(f"more-{i}", Tool("hang", hang, timeout_s=5), "{}", time.monotonic())
+            ex.call_tools(f"more-{i}", [(Tool("hang", hang, timeout_s=5), "{}")], time.monotonic())
         refused = _results(ex, 1, timeout=2)
-        assert list(refused) == ["more-8"] and "too many tool calls" in refused["more-8"].error, refused
+        assert list(refused) == ["more-8"] and "too many tool calls" in refused["more-8"].outputs[0].error, refused
     finally:
         release.set()
         ex.shutdown()
@@ -110,20 +110,20 @@ def test_tool_exception_text_goes_to_the_log_not_the_model(caplog):
         raise RuntimeError("password=hunter2 at /srv/secret/path.py")
 
     ex = ApiCalls()
-    ex.call_tool("a", Tool("leaky", leaky), "{}", time.monotonic())
+    ex.call_tools("a", [(Tool("leaky", leaky), "{}")], time.monotonic())
     res = _results(ex, 1)
     ex.shutdown()
-    assert res["a"].error == "tool 'leaky' failed (internal error)"
+    assert res["a"].outputs[0].error == "tool 'leaky' failed (internal error)"
     assert "hunter2" in caplog.text
 
 
 def test_huge_results_are_cut_on_the_tool_thread():
     """Defect 7: the whole 1-10 MB result reached the engine thread."""
     ex = ApiCalls(max_result_chars=5000)
-    ex.call_tool("a", Tool("huge", lambda: "x" * 10_000_000), "{}", time.monotonic())
+    ex.call_tools("a", [(Tool("huge", lambda: "x" * 10_000_000), "{}")], time.monotonic())
     res = _results(ex, 1)
     ex.shutdown()
-    assert len(res["a"].text) == 5000 and res["a"].full_chars == 10_000_000
+    assert len(res["a"].outputs[0].text) == 5000 and res["a"].outputs[0].full_chars == 10_000_000
 
 
 class _CountingTokenizer:
@@ -175,13 +175,13 @@ def test_engine_cuts_a_huge_result_inside_the_tool_turn_wrapper():
             return request
 
         big = paused(10)   # room: 512 - 10 - 1 tokens, more than the result cap
-        ids = engine.result_token_ids(big, ApiResult("r", text="y" * 60_000, full_chars=3_000_000))
+        ids = engine.result_token_ids(big, ApiResult("r", outputs=[ToolOutput(text="y" * 60_000, full_chars=3_000_000)]))
         text = engine.tokenizer.decode(ids, skip_special_tokens=False)
         assert text.startswith("<|im_end|>\n<|im_start|>tool\nyyyy")
         assert text.endswith("omitted]<|im_end|>\n<|im_start|>assistant\n")
         assert big.api_calls[-1].truncated and len(ids) <= min(MAX_TOOL_RESULT_TOKENS, 501) + 16
         small = paused(engine.context_limit - 41)   # room: 40 tokens
-        ids = engine.result_token_ids(small, ApiResult("r", text="y" * 60_000))
+        ids = engine.result_token_ids(small, ApiResult("r", outputs=[ToolOutput(text="y" * 60_000)]))
         assert len(ids) <= 40 and engine.tokenizer.decode(ids, skip_special_tokens=False).endswith(
             "<|im_start|>assistant\n")
         assert small.api_calls[-1].truncated

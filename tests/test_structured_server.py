@@ -1,7 +1,9 @@
 """Structured output through the HTTP server (a real ``uvicorn`` subprocess
 serving the demo model, random weights: only the constraint can make the JSON
 valid): ``response_format`` json_schema, ``tool_choice`` named and
-``"required"``, streamed and not, greedy and sampled, ``n > 1``, bad input."""
+``"required"``, one call or several in a turn (``parallel_tool_calls``, also
+through the official ``openai`` client), streamed and not, greedy and sampled,
+``n > 1``, bad input."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def test_json_schema_answers_validate_greedy_sampled_n2_and_streamed(client):
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "set_alarm"}}, "required"])
 def test_forced_tool_calls_streamed_and_not(client, tool_choice):
-    req = body("Wake me up", tools=TOOLS, tool_choice=tool_choice)
+    req = body("Wake me up", tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)
     r = client.post("/v1/chat/completions", json=req)
     assert r.status_code == 200, r.text
     [choice] = r.json()["choices"]
@@ -101,6 +103,80 @@ def test_forced_tool_calls_streamed_and_not(client, tool_choice):
     args = "".join(d["function"].get("arguments", "") for d in deltas)
     assert len(deltas) > 2 and json.loads(args) == json.loads(call["function"]["arguments"])
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def openai_client(client):
+    import openai
+    return openai.OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_calls(calls: list, names: set[str]) -> None:
+    """Each call has its own id, names one of ``names``, and its arguments validate."""
+    assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+    for c in calls:
+        assert c.type == "function" and c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "set_alarm"}}, "required"])
+def test_parallel_tool_calls_several_in_one_turn_streamed_and_not_with_the_openai_client(client, tool_choice):
+    """Greedy, the demo model keeps opening ``<tool_call>`` blocks: several calls in one
+    turn, each valid, each with its own id; streamed as tool_call deltas 0, 1, … whose
+    argument fragments join into the same calls."""
+    api = openai_client(client)
+    names = {"set_alarm"} if isinstance(tool_choice, dict) else set(SCHEMAS)
+    req = dict(model="demo", messages=[{"role": "user", "content": "Wake me up twice"}], tools=TOOLS,
+               tool_choice=tool_choice, temperature=0, max_tokens=160)
+    reply = api.chat.completions.create(**req)
+    [choice] = reply.choices
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls
+    assert len(calls) >= 2, calls
+    check_calls(calls, names)
+
+    chunks = list(api.chat.completions.create(**req, stream=True))
+    by_index: dict[int, dict] = {}
+    for chunk in chunks:
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = by_index.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            entry["arguments"] += d.function.arguments or ""
+    assert sorted(by_index) == list(range(len(calls)))
+    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(by_index.items())] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert len({e["id"] for e in by_index.values()}) == len(calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)   # no markup leaks
+
+
+def test_parallel_tool_calls_false_gives_exactly_one_call_sampled_n8(client):
+    """The same request that gives several calls greedily gives exactly one per choice
+    with ``parallel_tool_calls: false``; sampled with true, choices differ in how many
+    calls they make, and every call is valid."""
+    api = openai_client(client)
+    req = dict(model="demo", messages=[{"role": "user", "content": "Wake me up twice"}], tools=TOOLS,
+               tool_choice="required", max_tokens=160, temperature=1.0, seed=5, n=8)
+    one = api.chat.completions.create(**req, parallel_tool_calls=False)
+    assert [len(c.message.tool_calls) for c in one.choices] == [1] * 8
+    for c in one.choices:
+        assert c.finish_reason == "tool_calls"
+        check_calls(c.message.tool_calls, set(SCHEMAS))
+    several = api.chat.completions.create(**req, parallel_tool_calls=True)
+    counts = [len(c.message.tool_calls or []) for c in several.choices]
+    for c in several.choices:
+        if c.finish_reason == "tool_calls":
+            check_calls(c.message.tool_calls, set(SCHEMAS))
+    assert max(counts) >= 2, counts
+
+
+def test_forced_parallel_server_side_calls_all_run_then_the_answer_continues(client):
+    """``calculator`` is the server's: a forced turn of several calls to it runs them all
+    in the server, and the response is the text written after their results."""
+    r = client.post("/v1/chat/completions", json=body("Add things", tool_choice={
+        "type": "function", "function": {"name": "calculator"}}, max_tokens=120))
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["finish_reason"] in ("stop", "length") and "tool_calls" not in choice["message"]
+    assert "<tool_call>" not in choice["message"]["content"]
 
 
 def test_unsatisfiable_within_max_tokens_is_length_not_an_error(client):

@@ -29,7 +29,7 @@ def pieces(text: str, size: int) -> list[str]:
 def test_parser_fires_once_per_complete_call_in_any_split(name, size):
     parser = get_format(name).parser()
     text = PROSE[name] + CALL_TEXT[name]
-    fired = [(i, c) for i, p in enumerate(pieces(text, size)) if (c := parser.feed(p)) is not None]
+    fired = [(i, c) for i, p in enumerate(pieces(text, size)) for c in parser.feed(p)]
     assert len(fired) == 1
     index, call = fired[0]
     assert index == len(pieces(text, size)) - 1          # fires on the delta that completes the call
@@ -45,27 +45,55 @@ def test_parser_fires_once_per_complete_call_in_any_split(name, size):
 ])
 def test_malformed_calls_are_reported_as_nameless(name, text):
     parser = get_format(name).parser()
-    fired = [c for c in (parser.feed(ch) for ch in text) if c is not None]
+    fired = [c for ch in text for c in parser.feed(ch)]
     assert len(fired) == 1 and fired[0].name == ""
 
 
 @pytest.mark.parametrize("text", ["The answer is 42.", '{"city": "Paris"} is JSON, not a call.', "  {\"a\": [1, {}]}"])
 def test_llama3_plain_text_and_plain_json_are_not_calls(text):
     parser = get_format("llama3_json").parser()
-    assert all(parser.feed(ch) is None for ch in text)
+    assert all(parser.feed(ch) == [] for ch in text)
 
 
 def test_llama3_second_call_after_a_result_fires_again():
     parser = get_format("llama3_json").parser()
-    first = [c for c in (parser.feed(ch) for ch in CALL_TEXT["llama3_json"]) if c]
-    second = [c for c in (parser.feed(ch) for ch in ' {"name": "search", "parameters": {"q": "x"}}') if c]
+    first = [c for ch in CALL_TEXT["llama3_json"] for c in parser.feed(ch)]
+    second = [c for ch in ' {"name": "search", "parameters": {"q": "x"}}' for c in parser.feed(ch)]
     assert [c.name for c in first + second] == ["calculator", "search"]
 
 
-def test_mistral_array_runs_its_first_call():
-    parser = get_format("mistral").parser()
-    call = parser.feed('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]')
-    assert call.name == "a" and json.loads(call.arguments) == {"x": 1}
+PARALLEL_TEXT = {   # two calls in one turn, as each format writes them
+    "hermes": '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+              '<tool_call>{"name": "b", "arguments": {"s": "]}"}}</tool_call>',
+    "llama3_json": '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"s": "]}"}}]',
+    "mistral": '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"s": "]}"}}]',
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_parser_returns_every_call_of_a_parallel_turn_in_order(name, size):
+    parser = get_format(name).parser()
+    calls = [c for p in pieces(PROSE[name] + PARALLEL_TEXT[name], size) for c in parser.feed(p)]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {"s": "]}"})]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_markup_filter_hides_a_parallel_turn(name):
+    filt = get_format(name).markup_filter()
+    assert "".join(filt.feed(p) for p in pieces(PROSE[name] + PARALLEL_TEXT[name], 3)) + filt.flush() == PROSE[name]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_render_calls_of_a_parallel_turn_is_what_the_parser_reads(name):
+    fmt = get_format(name)
+    calls = fmt.parser().feed(fmt.render_calls([("a", '{"x": 1}'), ("b", "{}")]))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+
+
+def test_llama3_list_that_is_not_calls_is_content():
+    parser = get_format("llama3_json").parser()
+    assert [c for ch in '[1, 2, {"name": "x"}]' for c in parser.feed(ch)] == []
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -102,14 +130,27 @@ def test_markup_filter_hides_an_unfinished_marked_call():
     ("mistral", "[INST]", '[TOOL_RESULTS]{"content": "42"}[/TOOL_RESULTS]'),
     ("mistral", "<|im_start|>", "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
 ])
-def test_wrap_result(name, template, expect):
-    assert get_format(name).wrap_result("42", template) == expect
+def test_wrap_results_of_one_call(name, template, expect):
+    assert get_format(name).wrap_results(["42"], template) == expect
+
+
+@pytest.mark.parametrize("name, template, expect", [
+    ("hermes", "<|im_start|>", "<|im_end|>\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n"
+                               "<|im_start|>assistant\n"),
+    ("hermes", "[INST]", "<tool_response>1</tool_response><tool_response>2</tool_response>"),
+    ("llama3_json", "<|start_header_id|>", "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n1<|eot_id|>"
+                                           "<|start_header_id|>ipython<|end_header_id|>\n\n2<|eot_id|>"
+                                           "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("mistral", "[INST]", '[TOOL_RESULTS]{"content": "1"}[/TOOL_RESULTS][TOOL_RESULTS]{"content": "2"}[/TOOL_RESULTS]'),
+])
+def test_wrap_results_of_a_parallel_turn_in_call_order(name, template, expect):
+    assert get_format(name).wrap_results(["1", "2"], template) == expect
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_render_call_is_what_the_parser_reads(name):
     fmt = get_format(name)
-    call = fmt.parser().feed(fmt.render_call("calculator", json.dumps(ARGS)))
+    [call] = fmt.parser().feed(fmt.render_calls([("calculator", json.dumps(ARGS))]))
     assert call.name == "calculator" and json.loads(call.arguments) == ARGS
 
 
@@ -148,7 +189,7 @@ def test_template_without_tools_gets_definitions_in_a_system_message(name):
     assert tools is None and not template_supports_tools(NO_TOOLS_TEMPLATE)
     assert out[0]["role"] == "system" and fmt.system_prompt(TOOLS) == out[0]["content"]
     assert '"name": "get_weather"' in out[0]["content"] and '"city"' in out[0]["content"]
-    call = fmt.parser().feed(out[2]["content"])
+    [call] = fmt.parser().feed(out[2]["content"])
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert out[3] == {"role": "tool", "content": "sunny"}
     assert messages[1]["content"] is None        # the caller's messages are not modified

@@ -34,11 +34,11 @@ def test_calculator_tool_text():
 def test_hermes_parser_fires_once_per_complete_call_across_deltas():
     parser = get_format("hermes").parser()
     text = 'sure <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call> ok'
-    fired = [c for c in (parser.feed(ch) for ch in text) if c is not None]
+    fired = [c for ch in text for c in parser.feed(ch)]
     assert len(fired) == 1 and fired[0].name == "calculator"
     assert fired[0].arguments == '{"expression": "6*7"}'
-    bad = HermesParser().feed("<tool_call>{not json}</tool_call>")
-    assert bad is not None and bad.name == ""
+    [bad] = HermesParser().feed("<tool_call>{not json}</tool_call>")
+    assert bad.name == ""
 
 
 def wait_results(ex: ApiCalls, n: int, timeout: float = 5.0):
@@ -63,18 +63,18 @@ def test_executor_runs_sync_and_async_tools_and_reports_failures_and_timeouts():
 
     ex = ApiCalls()
     now = time.monotonic()
-    ex.call_tool("a", Tool("calc", calculator), '{"expression": "1+1"}', now)
-    ex.call_tool("b", Tool("async", async_tool), '{"x": 3}', now)
-    ex.call_tool("c", Tool("fail", failing), "{}", now)
-    ex.call_tool("d", Tool("slow", slow, timeout_s=0.1), "{}", now)
-    ex.call_tool("e", Tool("calc", calculator), "[1]", now)
+    ex.call_tools("a", [(Tool("calc", calculator), '{"expression": "1+1"}')], now)
+    ex.call_tools("b", [(Tool("async", async_tool), '{"x": 3}')], now)
+    ex.call_tools("c", [(Tool("fail", failing), "{}")], now)
+    ex.call_tools("d", [(Tool("slow", slow, timeout_s=0.1), "{}")], now)
+    ex.call_tools("e", [(Tool("calc", calculator), "[1]")], now)
     ex.call_simulated("f", now + 0.05, [1, 2])
     results = {r.request_id: r for r in wait_results(ex, 6)}
     ex.shutdown()
-    assert results["a"].text == "2" and results["b"].text == "async 3"
+    assert results["a"].outputs[0].text == "2" and results["b"].outputs[0].text == "async 3"
     # the tool's own exception text is for the log, not the model
-    assert results["c"].error == "tool 'fail' failed (internal error)" and "timed out" in results["d"].error
-    assert "JSON object" in results["e"].error and results["f"].token_ids == [1, 2]
+    assert results["c"].outputs[0].error == "tool 'fail' failed (internal error)" and "timed out" in results["d"].outputs[0].error
+    assert "JSON object" in results["e"].outputs[0].error and results["f"].token_ids == [1, 2]
 
 
 def test_external_resume_and_cancel():
@@ -84,7 +84,7 @@ def test_external_resume_and_cancel():
     ex.resume("x", text="result")
     with pytest.raises(KeyError):
         ex.resume("x", text="twice")
-    assert ex.poll(time.monotonic())[0].text == "result"
+    assert ex.poll(time.monotonic())[0].outputs[0].text == "result"
     ex.call_simulated("y", time.monotonic() + 10, [1])
     ex.cancel("y")
     assert ex.next_due() is None
@@ -96,7 +96,7 @@ def test_async_tool_called_with_wrong_arguments_becomes_an_error_result():
         return x
 
     ex = ApiCalls()
-    ex.call_tool("a", Tool("needs_x", needs_x), '{"y": 1}', time.monotonic())
+    ex.call_tools("a", [(Tool("needs_x", needs_x), '{"y": 1}')], time.monotonic())
     [result] = wait_results(ex, 1)
     ex.shutdown()
-    assert result.request_id == "a" and "wrong arguments" in result.error
+    assert result.request_id == "a" and "wrong arguments" in result.outputs[0].error

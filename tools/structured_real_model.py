@@ -57,12 +57,13 @@ def main() -> int:
         outs = llm.generate(prompt_token_ids=[chat(p, TOOLS) for p in PROMPTS],
                             sampling_params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=spec))
         for prompt, out in zip(PROMPTS, outs):
-            call = out.tool_call
             try:
                 assert out.finish_reason == "tool_calls", f"finish_reason {out.finish_reason}: {out.text!r}"
-                schema = WEATHER if call["name"] == "get_weather" else ALARM
-                jsonschema.validate(json.loads(call["arguments"]), schema)
-                print(f"ok   {label:18s} {prompt!r:45s} -> {call['name']}({call['arguments']})")
+                for call in out.tool_calls:   # one turn may hold several calls (parallel_tool_calls)
+                    schema = WEATHER if call["name"] == "get_weather" else ALARM
+                    jsonschema.validate(json.loads(call["arguments"]), schema)
+                shown = "; ".join(f"{c['name']}({c['arguments']})" for c in out.tool_calls)
+                print(f"ok   {label:18s} {prompt!r:45s} -> {shown}")
             except (AssertionError, ValueError, jsonschema.ValidationError) as e:
                 failures += 1
                 print(f"FAIL {label:18s} {prompt!r:45s} {e}")

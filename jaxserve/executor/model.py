@@ -144,6 +144,10 @@ class ModelExecutor:
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))   # structured output: sample apart
         self._sample_masked = jax.jit(sample_masked)
+        # Structured output on CPU: the mask is filled before one step program. A second program per
+        # step costs more there (a dispatch, the XLA thread pool woken again) than filling while the
+        # forward runs saves (docs/benchmarks.md, structured output); accelerators overlap the two.
+        self.overlap_mask_fill = self.mesh.devices.flat[0].platform != "cpu"
         self._gather = jax.jit(_gather_pages, out_shardings=self.chunk_sharding)
         self._scatter = jax.jit(_scatter_pages, donate_argnums=(0,), out_shardings=kv_shardings)
         # request id -> host page -> (host chunk, row in it): the host copies of swapped-out pages.
@@ -169,8 +173,8 @@ class ModelExecutor:
             return StepResult()
         inputs = self.prepare(plan.chunks)
         start = time.perf_counter()
-        fill = self.constraints and self.constraints.bitmask_fn(
-            [c.request.grammar for c in plan.chunks], len(inputs.logits_indices))
+        fill = self.constraints and self.constraints.bitmask_fn(   # rows that sample a token only
+            [c.request.grammar if c.samples else None for c in plan.chunks], len(inputs.logits_indices))
         device_tokens, self.last_logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
         waited = time.perf_counter()
         tokens = to_host(device_tokens)
@@ -200,9 +204,13 @@ class ModelExecutor:
         kv = jax.lax.with_sharding_constraint(kv, [(self.device_sharding, self.device_sharding)] * len(kv))
         return logits, kv, bins
 
-    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays):
+    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays,
+                 bitmask: jax.Array | None = None):
+        """Forward + sample; under ``bitmask`` (int32 ``[S_b, ceil(V / 32)]``) when given
+        (a second compiled variant of the same program)."""
         logits, kv, bins = self._forward_fn(params, kv, input_ids, meta, logits_indices)
-        return sample(logits, sampling), (logits if self.config.keep_logits else None), kv, bins
+        tokens = sample(logits, sampling) if bitmask is None else sample_masked(logits, bitmask, sampling)
+        return tokens, (logits if self.config.keep_logits else None), kv, bins
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Build padded host arrays for ``chunks`` (token ids from each request's
@@ -260,21 +268,26 @@ class ModelExecutor:
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
         return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks))
 
-    def forward(self, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """Run the forward + sampler; returns device arrays ``(tokens [S_b], logits [S_b, V])``
-        (logits None unless ``keep_logits``)."""
+    def forward(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
+        """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
+        ``(tokens [S_b], logits [S_b, V])`` (logits None unless ``keep_logits``)."""
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
-        input_ids, meta, logits_indices, sampling = put_replicated(
-            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
+        input_ids, meta, logits_indices, sampling, bitmask = put_replicated(
+            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling, bitmask), self.mesh)
         tokens, logits, self.kv, self.last_length_bins = self._step(
-            self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices, SamplingArrays(**sampling))
+            self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices, SamplingArrays(**sampling),
+            bitmask)
         return tokens, logits
 
     def forward_masked(self, inputs: StepInputs,
                        fill_bitmask: Callable[[], np.ndarray]) -> tuple[jax.Array, jax.Array]:
-        """``forward`` with the sampler restricted by a token bitmask: dispatch the
-        forward, run ``fill_bitmask() -> int32 [S_b, ceil(V / 32)]`` on the host while
-        the device computes (dispatch is asynchronous), then sample under the mask."""
+        """``forward`` with the sampler restricted by a token bitmask ``fill_bitmask() ->
+        int32 [S_b, ceil(V / 32)]``. With ``overlap_mask_fill`` (accelerators): dispatch
+        the forward, fill the mask on the host while the device computes (dispatch is
+        asynchronous), then sample under it in a second program; otherwise (CPU) fill
+        first and run the one step program with the mask."""
+        if not self.overlap_mask_fill:
+            return self.forward(inputs, fill_bitmask())
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
         input_ids, meta, logits_indices, sampling = put_replicated(
             (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)

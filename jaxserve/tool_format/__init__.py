@@ -2,8 +2,10 @@
 (``--tool-call-parser``) or detected from the chat template.
 
 - ``hermes`` (alias ``qwen``): ``<tool_call>{json}</tool_call>`` (Hermes, Qwen, SmolLM…);
-- ``llama3_json``: a bare ``{"name", "parameters"}`` JSON turn (Llama 3.x);
+- ``llama3_json``: a bare ``{"name", "parameters"}`` JSON turn, or a list of them (Llama 3.x);
 - ``mistral``: ``[TOOL_CALLS][{json}, …]``.
+
+Every format can write several calls in one turn (``parallel_tool_calls``).
 
 ``prepare_chat`` makes tools usable with templates that have no tool support:
 the definitions go into a system message in the chosen format, past calls into
@@ -57,7 +59,7 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat
     A template with tool support gets them unchanged. Otherwise the tool
     definitions go into the system message (``fmt.system_prompt``, appended to
     an existing one), assistant ``tool_calls`` become text in the format
-    (``fmt.render_call``) and ``tool`` messages keep their role with their
+    (``fmt.render_calls``) and ``tool`` messages keep their role with their
     content as text; ``tools`` comes back ``None``.
     """
     if not tools or template_supports_tools(chat_template):
@@ -66,8 +68,8 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            calls = "".join(fmt.render_call(c["function"]["name"], _args_text(c["function"].get("arguments")))
-                            for c in m.pop("tool_calls"))
+            calls = fmt.render_calls([(c["function"]["name"], _args_text(c["function"].get("arguments")))
+                                      for c in m.pop("tool_calls")])
             m["content"] = (m.get("content") or "") + calls
         m.pop("tool_call_id", None)
         if m.get("content") is None:

@@ -2,18 +2,25 @@
 the two streaming helpers (call parser, markup filter) and the ``ToolFormat``
 interface each format module implements.
 
-A format answers four questions about one model family's tool calling:
-how a call looks in generated text (``parser``), which text to hide from chat
-clients while it streams (``markup_filter``), how a tool's result goes back
-into the context (``wrap_result``), and, for chat templates that know nothing
-about tools, how to describe the tools and past calls in plain messages
-(``system_prompt``, ``render_call``).
+A format answers five questions about one model family's tool calling:
+how calls look in generated text (``parser``), which text to hide from chat
+clients while it streams (``markup_filter``), how the tools' results go back
+into the context (``wrap_results``), which grammar forces a turn of calls
+(``forced_call_grammar``), and, for chat templates that know nothing about
+tools, how to describe the tools and past calls in plain messages
+(``system_prompt``, ``render_calls``).
+
+Several calls in one turn (OpenAI ``parallel_tool_calls``): Hermes writes one
+``<tool_call>`` block after another, Llama 3 JSON and Mistral a JSON list of
+call objects. A parser returns every call a delta completes; the results of
+one turn's calls are wrapped together, in call order.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 CHATML_START = "<|im_start|>"
 
@@ -69,6 +76,14 @@ def call_from_json(obj, raw: str, args_keys: tuple[str, ...] = ("arguments", "pa
     return ParsedToolCall("", raw, raw)
 
 
+def calls_from_json(obj, raw: str, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> list[ParsedToolCall]:
+    """A call object, or a non-empty list of them (several calls in one turn), -> its calls in
+    order; anything else (an empty list included) -> one malformed call."""
+    if isinstance(obj, list):
+        return [call_from_json(item, raw, args_keys) for item in obj] if obj else [ParsedToolCall("", raw, raw)]
+    return [call_from_json(obj, raw, args_keys)]
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -79,12 +94,14 @@ def partial_suffix(text: str, tag: str) -> int:
 
 class TaggedMarkupFilter:
     """Hide ``start … end`` spans from streamed text. Text that could be the
-    start of ``start`` is held back until decided; an unterminated span stays hidden."""
+    start of ``start`` is held back until decided; an unterminated span stays hidden;
+    whitespace between two spans (parallel calls) is hidden with them."""
 
     def __init__(self, start: str, end: str) -> None:
         self.start, self.end = start, end
         self._pending = ""
         self._inside = False
+        self._after_span = False   # a span just ended: whitespace up to the next one is hidden
 
     def feed(self, delta: str) -> str:
         """Next text delta in -> the part a chat client may see now."""
@@ -97,8 +114,15 @@ class TaggedMarkupFilter:
                     self._pending = self._pending[-(len(self.end) - 1):] if len(self.end) > 1 else ""
                     break
                 self._pending = self._pending[end + len(self.end):]
-                self._inside = False
+                self._inside, self._after_span = False, True
                 continue
+            if self._after_span:
+                rest = self._pending.lstrip()
+                if self.start.startswith(rest):   # only whitespace, or the start of a tag, so far
+                    break
+                self._after_span = False
+                if rest.startswith(self.start):
+                    self._pending = rest
             start = self._pending.find(self.start)
             if start != -1:
                 out.append(self._pending[:start])
@@ -112,16 +136,18 @@ class TaggedMarkupFilter:
         return "".join(out)
 
     def flush(self) -> str:
-        """At the end of the text: release held-back text that never became a tag."""
-        text, self._pending = ("" if self._inside else self._pending), ""
+        """At the end of the text: release held-back text that never became a tag
+        (whitespace after the last span stays hidden)."""
+        hidden = self._inside or (self._after_span and not self._pending.strip())
+        text, self._pending = ("" if hidden else self._pending), ""
         return text
 
 
 class JsonMarkupFilter:
     """Hide ``marker`` + the JSON value after it (Mistral ``[TOOL_CALLS][…]``,
-    Llama 3 ``<|python_tag|>{…}``). With ``bare_at_turn_start`` a JSON object that
-    opens a turn is held back too and hidden if it is a call (Llama 3 writes its
-    calls as bare JSON); JSON that is not a call is released."""
+    Llama 3 ``<|python_tag|>{…}``). With ``bare_at_turn_start`` a JSON object or
+    list that opens a turn is held back too and hidden if it is a call or a list of
+    calls (Llama 3 writes its calls as bare JSON); JSON that is not is released."""
 
     def __init__(self, marker: str, bare_at_turn_start: bool = False) -> None:
         self.marker = marker
@@ -154,7 +180,7 @@ class JsonMarkupFilter:
                 if not stripped:
                     break
                 self._at_turn_start = False
-                if stripped[0] == "{":
+                if stripped[0] in "{[":
                     out.append(self._pending[:len(self._pending) - len(stripped)])
                     self._pending, self._in_json, self._bare_span = stripped, True, True
                     continue
@@ -179,14 +205,15 @@ class JsonMarkupFilter:
 
 def _is_call_json(body: str) -> bool:
     try:
-        return call_from_json(json.loads(body), body).name != ""
+        return all(call.name for call in calls_from_json(json.loads(body), body))
     except ValueError:
         return False
 
 
-def chatml_tool_turn(text: str) -> str:
-    """Close the assistant turn, add a ChatML ``tool`` turn, reopen the assistant turn."""
-    return f"<|im_end|>\n<|im_start|>tool\n{text}<|im_end|>\n<|im_start|>assistant\n"
+def chatml_tool_turns(texts: list[str]) -> str:
+    """Close the assistant turn, add one ChatML ``tool`` turn per result, reopen the assistant turn."""
+    turns = "".join(f"<|im_start|>tool\n{text}<|im_end|>\n" for text in texts)
+    return f"<|im_end|>\n{turns}<|im_start|>assistant\n"
 
 
 class ToolFormat:
@@ -198,22 +225,36 @@ class ToolFormat:
 
     name: str = ""
     template_markers: tuple[str, ...] = ()
+    args_key: str = "arguments"   # the key of a call object's arguments
 
     def parser(self):
-        """A fresh per-request parser: ``feed(delta) -> ParsedToolCall | None``,
-        firing once per complete call."""
+        """A fresh per-request parser: ``feed(delta) -> list[ParsedToolCall]``, the calls
+        this delta completed (each call once, in order; usually none)."""
         raise NotImplementedError
+
+    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
+        """The lark ``start`` rule (llguidance dialect) of an assistant turn that is nothing
+        but calls: ``call`` names the rule of one call object ``{"name": ..., args_key: ...}``;
+        ``parallel``: one or more calls, else exactly one. ``markup(text)`` renders fixed
+        markup as a lark terminal (a special token when the tokenizer has one)."""
+        raise NotImplementedError
+
+    def turn_ends_with_eos(self, parallel: bool) -> bool:
+        """Whether a forced turn of calls is complete only when the model ends its turn (an
+        EOS token after the last call, as in Hermes blocks), not when the grammar's text is."""
+        return False
 
     def markup_filter(self):
         """A fresh per-response filter: ``feed(delta) -> visible str``, ``flush() -> str``."""
         raise NotImplementedError
 
-    def wrap_result(self, text: str, chat_template: str | None) -> str:
-        """Context text that returns a tool's output ``text`` to the model mid-generation."""
+    def wrap_results(self, texts: list[str], chat_template: str | None) -> str:
+        """Context text that returns the outputs ``texts`` of one turn's calls (in call
+        order) to the model mid-generation."""
         raise NotImplementedError
 
-    def render_call(self, name: str, arguments: str) -> str:
-        """A past call (``arguments``: JSON text) as the model would have written it."""
+    def render_calls(self, calls: list[tuple[str, str]]) -> str:
+        """Past calls of one turn (``(name, JSON arguments)``) as the model would have written them."""
         raise NotImplementedError
 
     def system_prompt(self, tools: list[dict]) -> str:
