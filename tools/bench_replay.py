@@ -54,7 +54,7 @@ def main() -> int:
         start = time.perf_counter()
         if prof:
             prof.enable()
-        result = run_simulation(sched, cost, requests)
+        result = run_simulation(sched, requests)
         if prof:
             prof.disable()
         wall = time.perf_counter() - start

@@ -34,7 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs  # noqa: E402
-from jaxserve.executor.sim import StepTimer  # noqa: E402
 from jaxserve.replay.simulate import SimConfig  # noqa: E402
 from jaxserve.replay.trace import load_trace, scale_entries  # noqa: E402
 from scheduler import CostModel, load_profile  # noqa: E402
@@ -57,7 +56,7 @@ def measure_here(args: argparse.Namespace) -> CostModel:
 def step_calibration(engine_rows: list[dict], cost: CostModel, step_model: str) -> tuple[list[dict], float]:
     """Per token bucket: the engine's steps and mean wall time (all runs pooled) next to
     the simulator's time for that bucket; and Σ simulated / Σ measured over those steps."""
-    timer = StepTimer(cost, step_model)
+    timed = cost.timed(step_model)
     pooled: dict[int, list[float]] = {}
     for row in engine_rows:
         for bucket, v in row["steps_by_bucket"].items():
@@ -68,7 +67,7 @@ def step_calibration(engine_rows: list[dict], cost: CostModel, step_model: str) 
     for bucket, (count, seconds) in sorted(pooled.items()):
         if bucket == 0:       # swap-only steps: no forward to compare
             continue
-        sim_s = timer(bucket)
+        sim_s = timed.t_step(bucket)
         measured += seconds
         predicted += count * sim_s
         table.append({"bucket": bucket, "steps": count, "engine_ms": 1e3 * seconds / count, "sim_ms": 1e3 * sim_s})
@@ -170,12 +169,12 @@ def main() -> int:
     print("| bucket | engine steps | engine ms/step | sim ms/step | sim/engine |" +
           (" profile after ms |" if after else ""))
     print("|---|---|---|---|---|" + ("---|" if after else ""))
-    after_timer = StepTimer(after, args.step_model) if after else None
+    after_timed = after.timed(args.step_model) if after else None
     for c in calibration:
         line = (f"| {c['bucket']} | {c['steps']} | {c['engine_ms']:.2f} | {c['sim_ms']:.2f} | "
                 f"{c['sim_ms'] / c['engine_ms']:.2f} |")
-        if after_timer:
-            c["sim_after_ms"] = 1e3 * after_timer(c["bucket"])
+        if after_timed:
+            c["sim_after_ms"] = 1e3 * after_timed.t_step(c["bucket"])
             line += f" {c['sim_after_ms']:.2f} |"
         print(line)
     print(f"\nsimulated / measured busy time over the engine's steps: {work_ratio:.3f}\n")

@@ -36,7 +36,7 @@ def main() -> None:
             reqs = [w.to_request() for w in make_workload(entries, spec)]
             sched = build_scheduler(cost, make_policy(policy, make_predictor("oracle")),
                                     SimConfig(enable_prefix_caching=cache))
-            res = run_simulation(sched, cost, reqs)
+            res = run_simulation(sched, reqs)
             e2e = sorted(r.finish_time - r.arrival_time for r in reqs)
             ttft = [r.first_token_time - r.arrival_time for r in reqs]
             handlings: dict[str, int] = {}

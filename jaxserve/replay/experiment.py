@@ -17,7 +17,6 @@ from typing import Iterator, Sequence
 
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
 from jaxserve.replay.plots import RunCurves, write_plots
-from jaxserve.executor.sim import StepTimer
 from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadSpec, make_workload
@@ -150,7 +149,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
     from tqdm import tqdm
 
     sim = config.sim.resolve(cost)
-    reference_step = StepTimer(cost, sim.step_model, sim.step_time_scale)(sim.max_num_batched_tokens)
+    reference_step = cost.timed(sim.step_model, sim.step_time_scale).t_step(sim.max_num_batched_tokens)
     slo = config.slo(reference_step)
     runs: list[RunCurves] = []
     for run in grid(entries, config):
@@ -163,10 +162,9 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
             def tick(n: int, now: float, bar=bar) -> None:
                 bar.update(n)
                 bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
-            result = run_simulation(sched, cost, requests, horizon_s=config.horizon_s, progress=tick,
+            result = run_simulation(sched, requests, horizon_s=config.horizon_s, progress=tick,
                                     sample_interval_s=sim.sample_interval_s,
-                                    check_invariants=sim.check_invariants, step_model=sim.step_model,
-                                    step_time_scale=sim.step_time_scale,
+                                    check_invariants=sim.check_invariants,
                                     prefill_decode_split=sim.prefill_decode_split)
         makespan = result.end_time_s
         window = measurement_window(run.spec, makespan)
@@ -175,7 +173,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
         row, per_request = summarize_run(run.policy, run.rate, config, result.requests, run.kinds,
                                          window, makespan, slo)
         row.update({
-            "executor": "sim", "profile": cost.name, "step_model": StepTimer(cost, sim.step_model).model,
+            "executor": "sim", "profile": cost.name, "step_model": sched.cost.resolved_step_model,
             "step_time_scale": sim.step_time_scale, "prefill_decode_split": sim.prefill_decode_split,
             "steps": result.num_steps, "batched_tokens": result.batched_tokens,
             "mean_step_s": result.mean_step_s, "steps_by_bucket": result.steps_by_bucket.as_row(),
