@@ -101,6 +101,11 @@ class AsyncEngine:
         out = await self._call(lambda: self.engine.abort(request_id))
         return out is not None
 
+    async def call_on_engine(self, fn: Callable):
+        """Run ``fn()`` on the engine thread between steps and return its result (e.g. KV
+        page export/import for disaggregation, which must not race a step)."""
+        return await self._call(fn)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._inbox.put(None)

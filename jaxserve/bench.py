@@ -45,8 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--length-probe", default=None, metavar="DIR",
                         help="instead: time per step without and with the learned length probe of DIR "
-                             "(--predictor learned:DIR), interleaved rounds, same prompts")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per engine with --length-probe")
+                             "(--predictor learned:DIR), interleaved, same prompts; 'random': a probe of the "
+                             "trained shape with random weights for this model (the cost depends on shapes only)")
+    parser.add_argument("--rounds", type=int, default=3, help="generate rounds per engine with --length-probe")
+    parser.add_argument("--probe-calls", type=int, default=60,
+                        help="interleaved calls per engine of the jitted step alone with --length-probe")
     # The benchmark sizes these from its own prompts and shape.
     EngineConfig.add_cli_arguments(parser, exclude=("max_num_seqs", "max_model_len", "load_format"))
 
@@ -82,51 +85,121 @@ def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: st
             "outputs": [o.token_ids for o in outs]}
 
 
-def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
-    """Mean wall time per engine step without / with the length probe in the step.
+def random_probe_checkpoint(model_dir: str, args, load_format: str, hidden: int = 256) -> str:
+    """A length-probe checkpoint for ``model_dir`` with the trained probe's shapes (an MLP
+    ``hidden`` wide over the model's hidden size, ``NUM_BINS`` outputs) and random weights,
+    in a temporary directory. A probe's cost depends on its shapes only, so this measures
+    the cost on a model no probe was trained for yet (``--length-probe random``)."""
+    import jax
+    from jaxserve.predictor.bins import bin_lengths
+    from jaxserve.predictor.checkpoint import model_identity, save_probe
+    from jaxserve.predictor.probe import init_probe
+    from jaxserve.weights import load_model
+    model, config = load_model(model_dir, args.dtype, "reference", load_format, progress=False)
+    features = np.random.default_rng(0).normal(size=(64, config.hidden_size)).astype(np.float32)
+    params = init_probe(jax.random.key(0), features, hidden, bin_lengths())
+    out = tempfile.mkdtemp(prefix="jaxserve-probe-")
+    save_probe(out, params, model_identity(model, config, model_dir), hidden,
+               {"train_mean_tokens": 100.0, "random_weights": True})
+    return out
 
-    Two engines on the same prompts; ``args.rounds`` interleaved rounds of each
-    (so a slow spell of a shared machine lands on both); each round is a full
-    ``generate`` of every prompt (prefill rows run the probe's read-out, every
-    row runs the probe itself). Returns ms per step and the ratio."""
+
+def interleaved_step_times(runners: dict, batches: dict, calls: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall and process-CPU seconds of ``calls`` jitted steps per model executor, each on
+    its ``batches[name]`` (``StepInputs``), interleaved call by call with the order
+    reversed every pass so a slow spell of a shared machine lands on every side.
+    One untimed call each first (it compiles the shape). Returns name -> (wall, CPU)."""
+    for name, runner in runners.items():
+        runner.forward(batches[name])[0].block_until_ready()
+    times = {name: ([], []) for name in runners}
+    order = list(runners)
+    for _ in range(calls):
+        for name in order:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            runners[name].forward(batches[name])[0].block_until_ready()
+            times[name][0].append(time.perf_counter() - start)
+            times[name][1].append(time.process_time() - cpu_start)
+        order.reverse()
+    return times
+
+
+def _paired(with_s: list[float], without_s: list[float]) -> dict:
+    """Median of each side and median of the paired ratios (call i with / call i without), minus 1."""
+    ratios = [w / wo for w, wo in zip(with_s, without_s)]
+    return {"median_without_ms": 1e3 * float(np.median(without_s)),
+            "median_with_ms": 1e3 * float(np.median(with_s)),
+            "overhead": float(np.median(ratios)) - 1.0,
+            "overhead_iqr": [float(q) - 1.0 for q in np.percentile(ratios, [25, 75])]}
+
+
+def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
+    """Cost of the length probe: two engines on the same prompts, without / with
+    ``--predictor learned:DIR``, measured three ways in one run.
+
+    1. ``args.rounds`` rounds of a full ``generate`` of every prompt on each engine,
+       interleaved, the order flipped every round: wall and process-CPU seconds per
+       engine step (prefill rows also copy the predictions to the host).
+    2. The jitted step alone on a full decode batch (one row per prompt, at the final
+       context): ``args.probe_calls`` calls per engine, interleaved call by call with
+       the order flipped; per-call wall and CPU seconds; the overhead is the median of
+       the paired ratios (call i with / call i without), so a slow spell of a shared
+       machine lands on both sides of a pair.
+    3. The probe alone (its jitted function on the batch's ``[S, H]`` hidden states),
+       against the step without it: what (2) must show, measured without the step's noise.
+    """
+    import jax
     from jaxserve import LLM, SamplingParams
+    from jaxserve.predictor.probe import probe_predict
+    probe_dir = args.length_probe
+    if probe_dir == "random":
+        probe_dir = random_probe_checkpoint(model_dir, args, load_format)
     common = dict(dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(len(prompts), 1),
                   max_model_len=args.prompt_len + args.max_tokens + args.page_size, load_format=load_format)
     engines = {"without": LLM(model_dir, **common),
-               "with": LLM(model_dir, predictor=f"learned:{args.length_probe}", **common)}
+               "with": LLM(model_dir, predictor=f"learned:{probe_dir}", **common)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    times = {k: [] for k in engines}
     outputs = {}
     for llm in engines.values():   # warm: compile every shape the rounds use
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    rounds = {k: ([], []) for k in engines}   # per round: (wall s per step, CPU s per step)
+    order = list(engines)
     for _ in range(args.rounds):
-        for name, llm in engines.items():
-            stats = llm.engine.stats
-            step0, steps0 = stats.step_time_s, stats.steps
+        for name in order:
+            llm = engines[name]
+            steps0, wall0, cpu0 = llm.engine.stats.steps, time.perf_counter(), time.process_time()
             outputs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-            times[name].append((stats.step_time_s - step0) / max(stats.steps - steps0, 1))
-    # The jitted step alone, full decode batch of the largest bucket, many interleaved calls:
-    # the minimum is robust to a shared machine's slow spells.
+            steps = max(llm.engine.stats.steps - steps0, 1)
+            rounds[name][0].append((time.perf_counter() - wall0) / steps)
+            rounds[name][1].append((time.process_time() - cpu0) / steps)
+        order.reverse()
     runners = {k: llm.engine.executor for k, llm in engines.items()}
-    bucket = runners["with"].config.token_buckets[-1]
-    batch = {k: r.synthetic_inputs(bucket) for k, r in runners.items()}
-    jitted = {k: [] for k in runners}
-    for _ in range(20 * args.rounds):
-        for k, r in runners.items():
-            start = time.perf_counter()
-            r.forward(batch[k])[0].block_until_ready()
-            jitted[k].append(time.perf_counter() - start)
+    buckets = runners["with"].config.token_buckets
+    bucket = next((b for b in buckets if b >= len(prompts)), buckets[-1])
+    batch = {k: r.synthetic_inputs(bucket, context=args.prompt_len + args.max_tokens) for k, r in runners.items()}
+    calls = interleaved_step_times(runners, batch, args.probe_calls)
+    probe_params = runners["with"].length_probe_params
+    seq_rows = runners["with"].config.seq_bucket(bucket)   # the rows the probe runs on inside the step
+    hidden = jax.device_put(np.random.default_rng(0).normal(
+        size=(seq_rows, runners["with"].model_config.hidden_size)).astype(np.float32))
+    probe = jax.jit(probe_predict)
+    probe(probe_params, hidden).block_until_ready()
+    probe_s = []
+    for _ in range(args.probe_calls):
+        start = time.process_time()
+        probe(probe_params, hidden).block_until_ready()
+        probe_s.append(time.process_time() - start)
     for llm in engines.values():
         llm.engine.shutdown()
-    per_round = [w / wo for w, wo in zip(times["with"], times["without"])]
-    step = {k: 1e3 * min(v) for k, v in jitted.items()}
-    return {"ms_per_step_without": 1e3 * float(np.median(times["without"])),
-            "ms_per_step_with": 1e3 * float(np.median(times["with"])),
-            "probe_overhead": float(np.median(per_round)) - 1.0,
-            "probe_overhead_rounds": [r - 1.0 for r in per_round],
-            "jitted_bucket": bucket, "jitted_ms_min_without": step["without"], "jitted_ms_min_with": step["with"],
-            "jitted_overhead": step["with"] / step["without"] - 1.0,
+    step_cpu = float(np.median(calls["without"][1]))
+    return {"probe": args.length_probe, "rounds": args.rounds, "probe_calls": args.probe_calls,
+            "engine_step_wall": _paired(rounds["with"][0], rounds["without"][0]),
+            "engine_step_cpu": _paired(rounds["with"][1], rounds["without"][1]),
+            "jitted_rows": seq_rows, "jitted_context": args.prompt_len + args.max_tokens,
+            "jitted_step_wall": _paired(calls["with"][0], calls["without"][0]),
+            "jitted_step_cpu": _paired(calls["with"][1], calls["without"][1]),
+            "probe_alone_cpu_ms": 1e3 * float(np.median(probe_s)),
+            "probe_alone_share": float(np.median(probe_s)) / step_cpu,
             "same_tokens": outputs["with"] == outputs["without"]}
 
 
@@ -193,15 +266,20 @@ def main(args: argparse.Namespace) -> int:
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
     if args.length_probe:
         cost = run_probe_cost(model_dir, prompts, args, load_format)
-        print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, "
-              f"{args.rounds} interleaved rounds")
-        print(f"engine step (median over rounds): without probe {cost['ms_per_step_without']:.3f} ms, with "
-              f"{cost['ms_per_step_with']:.3f} ms; median paired overhead {cost['probe_overhead']:+.2%} "
-              f"(rounds: {', '.join(f'{r:+.1%}' for r in cost['probe_overhead_rounds'])}); "
-              f"same tokens: {cost['same_tokens']}")
-        print(f"jitted step alone, {cost['jitted_bucket']}-token decode batch (min of {20 * args.rounds}): "
-              f"without {cost['jitted_ms_min_without']:.3f} ms, with {cost['jitted_ms_min_with']:.3f} ms "
-              f"-> overhead {cost['jitted_overhead']:+.2%}")
+        print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, probe "
+              f"{cost['probe']}; overhead = median of paired ratios with/without - 1 [interquartile range]")
+
+        def line(label: str, m: dict) -> str:
+            lo, hi = m["overhead_iqr"]
+            return (f"{label}: without {m['median_without_ms']:.3f} ms, with {m['median_with_ms']:.3f} ms, "
+                    f"overhead {m['overhead']:+.2%} [{lo:+.2%}, {hi:+.2%}]")
+        rows, calls = cost["jitted_rows"], args.probe_calls
+        print(line(f"engine step, wall ({args.rounds} interleaved generate rounds)", cost["engine_step_wall"]))
+        print(line(f"engine step, CPU ({args.rounds} interleaved generate rounds)", cost["engine_step_cpu"]))
+        print(line(f"jitted {rows}-row decode step, wall ({calls} interleaved calls)", cost["jitted_step_wall"]))
+        print(line(f"jitted {rows}-row decode step, CPU ({calls} interleaved calls)", cost["jitted_step_cpu"]))
+        print(f"probe alone on {cost['jitted_rows']} rows: {cost['probe_alone_cpu_ms']:.4f} ms CPU = "
+              f"{cost['probe_alone_share']:.3%} of the step without it; same tokens: {cost['same_tokens']}")
         if args.json:
             Path(args.json).write_text(json.dumps(cost, indent=2))
         return 0

@@ -23,6 +23,7 @@ from typing import Any
 
 DEFAULT_POLICY = "infercept"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+REPLICA_ROUTERS = ("affinity", "least_loaded", "round_robin")
 LOAD_FORMATS = ("safetensors", "dummy")
 HANDLINGS = ("preserve", "discard", "swap")
 # The kernels' implementation names (kernels.IMPLS; a test keeps the two in step without importing JAX here).
@@ -62,7 +63,8 @@ class EngineConfig:
     num_pages: int | None = field(default=None, metadata=_flag(
         "device KV pages (default: what the model and max_model_len need, within free device memory)"))
     num_host_pages: int | None = field(default=None, metadata=_flag(
-        "host KV pages for Swap (default: as many as device pages)"))
+        "host KV pages for Swap and the prefix cache's host tier (cached pages evicted from the device; "
+        "Swap's pages come first); 0: no Swap to host, device-only cache (default: as many as device pages)"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "share the KV of full pages of equal token prefixes across requests and turns"))
     prefix_retention_s: float = field(default=30.0, metadata=_flag(
@@ -99,6 +101,26 @@ class EngineConfig:
     num_processes: int = field(default=1, metadata=_flag("multi-host: processes sharing the mesh"))
     process_id: int = field(default=0, metadata=_flag(
         "multi-host: this process's rank (0 schedules and serves; the others run steps it broadcasts)"))
+    # ------------------------------------------------------- replicas (Ray)
+    data_parallel_size: int = field(default=1, metadata=_flag(
+        "engine replicas behind one endpoint (Ray Serve; > 1 starts or joins a Ray cluster, docs/scaling.md)",
+        group="replicas"))
+    ray_address: str | None = field(default=None, metadata=_flag(
+        "replicas: the Ray cluster to join (ray://host:port or host:port; default: start a local one)",
+        group="replicas"))
+    prefill_replicas: int = field(default=0, metadata=_flag(
+        "prefill/decode disaggregation: replicas that compute prompts' KV (with --decode-replicas; 0: off)",
+        group="replicas"))
+    decode_replicas: int = field(default=0, metadata=_flag(
+        "prefill/decode disaggregation: replicas that continue generation from the moved KV pages",
+        group="replicas"))
+    decode_policy: str = field(default="prophet", metadata=_flag(
+        "prefill/decode disaggregation: the decode replicas' scheduling policy (default: prophet, whose decode "
+        "phase is MLFQ; prefill replicas run prophet, whose prefill phase is SRPT by prompt tokens)",
+        group="replicas"))
+    replica_router: str = field(default="affinity", metadata=_flag(
+        "how the front picks a replica: affinity (parked tool context, session key, cached prefix, then least "
+        "loaded), least_loaded, round_robin", group="replicas", choices=REPLICA_ROUTERS))
     # ------------------------------------------------------------- executor
     warmup: bool = field(default=True, metadata=_flag("compile the step programs before serving"))
     warmup_all_shapes: bool = field(default=False, metadata=_flag(
@@ -154,9 +176,29 @@ class EngineConfig:
         if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
                                                      or ":" not in self.coordinator_address):
             raise ValueError(f"coordinator_address must be host:port, got {self.coordinator_address!r}")
+        from scheduler import available_policies
+        positive("data_parallel_size", self.data_parallel_size, allow_none=False)
+        for name in ("prefill_replicas", "decode_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if (self.prefill_replicas == 0) != (self.decode_replicas == 0):
+            raise ValueError(f"prefill_replicas and decode_replicas go together (both > 0 for disaggregation), "
+                             f"got {self.prefill_replicas} and {self.decode_replicas}")
+        if self.prefill_replicas and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: use either --data-parallel-size N (colocated replicas) or "
+                             "--prefill-replicas/--decode-replicas (disaggregated), not both")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
+            raise ValueError(f"ray_address must be a non-empty address, got {self.ray_address!r}")
+        if self.decode_policy not in available_policies():
+            raise ValueError(f"decode_policy: unknown policy {self.decode_policy!r}; "
+                             f"available: {', '.join(available_policies())}")
+        if self.replica_router not in REPLICA_ROUTERS:
+            raise ValueError(f"replica_router must be one of {', '.join(REPLICA_ROUTERS)}, "
+                             f"got {self.replica_router!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        from scheduler import available_policies, make_predictor
+        from scheduler import make_predictor
         if self.policy not in available_policies():
             raise ValueError(f"policy: unknown policy {self.policy!r}; available: {', '.join(available_policies())}")
         try:
@@ -173,6 +215,11 @@ class EngineConfig:
                 raise ValueError(f"tool_call_parser: {e}") from None
 
     # --------------------------------------------------------------- derived
+    @property
+    def replicated(self) -> bool:
+        """Whether ``serve`` runs replicas on Ray Serve (data parallel or disaggregated)."""
+        return self.data_parallel_size > 1 or self.prefill_replicas > 0
+
     @property
     def batched_tokens(self) -> int:
         """``max_num_batched_tokens`` with the real engine's default applied."""
@@ -194,27 +241,30 @@ class EngineConfig:
     # ------------------------------------------------------------------ CLI
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
-                          defaults: dict[str, Any] | None = None) -> None:
+                          defaults: dict[str, Any] | None = None, replicas: bool = False) -> None:
         """Add one ``--flag`` per CLI setting (``--no-flag`` for booleans) to an
         "engine" argument group. ``exclude`` leaves settings out (a subcommand
         that cannot use them); ``defaults`` changes a default for a subcommand
-        whose job needs another value (say so in its help)."""
+        whose job needs another value (say so in its help); ``replicas`` adds the
+        "replicas" group's settings (only ``serve`` runs replicas)."""
         group = parser.add_argument_group("engine")
+        replica_group = parser.add_argument_group("replicas (Ray Serve)") if replicas else None
         defaults = defaults or {}
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            if not meta.get("cli") or f.name in exclude:
+            if not meta.get("cli") or f.name in exclude or (meta["group"] == "replicas" and not replicas):
                 continue
+            target = replica_group if meta["group"] == "replicas" else group
             flag = "--" + f.name.replace("_", "-")
             default = defaults.get(f.name, f.default)
             help_text = meta["help"] + (f" (default: {default})" if default is not None
                                         and "default:" not in meta["help"] else "")
             if f.type in ("bool", bool):
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
                 continue
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
+            target.add_argument(flag, dest=f.name, type=kind, default=default, choices=meta["choices"],
                                help=help_text)
 
     @classmethod
@@ -228,4 +278,4 @@ class EngineConfig:
         return cls(**values)
 
 
-__all__ = ["ATTENTION_IMPLS", "DEFAULT_POLICY", "EngineConfig"]
+__all__ = ["ATTENTION_IMPLS", "DEFAULT_POLICY", "EngineConfig", "REPLICA_ROUTERS"]

@@ -26,7 +26,7 @@ from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages
+from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages, min_token_bucket_for
 from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
@@ -93,7 +93,9 @@ class LLMEngine:
                                     enable_prefix_caching=config.enable_prefix_caching,
                                     prefix_cache_key=f"{self.model_dir.resolve()}|{config.dtype}|"
                                                      f"{config.load_format}|{config.seed}",
-                                    prefix_retention_s=float(config.prefix_retention_s))
+                                    prefix_retention_s=float(config.prefix_retention_s),
+                                    # the host tier's copies are not on the multi-host wire
+                                    host_cache=config.num_processes == 1)
         predictor = make_predictor(config.predictor, config.seed)
         if length_probe is not None:
             predictor.default_len = length_probe.train_mean_tokens
@@ -104,7 +106,8 @@ class LLMEngine:
         executor = executor_class()(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
-            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits),
+            attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits,
+            min_token_bucket=min_token_bucket_for(jax.default_backend())),
             length_probe=length_probe, mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
@@ -419,16 +422,20 @@ class LLMEngine:
                 "paused": paused,
                 "device_pages_used": s.device_pool.num_pages - s.kv.num_free_device,   # cached-unreferenced: free
                 "device_pages_total": s.device_pool.num_pages,
-                "host_pages_used": s.host_pool.num_used, "host_pages_total": s.host_pool.num_pages,
+                "host_pages_used": s.host_pool.num_pages - s.kv.num_free_host,   # host-tier cached: free
+                "host_pages_total": s.host_pool.num_pages,
                 "preemptions": s.num_preemptions, **self.prefix_cache_usage()}
 
     def prefix_cache_usage(self) -> dict:
-        """Prefix cache counters (tokens, cumulative) and cached device pages now."""
+        """Prefix cache counters (tokens, cumulative; host hits are part of the hits) and
+        cached pages now (device; host tier)."""
         cache = self.scheduler.kv.cache
         if cache is None:
-            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cached_pages": 0}
+            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_host_hits": 0,
+                    "prefix_cached_pages": 0, "prefix_cached_host_pages": 0}
         return {"prefix_cache_queries": cache.query_tokens, "prefix_cache_hits": cache.hit_tokens,
-                "prefix_cached_pages": cache.num_pages}
+                "prefix_cache_host_hits": cache.host_hit_tokens, "prefix_cached_pages": cache.num_pages,
+                "prefix_cached_host_pages": cache.num_host_pages}
 
     def shutdown(self) -> None:
         self.api.shutdown()

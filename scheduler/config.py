@@ -33,6 +33,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # share full pages of equal token prefixes (scheduler.prefix_cache)
     prefix_cache_key: str = ""          # model and dtype: caches of different keys never mix
     prefix_retention_s: float = 30.0    # eviction bonus (s) of the context of a request inside an API call
+    host_cache: bool = True             # cached pages evicted from the device go to the host pool (when it has
+    #                                     pages; Swap's pages come first there): the prefix cache's host tier
 
     def __post_init__(self) -> None:
         if self.token_budget not in TOKEN_BUDGET_MODES:

@@ -19,16 +19,35 @@ until the pool needs them (``_take`` evicts the lowest retention score); a
 new, resumed or swapped-in request re-links the longest cached run of its
 full pages (``lookup``/``link``, ``start_swap_in``) and computes or copies
 only the rest. Free device pages therefore count the evictable cached ones.
+
+The host tier (``host_tier``; needs a cache and a host pool with pages) keeps
+what the device evicts: ``_take`` copies an evicted cached page to a host
+page (a free one, else the least recently used host entry's) unless it is
+already there, and ``lookup`` matches over both tiers: a hit on a
+host-resident page gets a new device page at ``link`` and a copy back. The
+copies are planned here and put in the step's plan by the scheduler
+(``take_copies``): ``SwapOp``s without a request, run by the executor before
+the forward, like Swap's. They share the step's swap budget
+(``copy_budget``, pages): an evicted page with no budget left is dropped, a
+hit is cut where the budget ends. Swap comes first on the host pool: a
+swap-out takes host pages from cached entries when the free list is short
+(``start_swap_out``), and the free host pages policies see count them.
+Which pages live where is recorded only here: request tables, the pools'
+owners (``CACHE_OWNER`` for cached pages of either tier) and the cache books.
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from scheduler.pages import PageAllocator
-from scheduler.plan import SwapOp
-from scheduler.prefix_cache import PrefixCache, page_hash
+from scheduler.plan import CACHE_OWNER, SwapOp
+from scheduler.prefix_cache import PrefixCache, chain_hashes
 from scheduler.request import Request
 
-CACHE_OWNER = "<prefix-cache>"   # the allocator's owner of every cached device page
+__all__ = ["CACHE_OWNER", "KVManager"]
+
+_pages_of = attrgetter("device_pages")
 
 
 class KVManager:
@@ -43,9 +62,12 @@ class KVManager:
     """
 
     def __init__(self, device_pool: PageAllocator, host_pool: PageAllocator,
-                 prefix_cache: PrefixCache | None = None, retention_s: float = 0.0) -> None:
+                 prefix_cache: PrefixCache | None = None, retention_s: float = 0.0,
+                 host_tier: bool = False) -> None:
         """``prefix_cache``: None disables caching. ``retention_s``: the eviction
-        bonus (seconds) of the context of a request released inside an API call."""
+        bonus (seconds) of the context of a request released inside an API call.
+        ``host_tier``: keep evicted cached pages in the host pool (on only with a
+        cache and a host pool of at least one page)."""
         if device_pool.page_size != host_pool.page_size:
             raise ValueError("device and host pools must use the same page size")
         if retention_s < 0:
@@ -59,6 +81,12 @@ class KVManager:
         self.relinked_swap_pages = 0         # swap-in pages re-linked from the cache instead of copied
         self.paused_holders: dict[str, Request] = {}
         self.waiting_holders: dict[str, Request] = {}
+        self._lookups: dict[str, tuple[int, list[int]]] = {}   # request id -> (cache epoch, lookup pages)
+        self.host_tier = host_tier and prefix_cache is not None and host_pool.num_pages > 0
+        self.copy_budget = 0                              # host-tier copies this step may still plan (pages)
+        self._copy_outs: list[tuple[int, int]] = []       # (device page, host page) to copy before the forward
+        self._copy_ins: list[tuple[int, int]] = []        # (host page, device page) to copy before the forward
+        self._host_busy: set[int] = set()   # host pages this step's copies read or write: kept this step
 
     # ------------------------------------------------------------ allocation
     def pages_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -76,11 +104,49 @@ class KVManager:
         return True
 
     def _take(self, owner: str, n: int) -> list[int]:
-        """``n`` device pages for ``owner``, evicting cached pages as the free list runs short."""
+        """``n`` device pages for ``owner``, evicting cached pages as the free list
+        runs short (to the host tier when it is on and the step's copy budget lasts)."""
         pool, cache = self.device_pool, self.cache
         while pool.num_free < n and cache is not None and cache.num_evictable:
-            pool.free(CACHE_OWNER, [cache.evict(self.now)])
+            page, h = cache.evict_entry(self.now)
+            if self.host_tier:
+                self._keep_on_host(page, h)
+            pool.free(CACHE_OWNER, [page])
         return pool.allocate(owner, n)
+
+    def _keep_on_host(self, page: int, h: bytes) -> None:
+        """Device page ``page`` (hash ``h``) is being evicted: make sure the host tier holds it."""
+        cache = self.cache
+        if h in cache.host_page_of:
+            cache.host_touch(h)   # copied before: nothing to copy
+            return
+        if self.copy_budget <= 0:
+            return
+        if self.host_pool.num_free:
+            host_page = self.host_pool.allocate(CACHE_OWNER, 1)[0]
+        else:
+            host_page = cache.host_evict(self._host_busy)   # stays owned by CACHE_OWNER
+            if host_page is None:
+                return
+        cache.host_insert(host_page, h)
+        self._host_busy.add(host_page)
+        self._copy_outs.append((page, host_page))
+        self.copy_budget -= 1
+
+    def copies_done(self) -> None:
+        """The last plan ran (or none is pending): its host-tier copies are done, so
+        no host page is busy and nothing is left to plan (``copy_budget`` 0)."""
+        self._copy_outs, self._copy_ins = [], []
+        self._host_busy.clear()
+        self.copy_budget = 0
+
+    def take_copies(self) -> tuple[SwapOp | None, SwapOp | None]:
+        """This step's host-tier copies as ``(copy-out, copy-in)`` ops (None: none)."""
+        outs, ins = self._copy_outs, self._copy_ins
+        self._copy_outs, self._copy_ins = [], []
+        copy_out = SwapOp(None, [d for d, _ in outs], [h for _, h in outs]) if outs else None
+        copy_in = SwapOp(None, [d for _, d in ins], [h for h, _ in ins]) if ins else None
+        return copy_out, copy_in
 
     @property
     def num_free_device(self) -> int:
@@ -97,6 +163,12 @@ class KVManager:
         if self.cache is None:
             return 0.0
         return self.cache.residence_s
+
+    @property
+    def num_free_host(self) -> int:
+        """Host pages a swap-out can get: free plus those holding host-tier copies."""
+        cache = self.cache
+        return self.host_pool.num_free + (cache.num_host_pages if self.host_tier else 0)
 
     def can_allocate_device(self, n: int) -> bool:
         return n <= self.num_free_device
@@ -118,7 +190,8 @@ class KVManager:
         self.waiting_holders.pop(request.request_id, None)
 
     def free(self, request: Request, retain: bool = False) -> None:
-        """Free every page of ``request``, device and host."""
+        """Free every page of ``request``, device and host (it ended)."""
+        self._lookups.pop(request.request_id, None)
         self.free_device(request, retain)
         if request.host_pages:
             self.host_pool.free(request.request_id, request.host_pages)
@@ -129,36 +202,93 @@ class KVManager:
         """Chained hashes of ``request``'s first ``num_pages`` full pages, as many
         as its token ids (or preset hashes) cover; extends ``block_hashes``."""
         hashes, ids, ps = request.block_hashes, request.token_ids, self.page_size
-        while len(hashes) < num_pages and (len(hashes) + 1) * ps <= len(ids):
-            i = len(hashes)
-            hashes.append(page_hash(hashes[-1] if hashes else self.cache.root, ids[i * ps:(i + 1) * ps]))
-        return hashes[:num_pages]
+        done = len(hashes)
+        end = min(num_pages, len(ids) // ps)
+        if end > done:
+            hashes += chain_hashes(hashes[-1] if hashes else self.cache.root, ids[done * ps:end * ps], ps)
+        return hashes if len(hashes) <= num_pages else hashes[:num_pages]
+
+    def hash_context(self, request: Request) -> None:
+        """Hash the full pages of ``request``'s context now (at arrival, at an API
+        return), off the admission path of ``schedule()``: a request is hashed
+        once, page by page as its context grows, never per step."""
+        if self.cache is not None:
+            self.hashes(request, (request.num_tokens - 1) // self.page_size)
 
     def lookup(self, request: Request) -> list[int]:
-        """The cached device pages of the longest run of ``request``'s full pages
-        (at least one token is left to compute, for its logits); changes nothing.
-        Empty without a cache or when ``request`` already holds device pages."""
-        if self.cache is None or request.device_pages:
+        """The cached pages of the longest run of ``request``'s full pages (at
+        least one token is left to compute, for its logits); changes nothing.
+        With the host tier, a page cached on host only is ``~host_page``
+        (negative), and the run stops at the first such page beyond this
+        step's ``copy_budget``. Empty without a cache or when ``request``
+        already holds device pages.
+
+        The result is kept per request and reused while the cache's ``epoch``
+        is unchanged (then it can only have grown, so only the pages after it
+        are looked up again: a waiting request at the head of a full pool is
+        looked up every step)."""
+        cache = self.cache
+        if cache is None or request.device_pages:
             return []
-        return self.cache.match(self.hashes(request, (request.num_tokens - 1) // self.page_size))
+        hashes = self.hashes(request, (request.num_tokens - 1) // self.page_size)
+        memo = self._lookups.get(request.request_id)
+        match = cache.match_tiers if self.host_tier else cache.match
+        if memo is None or memo[0] != cache.epoch:
+            pages = match(hashes)
+        else:
+            pages = memo[1]
+            if len(pages) < len(hashes):
+                pages += match(hashes[len(pages):])
+        self._lookups[request.request_id] = (cache.epoch, pages)
+        if self.host_tier and pages and min(pages) < 0:
+            budget = self.copy_budget
+            for i, p in enumerate(pages):
+                if p < 0:
+                    if budget <= 0:
+                        return pages[:i]
+                    budget -= 1
+        return list(pages)
 
     def num_evictable_in(self, pages: list[int]) -> int:
-        """How many of ``pages`` (from ``lookup``) an allocation could otherwise evict."""
-        is_evictable = self.cache.is_evictable
-        return sum(1 for p in pages if is_evictable(p))
+        """How many pages linking ``pages`` (from ``lookup``) takes from what an
+        allocation could get: its evictable device pages, and a new device page
+        for each host-resident one."""
+        n = self.cache.num_evictable_among(pages)
+        if self.host_tier and pages and min(pages) < 0:
+            n += sum(1 for p in pages if p < 0)
+        return n
 
     def link(self, request: Request, pages: list[int]) -> None:
         """Give ``request`` (no device KV) the cached ``pages`` from ``lookup``:
-        its first ``len(pages)·page_size`` tokens count as computed."""
-        if self.cache is None:
+        its first ``len(pages)·page_size`` tokens count as computed. A
+        host-resident page gets a new device page, cached under its hash, and
+        a copy-in planned for this step."""
+        cache = self.cache
+        if cache is None:
             return
         assert not request.device_pages and request.num_computed_tokens == 0, "link needs an empty table"
-        self.cache.acquire(pages)
-        request.device_pages = list(pages)
+        self._lookups.pop(request.request_id, None)
+        pages = list(pages)
+        on_host = [i for i, p in enumerate(pages) if p < 0] if pages and min(pages) < 0 else None
+        cache.acquire([p for p in pages if p >= 0] if on_host else pages)   # first: not evictable below
+        if on_host:
+            self._host_busy.update(~pages[i] for i in on_host)
+            fresh = self._take(CACHE_OWNER, len(on_host))
+            for i, page in zip(on_host, fresh):
+                host_page = ~pages[i]
+                h = request.block_hashes[i]
+                cache.insert(page, h)
+                cache.host_touch(h)
+                self._copy_ins.append((host_page, page))
+                pages[i] = page
+            self.copy_budget -= len(on_host)
+            cache.epoch += 1   # those hashes are on the device now: other lookups must see it
+            cache.host_hit_tokens += len(on_host) * self.page_size
+        request.device_pages = pages
         request.num_shared_pages = len(pages)
         request.num_computed_tokens = len(pages) * self.page_size
-        self.cache.query_tokens += request.num_tokens
-        self.cache.hit_tokens += request.num_computed_tokens
+        cache.query_tokens += request.num_tokens
+        cache.hit_tokens += request.num_computed_tokens
 
     def commit(self, request: Request) -> None:
         """Hand ``request``'s computed full private pages to the cache. A page whose
@@ -185,6 +315,27 @@ class KVManager:
                 pages[i] = cached
             request.num_shared_pages = i + 1
 
+    def adopt(self, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Cache pages computed by another engine (prefill/decode disaggregation):
+        each of ``hashes`` (a context's chained page hashes, page 0 first) not yet
+        cached gets a device page named by it, left unreferenced (evictable, as
+        after a finished request). Returns ``(index in hashes, page)`` of the pages
+        whose KV the caller must write now; stops when no page is free."""
+        cache = self.cache
+        if cache is None:
+            return []
+        adopted: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            if h in cache.page_of:
+                continue
+            if self.num_free_device == 0:
+                break
+            page = self._take(CACHE_OWNER, 1)[0]   # held (refs 1) until the end: not evicted by the next take
+            cache.insert(page, h)
+            adopted.append((i, page))
+        cache.release([p for _, p in adopted], self.now)
+        return adopted
+
     # ---------------------------------------------------------------- holders
     def hold_paused(self, request: Request) -> None:
         """``request`` paused under Preserve: index it if it holds device KV."""
@@ -203,15 +354,20 @@ class KVManager:
 
     def paused_device_pages(self) -> int:
         """Device pages held by requests paused under Preserve."""
-        return sum(len(r.device_pages) for r in self.paused_holders.values())
+        return sum(map(len, map(_pages_of, self.paused_holders.values())))
 
     # ------------------------------------------------------------------ swaps
     def start_swap_out(self, request: Request) -> bool:
         """Reserve host pages mirroring ``request``'s device pages; False (nothing
         reserved) when the host pool is too full."""
         n = len(request.device_pages)
-        if not self.host_pool.can_allocate(n):
+        if n > self.num_free_host:
             return False
+        while self.host_pool.num_free < n:   # swapped requests come before host-tier copies
+            host_page = self.cache.host_evict(self._host_busy)
+            if host_page is None:
+                return False
+            self.host_pool.free(CACHE_OWNER, [host_page])
         request.host_pages = self.host_pool.allocate(request.request_id, n)
         request.pages_swapped = 0
         self.paused_holders.pop(request.request_id, None)
@@ -279,6 +435,9 @@ class KVManager:
         else:
             assert not listed, "shared pages without a prefix cache"
         self.device_pool.check_invariants(expected)
-        self.host_pool.check_invariants({r.request_id: r.host_pages for r in live})
+        host_expected = {r.request_id: r.host_pages for r in live}
+        if self.cache is not None:
+            host_expected[CACHE_OWNER] = list(self.cache.host_hash_of)
+        self.host_pool.check_invariants(host_expected)
         assert set(self.paused_holders) == paused_holders, "paused-holder index out of step"
         assert set(self.waiting_holders) == waiting_holders, "waiting-holder index out of step"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from scheduler.cost_model import CostModel, expected_cached_tokens
 from scheduler.request import Request, Segment
@@ -37,12 +37,13 @@ class MemoryView:
         return self.cost.bytes_per_token
 
 
-@dataclass(slots=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """Run ``num_tokens`` query tokens of ``request`` starting at context position ``start``.
 
     ``samples`` is True when the chunk reaches the end of the context, so the
-    step produces the request's next token.
+    step produces the request's next token. A named tuple: the scheduler makes
+    one per running request per step, and a tuple is the cheapest record to build
+    (``tuple.__new__(ScheduledChunk, (request, start, num_tokens, samples))``).
     """
 
     request: Request
@@ -51,13 +52,26 @@ class ScheduledChunk:
     samples: bool
 
 
+CACHE_OWNER = "<prefix-cache>"   # the pools' owner of every cached page (device tier and host tier)
+
+
 @dataclass(slots=True)
 class SwapOp:
-    """Copy KV pages between device and host: ``device_pages[i] <-> host_pages[i]``."""
+    """Copy KV pages between device and host: ``device_pages[i] <-> host_pages[i]``.
 
-    request: Request
+    ``request`` None: pages of the prefix cache's host tier (``owner`` is
+    ``CACHE_OWNER``): a copy-out keeps an evicted cached page on host, a
+    copy-in brings one back for a prefix hit and leaves the host copy in place.
+    """
+
+    request: Request | None
     device_pages: list[int]
     host_pages: list[int]
+
+    @property
+    def owner(self) -> str:
+        """Whose host pages these are: the request's id, or ``CACHE_OWNER``."""
+        return CACHE_OWNER if self.request is None else self.request.request_id
 
 
 @dataclass(slots=True)

@@ -15,8 +15,18 @@ parked context outranks fresher plain pages for ``bonus`` seconds, its lead
 shrinks as time passes, a hit refreshes it, and when the pool needs pages the
 lowest score goes regardless: retention is a priority, never a lock.
 
+The host tier (optional, run by the ``KVManager``) keeps copies of cached
+pages in host memory: a page evicted from the device is copied to a host
+page first, and a later prefix hit on it copies it back. Its books are a
+second map, hash <-> host page, in least-recently-used order (a hit or a
+fresh copy makes an entry the newest); host entries are never referenced by
+a request (a hit copies the page to a new device page), so every one is
+evictable, oldest first. A page can be cached on both tiers at once (the
+host copy stays after a copy-in, so evicting the device copy again costs no
+copy).
+
 Pure bookkeeping: it knows page ids, not which request holds them (the
-``KVManager`` does) and never touches the free list.
+``KVManager`` does) and never touches the free lists.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
+from collections import OrderedDict
 from typing import Sequence
 
 HASH_BYTES = 16
@@ -36,9 +47,20 @@ def root_hash(cache_key: str) -> bytes:
 
 def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The chained hash of one full page of ``token_ids`` after ``parent``."""
-    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=HASH_BYTES).digest()
+
+
+def chain_hashes(parent: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """``page_hash`` of each full page of ``token_ids`` in turn, the first after
+    ``parent``: one conversion of the ids to bytes for the whole run."""
+    data = array("q", token_ids).tobytes()
+    step = 8 * page_size
+    out = []
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data) - step + 1, step):
+        parent = blake2b(parent + data[start:start + step], digest_size=HASH_BYTES).digest()
+        out.append(parent)
+    return out
 
 
 class PrefixCache:
@@ -55,6 +77,13 @@ class PrefixCache:
         self.query_tokens = 0    # tokens looked up at admissions (cumulative)
         self.hit_tokens = 0      # of those, tokens whose KV came from the cache
         self.evicted_pages = 0
+        self.epoch = 0           # bumped when a page leaves a tier or enters the device from host (a
+        #                          ``match_tiers`` result can only grow otherwise)
+        # Host tier: hash <-> host page, least recently used first.
+        self.host_page_of: OrderedDict[bytes, int] = OrderedDict()
+        self.host_hash_of: dict[int, bytes] = {}
+        self.host_hit_tokens = 0      # of ``hit_tokens``, tokens copied back from the host tier
+        self.host_evicted_pages = 0
         self._released: dict[int, float] = {}   # evictable page -> when it was released (s)
         self.residence_s = float("inf")          # EMA of release-to-eviction time; inf until one is evicted
 
@@ -72,6 +101,10 @@ class PrefixCache:
     def is_evictable(self, page: int) -> bool:
         return page in self._score
 
+    def num_evictable_among(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` (distinct) are evictable (one C-level set intersection)."""
+        return len(self._score.keys() & pages)
+
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Device pages of the longest cached run of ``hashes`` from the first."""
         pages = []
@@ -80,6 +113,21 @@ class PrefixCache:
             p = get(h)
             if p is None:
                 break
+            pages.append(p)
+        return pages
+
+    def match_tiers(self, hashes: Sequence[bytes]) -> list[int]:
+        """The longest cached run of ``hashes`` from the first, over both tiers:
+        a device page id, or ``~host_page`` (negative) for a page cached on host only."""
+        pages = []
+        on_device, on_host = self.page_of.get, self.host_page_of.get
+        for h in hashes:
+            p = on_device(h)
+            if p is None:
+                p = on_host(h)
+                if p is None:
+                    break
+                p = ~p
             pages.append(p)
         return pages
 
@@ -118,6 +166,10 @@ class PrefixCache:
         """Forget the evictable page with the lowest score; returns its page id.
         ``now`` (seconds) updates ``residence_s``, the EMA of how long an
         evicted page stayed cached after its release."""
+        return self.evict_entry(now)[0]
+
+    def evict_entry(self, now: float | None = None) -> tuple[int, bytes]:
+        """``evict``, returning ``(page, its hash)``."""
         heap, score = self._heap, self._score
         while heap:
             s, seq, p = heapq.heappop(heap)
@@ -128,14 +180,44 @@ class PrefixCache:
                     age = max(0.0, now - released)
                     self.residence_s = age if self.residence_s == float("inf") else \
                         0.9 * self.residence_s + 0.1 * age
-                del self.page_of[self.hash_of.pop(p)]
+                h = self.hash_of.pop(p)
+                del self.page_of[h]
                 del self.refs[p]
                 self.evicted_pages += 1
+                self.epoch += 1
                 if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
                     self._heap = [(e[0], e[1], q) for q, e in score.items()]
                     heapq.heapify(self._heap)
-                return p
+                return p, h
         raise RuntimeError("prefix cache: nothing evictable")
+
+    # ------------------------------------------------------------ host tier
+    @property
+    def num_host_pages(self) -> int:
+        """Host pages holding a cached page (all evictable)."""
+        return len(self.host_hash_of)
+
+    def host_insert(self, host_page: int, h: bytes) -> None:
+        """Name ``host_page`` (a fresh copy of a device page) ``h``: the newest host entry."""
+        assert h not in self.host_page_of and host_page not in self.host_hash_of, "host page or hash cached twice"
+        self.host_page_of[h] = host_page
+        self.host_hash_of[host_page] = h
+
+    def host_touch(self, h: bytes) -> None:
+        """A hit on (or a re-eviction of) host entry ``h``: it becomes the newest."""
+        self.host_page_of.move_to_end(h)
+
+    def host_evict(self, keep: set[int] | frozenset[int] = frozenset()) -> int | None:
+        """Forget the least recently used host entry whose page is not in ``keep``
+        (pages this step still reads); returns its host page, None if none."""
+        for h, hp in self.host_page_of.items():
+            if hp not in keep:
+                del self.host_page_of[h]
+                del self.host_hash_of[hp]
+                self.host_evicted_pages += 1
+                self.epoch += 1
+                return hp
+        return None
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self, listed: dict[int, int]) -> None:
@@ -150,3 +232,6 @@ class PrefixCache:
             assert (n == 0) == (p in self._score), f"prefix cache: page {p} evictable={p in self._score} with {n} refs"
         assert set(self._released) == set(self._score), "prefix cache: release times out of step"
         assert set(listed) <= set(self.hash_of), "prefix cache: a request lists an uncached page as shared"
+        assert len(self.host_page_of) == len(self.host_hash_of), "prefix cache: host maps differ in size"
+        for h, hp in self.host_page_of.items():
+            assert self.host_hash_of.get(hp) == h, f"prefix cache: host page {hp} and its hash disagree"

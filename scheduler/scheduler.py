@@ -16,6 +16,7 @@ them only through the scheduler's methods.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from types import MappingProxyType
 
 from scheduler.config import SchedulerConfig
@@ -30,6 +31,9 @@ from scheduler.request import ApiCallRecord, Handling, Request, RequestState
 from scheduler.token_budget import DynamicBudget
 
 
+_tokens_of = attrgetter("num_tokens")
+
+
 class Scheduler:
     """Continuous batching with API pauses, swap, preemption by recompute.
 
@@ -41,7 +45,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, policy: Policy, device_pool: PageAllocator,
                  host_pool: PageAllocator, cost: CostModel) -> None:
         cache = PrefixCache(config.prefix_cache_key) if config.enable_prefix_caching else None
-        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s)
+        self.kv = KVManager(device_pool, host_pool, cache, config.prefix_retention_s, config.host_cache)
         self.config = config
         self.policy = policy
         self.cost = cost
@@ -54,6 +58,9 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self._ranked = RankedQueue()            # ``waiting`` in admission order, keyed by ``policy.priority``
+        # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
+        # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
+        self._resume_pending: dict[str, Request] = {}
         self._preserved = MappingProxyType(self.kv.paused_holders)   # what ``policy.redecide`` may read
         self._dynamic_budget = DynamicBudget(config.budget_gamma, config.budget_beta_low,
                                              config.budget_beta_high)
@@ -93,9 +100,10 @@ class Scheduler:
     def view(self, running_tokens: int | None = None) -> MemoryView:
         """Memory now; ``running_tokens`` defaults to the running batch's context tokens."""
         if running_tokens is None:
-            running_tokens = sum(r.num_tokens for r in self.running)
+            running_tokens = sum(map(_tokens_of, self.running))
         device, host = self.kv.device_pool, self.kv.host_pool
-        return MemoryView(self.kv.num_free_device, device.num_pages, host.num_free, host.num_pages, self.page_size,
+        return MemoryView(self.kv.num_free_device, device.num_pages, self.kv.num_free_host, host.num_pages,
+                          self.page_size,
                           running_tokens, len(self.running), self.kv.paused_device_pages(), self.cost,
                           self.kv.cache_horizon_s())
 
@@ -143,12 +151,14 @@ class Scheduler:
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
         self.now = now
+        self.kv.hash_context(request)
         self.policy.on_arrival(request, now, self.view())
         self._enqueue(request, now)
 
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
         self.requests.pop(request.request_id, None)
+        self._resume_pending.pop(request.request_id, None)
         in_call = self.paused.pop(request.request_id, None) is not None
         if request in self.waiting:
             self._dequeue(request)
@@ -260,6 +270,7 @@ class Scheduler:
             self.finish(request, "length", now)
             return True
         self.policy.on_api_return(request, now, self.view())
+        self.kv.hash_context(request)
         if request.state != RequestState.SWAPPING_OUT:
             self._requeue_returned(request)
         return False
@@ -272,6 +283,7 @@ class Scheduler:
             # Seed 004 Algorithm 1: a Preserve call resumes straight into the batch.
             request.state = RequestState.RUNNING
             self.running.append(request)
+            self._resume_pending[request.request_id] = request
             return
         if request.state != RequestState.SWAPPED:
             request.state = RequestState.WAITING
@@ -288,13 +300,21 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         self.iteration += 1
         self.now = now
+        kv = self.kv
+        kv.copies_done()
         self._policy_step(now)
         view = self.view()
         plan = StepPlan(token_budget=max(1, self._token_budget(view)))
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
-        swap_pages = self._continue_swaps(plan, swap_pages, view)
+        kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
         budget = self._schedule_running(plan, plan.token_budget, now, view)
-        self._admit_waiting(plan, budget, swap_pages, now, view)
+        self._admit_waiting(plan, budget, now)
+        if kv.host_tier:
+            copy_out, copy_in = kv.take_copies()
+            if copy_out is not None:
+                plan.swap_out.append(copy_out)
+            if copy_in is not None:
+                plan.swap_in.append(copy_in)
         self.policy.on_plan(plan, now, self.iteration)
         return plan
 
@@ -347,6 +367,8 @@ class Scheduler:
             self.swapping_in.remove(request)
             request.state = RequestState.RUNNING
             self.running.append(request)
+            if request.api_returned:
+                self._resume_pending[request.request_id] = request
         return swap_pages - n
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
@@ -355,19 +377,21 @@ class Scheduler:
         # the slow path (evict an idle holder, else preempt the lowest priority).
         kv = self.kv
         page_size = kv.page_size
-        chunks = plan.chunks
+        append_chunk = plan.chunks.append
+        new_chunk = tuple.__new__   # ScheduledChunk(...) without its Python-level __new__ frame
         running_state = RequestState.RUNNING
         for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
-            if budget <= 0:
-                break
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
-            n = request.num_tokens - start
-            if n <= 0:
-                continue
+            end = request.num_tokens
+            n = end - start
             if n > budget:
+                if budget <= 0:
+                    break
                 n = budget
+            elif n <= 0:
+                continue
             need = -(-(start + n) // page_size) - len(request.device_pages)   # kv.pages_needed, inlined
             if need > 0:
                 while need > kv.num_free_device:
@@ -381,33 +405,36 @@ class Scheduler:
                         break
                 if request.state is not running_state or not kv.allocate_slots(request, need):
                     continue
-            chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
-            if request.first_scheduled_time is None or (
-                    request.api_returned and request.api_calls[-1].resume_time is None):
-                self._mark_scheduled(request, now)
+            append_chunk(new_chunk(ScheduledChunk, (request, start, n, start + n == end)))
             request.last_scheduled_time = now
             budget -= n
+            if budget <= 0:
+                break
+        # Every running request was given its first chunk at admission; only a call's resume
+        # may be unmarked (entered ``running`` from Preserve or a swap-in): a few, not the batch.
+        if self._resume_pending:
+            for request in list(self._resume_pending.values()):
+                if request.last_scheduled_time == now and request.state is running_state:
+                    self._mark_scheduled(request, now)
         return budget
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, swap_pages: int, now: float,
-                       step_view: MemoryView) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
         if not self.waiting:
             return
         kv = self.kv
         page_size = kv.page_size
-        view = self.view(step_view.running_tokens)   # after the running batch took its pages
         for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
             if request.state == RequestState.SWAPPED:
-                while not kv.start_swap_in(request) and self._evict_idle_holder(request, now, view):
+                while not kv.start_swap_in(request) and self._evict_idle_holder(request, now):
                     pass
                 if not request.device_pages:
                     break
                 self._dequeue(request)
                 request.state = RequestState.SWAPPING_IN
                 self.swapping_in.append(request)
-                swap_pages = self._swap_chunk(plan, request, swap_pages, out=False)
+                kv.copy_budget = self._swap_chunk(plan, request, kv.copy_budget, out=False)
                 if request.state != RequestState.RUNNING:
                     continue
                 n = min(request.num_uncomputed_tokens, budget)
@@ -422,11 +449,14 @@ class Scheduler:
             n = min(request.num_tokens - computed, budget)
             held = len(hits) if hits else len(request.device_pages)
             need = max(0, -(-(computed + n) // page_size) - held)
-            # Linking the hits makes those of them that are evictable unavailable.
-            while need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
-                if not self._evict_idle_holder(request, now, view):
+            # Linking the hits makes those of them that are evictable unavailable, and
+            # each host-resident one takes a device page.
+            taken = kv.num_evictable_in(hits) if hits else 0
+            while need > kv.num_free_device - taken:
+                if not self._evict_idle_holder(request, now):
                     break
-            if need > kv.num_free_device - (kv.num_evictable_in(hits) if hits else 0):
+                taken = kv.num_evictable_in(hits) if hits else 0   # the evicted holder may have shared them
+            if need > kv.num_free_device - taken:
                 break  # keep the policy's order: no skipping ahead of the head
             self._dequeue(request)
             if not request.device_pages:
@@ -445,8 +475,9 @@ class Scheduler:
         self._mark_scheduled(request, now)
         request.last_scheduled_time = now
 
-    @staticmethod
-    def _mark_scheduled(request: Request, now: float) -> None:
+    def _mark_scheduled(self, request: Request, now: float) -> None:
+        """``request`` was given a chunk at ``now``: its first scheduling, or its call's resume."""
+        self._resume_pending.pop(request.request_id, None)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
         if request.api_calls and request.api_calls[-1].resume_time is None and request.api_returned:
@@ -470,8 +501,7 @@ class Scheduler:
         self._enqueue(request, self.now)
         plan.preempted.append(request)
 
-    def _evict_idle_holder(self, behind: Request | None = None, now: float | None = None,
-                           view: MemoryView | None = None) -> bool:
+    def _evict_idle_holder(self, behind: Request | None = None, now: float | None = None) -> bool:
         """Free the pages of one request that holds device KV but is not running
         (paused under Preserve first, then one back from its API and still
         waiting, lowest-ranked first): it will be recomputed. When ``behind`` is
@@ -510,6 +540,7 @@ class Scheduler:
         request that produced a token, in chunk order. (Stop strings and parsed
         tool calls need text, so the engine's front end applies those to
         ``TOKEN`` events.)"""
+        self.kv.copies_done()
         ids = result.token_ids
         running_state = RequestState.RUNNING
         commit = self.kv.commit if self.kv.cache is not None else None
@@ -564,6 +595,7 @@ class Scheduler:
             assert r.num_computed_tokens <= r.num_tokens, f"{r.request_id}: computed > tokens"
             if r.state == RequestState.RUNNING:
                 assert r in self.running, f"{r.request_id} RUNNING but not in running"
+                assert r.first_scheduled_time is not None, f"{r.request_id} RUNNING, never scheduled"
                 assert len(r.device_pages) >= self.kv.device_pool.pages_for_tokens(r.num_computed_tokens)
             if r.state == RequestState.SWAPPED:
                 assert not r.device_pages and r.host_pages, f"{r.request_id}: SWAPPED without host-only KV"

@@ -7,18 +7,18 @@ is one process of a multi-host job: process 0 serves, the others follow its
 steps (``jaxserve.parallel.protocol``). Server-side tools: the built-in ``calculator`` always, plus Python callables
 named with ``--tools name=module:function,...``; they are registered in the
 engine (which runs them) and advertised to the model by the app.
+With ``--data-parallel-size N`` (or ``--prefill-replicas/--decode-replicas``)
+it runs replicas on Ray Serve instead (``jaxserve.distributed.launch``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
-from pathlib import Path
 
 from jaxserve.config import EngineConfig
-from jaxserve.model_source import BUILTIN_MODELS
+from server.build import build_app, load_tools  # noqa: F401 - load_tools: part of this module's API
 
 log = logging.getLogger("jaxserve.server")
 
@@ -52,45 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--tools", default=None,
                      help="extra server-side tools: name=module:function[,name=module:function...]")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    EngineConfig.add_cli_arguments(parser)
-
-
-def load_tools(spec: str | None) -> dict:
-    """``"name=module:function,..."`` -> ``{name: callable}``."""
-    tools = {}
-    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
-        name, sep, target = item.partition("=")
-        module, colon, attr = target.partition(":")
-        if not sep or not colon or not name or not module or not attr:
-            raise ValueError(f"--tools: expected name=module:function, got {item!r}")
-        fn = getattr(importlib.import_module(module), attr)
-        if not callable(fn):
-            raise ValueError(f"--tools: {target} is not callable")
-        tools[name] = fn
-    return tools
-
-
-def build_app(args: argparse.Namespace):
-    """The engine and the app for ``args`` (the caller shuts the engine down)."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
-    from server.app import create_app
-
-    engine = LLMEngine(config=EngineConfig.from_cli(args), tools=load_tools(args.tools))
-    async_engine = AsyncEngine(engine=engine)
-    usage = async_engine.usage_snapshot
-    pool_tokens = usage["device_pages_total"] * engine.config.page_size
-    max_model_len = engine.max_model_len
-    if pool_tokens < max_model_len:
-        log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
-                    pool_tokens, max_model_len, pool_tokens)
-        max_model_len = pool_tokens
-    name = args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
-    app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
-                     max_concurrent_requests=args.max_concurrent_requests,
-                     paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
-                     max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
-    return async_engine, app
+    EngineConfig.add_cli_arguments(parser, replicas=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,6 +63,9 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.process_id != 0:
         return run_worker(args)
+    if args.data_parallel_size > 1 or args.prefill_replicas or args.decode_replicas:
+        from jaxserve.distributed.launch import main as serve_replicas   # Ray only on this path
+        return serve_replicas(args)
     try:
         protocol = guarded_h11_protocol(args.header_timeout, args.max_connections)
         engine, app = build_app(args)

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxserve.outputs import RequestOutput
 
 PREFIX = "jaxserve:"
+VLLM_PREFIX = "vllm:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
 
@@ -55,9 +56,21 @@ class EngineCollector:
                     labels=["memory"])
         yield gauge("prefix_cache_pages", "Device KV pages holding prefix-cache pages (in use or evictable).",
                     usage["prefix_cached_pages"])
+        yield gauge("prefix_cache_host_pages", "Host KV pages holding the prefix cache's host tier (evictable).",
+                    usage.get("prefix_cached_host_pages", 0))
         yield gauge("kv_cache_usage_ratio", "Fraction of KV pages in use.",
                     [([m], usage[f"{m}_pages_used"] / max(1, usage[f"{m}_pages_total"])) for m in ("device", "host")],
                     labels=["memory"])
+
+        # The names vLLM-aware routers (llm-d's inference scheduler, ...) read; usage is a fraction 0..1.
+        for name, doc, value in (
+                ("num_requests_waiting", "Requests waiting to be scheduled (vLLM name).", usage["waiting"]),
+                ("num_requests_running", "Requests in the running batch (vLLM name).", usage["running"]),
+                ("kv_cache_usage_perc", "Fraction of device KV pages in use, 0..1 (vLLM name).",
+                 usage["device_pages_used"] / max(1, usage["device_pages_total"]))):
+            fam = GaugeMetricFamily(VLLM_PREFIX + name, doc)
+            fam.add_metric([], value)
+            yield fam
 
         def counter(name, doc, value):
             fam = CounterMetricFamily(PREFIX + name, doc)
@@ -68,13 +81,17 @@ class EngineCollector:
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("recomputed_tokens", "Tokens whose KV was computed again (after Discard or preemption).",
                       stats.recomputed_tokens)
-        yield counter("swapped_out_pages", "KV pages copied device->host.", stats.swapped_out_pages)
-        yield counter("swapped_in_pages", "KV pages copied host->device.", stats.swapped_in_pages)
+        yield counter("swapped_out_pages", "KV pages copied device->host (Swap and the prefix cache's host tier).",
+                      stats.swapped_out_pages)
+        yield counter("swapped_in_pages", "KV pages copied host->device (Swap and the prefix cache's host tier).",
+                      stats.swapped_in_pages)
         yield counter("num_preemptions", "Requests preempted to free KV pages.", usage["preemptions"])
         yield counter("prefix_cache_queries", "Prompt and context tokens looked up in the prefix cache at admission.",
                       usage["prefix_cache_queries"])
         yield counter("prefix_cache_hits", "Looked-up tokens whose KV came from the prefix cache.",
                       usage["prefix_cache_hits"])
+        yield counter("prefix_cache_host_hits", "Of the prefix cache's hits, tokens copied back from its host tier.",
+                      usage.get("prefix_cache_host_hits", 0))
         yield counter("engine_steps", "Engine steps run.", stats.steps)
         fam = CounterMetricFamily(PREFIX + "request_finished", "Requests finished in the engine, by reason.",
                                   labels=["finish_reason"])

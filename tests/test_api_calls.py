@@ -69,7 +69,7 @@ def test_paused_output_equals_spliced_uninterrupted_run(handling, pool):
         assert llm.engine.stats.swapped_out_pages > 0 and llm.engine.stats.swapped_in_pages > 0
     sched = llm.engine.scheduler
     assert sched.kv.num_free_device == sched.device_pool.num_pages   # free or cached-unreferenced
-    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    assert sched.kv.num_free_host == sched.host_pool.num_pages   # free or host-tier cached
 
 
 def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
@@ -92,7 +92,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     assert req.state == RequestState.SWAPPED and len(engine.scheduler.requests["b"].device_pages) == 10
     while engine.has_unfinished():
         engine.step()
-    assert engine.scheduler.kv.num_free_device == 12 and engine.scheduler.host_pool.num_free == 16
+    assert engine.scheduler.kv.num_free_device == 12 and engine.scheduler.kv.num_free_host == 16   # or cached
 
 
 def test_many_paused_requests_in_a_tight_pool_all_finish():
@@ -104,7 +104,7 @@ def test_many_paused_requests_in_a_tight_pool_all_finish():
                         api_calls=calls)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
     sched = llm.engine.scheduler
-    assert sched.kv.num_free_device == 10 and sched.host_pool.num_free == 6
+    assert sched.kv.num_free_device == 10 and sched.kv.num_free_host == 6   # free or host-tier cached
 
 
 def test_resume_errors_and_bad_api_calls_leave_engine_serving():

@@ -1,6 +1,6 @@
 """Cold start and CPU decode: page tables sized by the batch's longest context, lazy
-step compilation, a CPU KV pool sized from the engine's limits, and the greedy
-sampler's fast path."""
+step compilation, a CPU KV pool sized from the engine's limits, one-sequence decode
+in 2-token steps on CPU, and the greedy sampler's fast path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import ModelConfig
-from jaxserve.executor.model import CPU_KV_BUDGET_BYTES, ModelExecutorConfig, kv_pool_pages
+from jaxserve.executor.model import CPU_KV_BUDGET_BYTES, ModelExecutorConfig, kv_pool_pages, min_token_bucket_for
 from jaxserve.sampling import SamplingArrays, sample
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -40,6 +40,22 @@ def test_short_contexts_use_narrow_page_tables_and_match_padded_tables():
     padded = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert {w for _, w in runner.step_shapes} - widths == {runner.config.pages_per_seq}
     assert bucketed == padded
+
+
+def test_cpu_decode_of_one_sequence_runs_two_token_steps_with_the_tokens_of_eight():
+    """On CPU a lone request decodes in 2-token steps (not 8, not 1), and pads nothing
+    that changes its tokens: the same engine at a smallest bucket of 8 gives the same ones."""
+    assert (min_token_bucket_for("cpu"), min_token_bucket_for("gpu"), min_token_bucket_for("tpu")) == (2, 8, 8)
+    llm = LLM("demo", page_size=8, num_pages=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32)
+    runner = llm.engine.executor
+    assert runner.config.token_buckets[0] == 2
+    prompts, params = [list(range(3, 21))], SamplingParams(max_tokens=12, **GREEDY)
+    two = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert {t for t, _ in runner.step_shapes} == {32, 2}   # the prefill (18 tokens), then 2-token decodes
+    runner.config = dataclasses.replace(runner.config, min_token_bucket=8)
+    eight = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert 8 in {t for t, _ in runner.step_shapes}
+    assert two == eight and len(two[0]) == 12
 
 
 def test_cpu_kv_pool_is_sized_by_the_engine_limits():

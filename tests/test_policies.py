@@ -56,7 +56,7 @@ def drive(sched, now=0.0, max_steps=20000, dt=0.01):
         step(sched, now, pending)
         now += dt
     assert sched.device_pool.num_free == sched.device_pool.num_pages
-    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    assert sched.kv.num_free_host == sched.host_pool.num_pages
     return steps
 
 

@@ -29,7 +29,7 @@ def test_policy_runs_end_to_end_with_api_calls(policy):
     sched = llm.engine.scheduler
     assert not sched.has_unfinished()
     assert sched.kv.num_free_device == sched.device_pool.num_pages
-    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    assert sched.kv.num_free_host == sched.host_pool.num_pages
     RESULTS[policy] = [o.token_ids for o in outs]
     first = next(iter(RESULTS.values()))
     assert RESULTS[policy] == first

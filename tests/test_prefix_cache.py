@@ -117,6 +117,64 @@ def test_swap_in_relinks_pages_still_cached():
     kv.check_invariants([r], set(), set())
 
 
+def make_tiered_kv(device=4, host=3, page_size=4):
+    kv = KVManager(PageAllocator(device, page_size), PageAllocator(host, page_size, "host"), PrefixCache("m"),
+                   host_tier=True)
+    kv.copies_done()
+    kv.copy_budget = 8
+    return kv
+
+
+def test_host_tier_keeps_evicted_pages_and_a_hit_copies_them_back():
+    kv = make_tiered_kv()
+    a = computed(kv, "a", list(range(9)))              # 2 cached pages + a partial one
+    kv.free_device(a)
+    b = computed(kv, "b", list(range(100, 116)))       # 4 pages: a's 2 cached pages are evicted to host
+    assert kv.cache.evicted_pages == 2 and kv.cache.num_host_pages == 2 and kv.cache.num_pages == 4
+    copy_out, copy_in = kv.take_copies()
+    assert copy_in is None and copy_out.request is None and copy_out.owner == CACHE_OWNER
+    assert sorted(copy_out.host_pages) == sorted(kv.cache.host_hash_of)
+    kv.check_invariants([b], set(), set())             # host-resident cached pages are owned by the cache
+    kv.free_device(b)
+    kv.copies_done()
+    kv.copy_budget = 1
+    again = Request("a2", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    hits = kv.lookup(again)
+    assert len(hits) == 1 and hits[0] < 0              # host-resident; the budget allows one copy
+    kv.copy_budget = 8
+    hits = kv.lookup(again)
+    assert len(hits) == 2 and all(p < 0 for p in hits)
+    host_pages = [~p for p in hits]
+    assert kv.num_evictable_in(hits) == 2              # each takes a device page
+    kv.link(again, hits)
+    assert again.num_computed_tokens == 8 and kv.cache.host_hit_tokens == 8 and again.num_shared_pages == 2
+    copy_out, copy_in = kv.take_copies()
+    assert copy_in.host_pages == host_pages and copy_in.device_pages == again.device_pages
+    # The host copies stay (linking took 2 device pages: one of b's evicted pages went to the
+    # last free host page, the other was dropped: the pages this step reads back are never evicted).
+    assert set(host_pages) <= set(kv.cache.host_hash_of) and kv.cache.num_host_pages == 3
+    kv.check_invariants([again], set(), set())
+    kv.free_device(again)
+    kv.copies_done()
+    kv.copy_budget = 8
+    c = computed(kv, "c", list(range(200, 216)))       # evicts all 4 cached pages; 3 host pages to keep them
+    copy_out, _ = kv.take_copies()
+    assert len(copy_out.host_pages) == len(set(copy_out.host_pages))   # a host page is written once a step
+    kv.check_invariants([c], set(), set())
+
+
+def test_swap_out_takes_host_pages_from_the_host_tier_first():
+    kv = make_tiered_kv(device=4, host=5)
+    a = computed(kv, "a", list(range(8)))
+    kv.free_device(a)
+    b = computed(kv, "b", list(range(100, 116)))       # a's 2 pages -> host: 3 host pages left free
+    assert kv.cache.num_host_pages == 2 and kv.host_pool.num_free == 3 and kv.num_free_host == 5
+    kv.copies_done()                                   # the step ran: its copies no longer pin host pages
+    assert kv.start_swap_out(b)                        # needs 4: one taken from the host tier (its oldest)
+    assert len(b.host_pages) == 4 and kv.cache.num_host_pages == 1 and kv.cache.host_evicted_pages == 1
+    kv.check_invariants([b], set(), set())
+
+
 # ------------------------------------------------------- scheduler with fake KV
 class PagedModel:
     """A fake model over simulated KV pages: a computed position writes its token
@@ -149,10 +207,10 @@ class PagedModel:
         return StepResult(token_ids=ids)
 
 
-def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14):
+def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14, host_cache=True):
     ps = 4
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8, swap_budget_tokens=8,
-                                      handling=handling, enable_prefix_caching=cache),
+                                      handling=handling, enable_prefix_caching=cache, host_cache=host_cache),
                       make_policy("fcfs"), PageAllocator(num_pages, ps), PageAllocator(6, ps, "host"), COST)
     model = PagedModel(ps)
     rng = random.Random(seed)
@@ -181,21 +239,33 @@ def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14):
             if event.kind is EventKind.API_CALL:
                 pending.append((now + event.segment.api_duration_s, event.request))
         sched.check_invariants()
-    assert sched.kv.num_free_device == num_pages and sched.host_pool.num_free == 6   # free or cached-unreferenced
+    # Idle: every page free or cached-unreferenced, on both tiers.
+    assert sched.kv.num_free_device == num_pages and sched.kv.num_free_host == 6
+    assert all(owner == CACHE_OWNER for owner in sched.host_pool.owned_by())
     return {rid: r.output_token_ids for rid, r in outs.items()}, sched
 
 
 @pytest.mark.parametrize("handling", [None, Handling.PRESERVE, Handling.DISCARD, Handling.SWAP])
 @pytest.mark.parametrize("num_pages", [64, 12])
 def test_outputs_identical_with_and_without_the_cache(handling, num_pages):
+    """Cache off, device-only cache and host tier give the same greedy outputs;
+    with the tight pool, device eviction to host and host eviction both happen
+    and hits are served from host (the fake model reads the copied pages back)."""
+    host_hits = host_evictions = 0
     for seed in range(3):
         want, _ = run_agents(False, num_pages, handling, seed)
+        device_only, sched = run_agents(True, num_pages, handling, seed, host_cache=False)
+        assert device_only == want and sched.kv.cache.num_host_pages == 0
         got, sched = run_agents(True, num_pages, handling, seed)
         assert got == want
         cache = sched.kv.cache
         assert cache.hit_tokens > 0
         if num_pages == 12:
             assert sched.num_preemptions + cache.evicted_pages > 0
+        host_hits += cache.host_hit_tokens
+        host_evictions += cache.host_evicted_pages
+    if num_pages == 12:
+        assert host_hits > 0 and host_evictions > 0
 
 
 def test_soft_discard_recomputes_only_what_was_evicted():
@@ -234,3 +304,35 @@ def test_a_context_released_in_an_api_call_outranks_plain_pages_for_a_while_only
     assert kv.lookup(Request("p", 100.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))) == []
     assert kv.cache.residence_s < float("inf") and kv.cache_horizon_s() == kv.cache.residence_s
     kv.check_invariants([s], set(), set())
+
+
+# ------------------------------------------------------------------ simulator
+def test_simulator_models_the_host_tier_and_charges_its_copies():
+    """The simulator runs the same tier: with soft Discard under a tight device
+    pool, parked contexts pushed off the device come back from host (more cached,
+    less recomputed than device-only), and the copies are charged on the host link."""
+    from jaxserve.core import SimClock
+    from jaxserve.executor.sim import SimExecutor
+    from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
+    from scheduler import StepPlan, SwapOp
+
+    def requests():
+        rng = random.Random(4)
+        return [Request(f"s{i}", 0.05 * i, prompt_len=rng.randint(150, 250), max_tokens=40,
+                        segments=[Segment(20, "tool", rng.uniform(0.5, 2.0), 10), Segment(20)]) for i in range(40)]
+
+    results = {}
+    for host_pages in (0, 400):
+        sched = build_scheduler(COST, make_policy("infercept"),
+                                SimConfig(page_size=16, num_device_pages=80, num_host_pages=host_pages,
+                                          handling=Handling.DISCARD, enable_prefix_caching=True))
+        results[host_pages] = run_simulation(sched, requests(), check_invariants=True)
+        assert sched.kv.num_free_device == 80 and sched.kv.num_free_host == host_pages
+    device_only, tiered = results[0], results[400]
+    assert device_only.swapped_tokens == 0 and tiered.swapped_tokens > 0   # Discard: only host-tier copies
+    assert tiered.cached_tokens > device_only.cached_tokens
+    assert tiered.recomputed_tokens < device_only.recomputed_tokens
+    # A host-tier copy costs what a Swap copy of as many pages costs.
+    executor = SimExecutor(COST, 16, SimClock())
+    cache_copy = StepPlan(swap_in=[SwapOp(None, [1, 2], [3, 4])])
+    assert executor.step_time(cache_copy) == (COST.t_swap(32), COST.t_swap(32), 32)

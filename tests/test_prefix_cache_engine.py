@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, ApiCall, SamplingParams
+from scheduler import CACHE_OWNER
 
 RNG = np.random.default_rng(0)
 SYSTEM = RNG.integers(3, 500, 45).tolist()
@@ -37,15 +38,49 @@ def reference(with_calls: bool) -> list[list[int]]:
     return REFERENCE[with_calls]
 
 
-@pytest.mark.parametrize("num_pages,handling", [(64, None), (14, None), (14, "preserve"), (14, "discard"),
-                                                (14, "swap")])
-def test_greedy_outputs_identical_with_the_cache(num_pages, handling):
+@pytest.mark.parametrize("num_pages,handling,num_host_pages", [
+    (64, None, 6), (14, None, 6), (14, None, 0), (14, "preserve", 6), (14, "discard", 6), (14, "swap", 6),
+    (14, "discard", 0)])
+def test_greedy_outputs_identical_with_the_cache(num_pages, handling, num_host_pages):
+    """Device-only (``num_host_pages=0``) and with the host tier (6 host pages)."""
     with_calls = handling is not None
     want = reference(with_calls)
-    outs, sched = generate(with_calls, num_pages=num_pages, handling=handling, num_host_pages=6)
+    outs, sched = generate(with_calls, num_pages=num_pages, handling=handling, num_host_pages=num_host_pages)
     assert [o.token_ids for o in outs] == want
     cache = sched.kv.cache
     assert cache.hit_tokens > 0 and sum(o.num_cached_tokens for o in outs) >= 8 * 40   # most skip the system pages
     assert all(o.num_cached_tokens % 8 == 0 and o.num_cached_tokens < len(p) for o, p in zip(outs, PROMPTS))
     if num_pages == 14:
         assert sched.num_preemptions > 0 and cache.evicted_pages > 0
+
+
+def test_a_prefix_evicted_to_host_comes_back_by_device_put():
+    """A prompt's cached pages are pushed off the device by two other prompts, into
+    the host tier (real ``jax.device_put`` copies); the same prompt again is served
+    from both tiers: its full pages count in ``num_cached_tokens`` and its greedy
+    output equals the first run's. With ``num_host_pages=0`` the evicted pages are
+    gone and it recomputes them."""
+    prompt = RNG.integers(3, 500, 61).tolist()
+    others = [RNG.integers(3, 500, 61).tolist() for _ in range(2)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cached = {}
+    for host_pages in (16, 0):
+        llm = LLM("demo", page_size=8, num_pages=14, num_host_pages=host_pages, max_num_batched_tokens=64,
+                  max_model_len=128, check_invariants=True, warmup=False)
+        [first] = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)
+        for other in others:
+            llm.generate(prompt_token_ids=[other], sampling_params=greedy)
+        cache = llm.engine.scheduler.kv.cache
+        assert cache.evicted_pages >= 7
+        [again] = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)
+        assert again.token_ids == first.token_ids
+        cached[host_pages] = again.num_cached_tokens
+        if host_pages:
+            assert cache.host_hit_tokens > 0 and cache.num_host_pages > 0
+            executor = llm.engine.executor   # the host tier's copies are host-memory arrays
+            kinds = {executor.host_memory_kind(CACHE_OWNER, hp) for hp in cache.host_hash_of}
+            assert kinds and kinds <= {"pinned_host", "unpinned_host"}
+            assert again.num_cached_tokens == 7 * 8   # every full page of the prompt, from either tier
+        else:
+            assert cache.host_hit_tokens == 0 and cache.num_host_pages == 0
+    assert cached[16] > cached[0]

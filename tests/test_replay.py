@@ -229,7 +229,7 @@ def test_sim_completes_every_request_with_all_pages_free(multi, policy):
     assert all(r.finish_time is not None and r.finish_reason in ("length", "stop") for r in requests)
     assert not sched.has_unfinished()
     assert sched.kv.num_free_device == sched.device_pool.num_pages
-    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    assert sched.kv.num_free_host == sched.host_pool.num_pages
     for w, r in zip(sorted(workload, key=lambda w: w.arrival_time), result.requests):
         assert r.num_generated == w.entry.output_len
         assert len(r.api_calls) == w.entry.num_api_calls

@@ -41,7 +41,7 @@ def drive(sched, now=0.0, max_steps=5000):
                 assert event.kind is EventKind.FINISHED and r.finish_reason == "length"
         sched.check_invariants()
     assert sched.device_pool.num_free == sched.device_pool.num_pages
-    assert sched.host_pool.num_free == sched.host_pool.num_pages
+    assert sched.kv.num_free_host == sched.host_pool.num_pages
     return steps
 
 
@@ -154,3 +154,28 @@ def test_policy_binds_to_one_scheduler_and_with_kv_uses_the_given_manager():
     sched.add_request(r, 0.0)
     sched.update(sched.schedule(0.0), StepResult(), 0.0)
     assert r.state == RequestState.FINISHED and kv.device_pool.num_free == 8
+
+
+@pytest.mark.parametrize("policy,handling", [("augserve", Handling.PRESERVE), ("fcfs", Handling.SWAP),
+                                             ("fcfs", Handling.DISCARD), ("fcfs", Handling.PRESERVE)])
+def test_a_returned_call_is_marked_resumed_by_the_first_step_that_runs_it_again(policy, handling):
+    """Whichever way a request re-enters the batch (straight from Preserve, a swap-in
+    over several steps, re-admission), its call's ``resume_time`` is the clock of the
+    first step that gives it a chunk after the return."""
+    sched = make_scheduler(policy=policy, handling=handling, budget=64)
+    r = Request("a", 0.0, prompt_len=40, max_tokens=8, segments=[Segment(2, "t", 0.05, 3), Segment(6)])
+    sched.add_request(r, 0.0)
+    now, returned, ran_after_return = 0.0, False, None
+    while sched.has_unfinished():
+        if r.state is RequestState.PAUSED or r.state is RequestState.SWAPPED or r.state is RequestState.SWAPPING_OUT:
+            if not returned and not r.api_returned:
+                sched.api_return(r, 3, now)
+                returned = True
+        plan = sched.schedule(now)
+        if returned and ran_after_return is None and any(c.request is r for c in plan.chunks):
+            ran_after_return = now
+        now += 0.01
+        sched.update(plan, StepResult(), now)
+        sched.check_invariants()
+    [call] = r.api_calls
+    assert ran_after_return is not None and call.resume_time == ran_after_return

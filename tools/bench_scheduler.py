@@ -12,7 +12,12 @@ fraction of that typical step.
 
     python tools/bench_scheduler.py [--profile gptj-6b-a100-40g|PATH]
         [--policies lamps,augserve] [--waiting 64,512,4096] [--running 256] [--steps 300]
-        [--prefix-cache off,on]
+        [--prefix-cache off,on] [--baseline REV] [--clock wall|cpu]
+
+``--baseline REV`` also times the scheduler of git revision ``REV`` (its
+``scheduler/`` package, exported to a temporary folder, in a subprocess per
+row, run right before the row of this checkout) and prints its median and
+this checkout's median as a ratio of it: a before/after in one run.
 
 ``--prefix-cache`` runs each row with the prefix cache off and/or on; requests
 then carry token ids (one of 8 shared 256-token system prompts + a random
@@ -28,13 +33,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+# ``--scheduler-src DIR`` (internal, for ``--baseline``): import ``scheduler`` from DIR instead.
+_SRC = sys.argv[sys.argv.index("--scheduler-src") + 1] if "--scheduler-src" in sys.argv else str(REPO)
+sys.path.insert(0, _SRC)
 
 from scheduler import (EventKind, PageAllocator, Request, Scheduler, SchedulerConfig, Segment,  # noqa: E402
                        StepResult, available_policies, load_profile, make_policy)
@@ -61,8 +73,11 @@ def make_request(rng: random.Random, i: int, now: float, token_ids: bool = False
 
 
 def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost, seed: int = 0,
-          warmup: int = 300, budget: int = 512, cache: str | None = None) -> dict:
-    """``cache``: None (no token ids, default config), "off" or "on" (token ids, prefix cache off/on)."""
+          warmup: int = 300, budget: int = 512, cache: str | None = None, clock: str = "wall") -> dict:
+    """``cache``: None (no token ids, default config), "off" or "on" (token ids, prefix cache off/on).
+    ``clock``: "wall" (``time.perf_counter``) or "cpu" (``time.thread_time``: this thread's CPU
+    time, which a loaded machine's waits for a core do not inflate)."""
+    timer = time.perf_counter if clock == "wall" else time.thread_time
     rng = random.Random(seed)
     ids = cache is not None
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
@@ -85,9 +100,9 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             pending.remove(item)
             sched.api_return(item[1], item[2], now, token_ids=[5] * item[2] if ids else None)
         gc.disable()
-        t0 = time.perf_counter()
+        t0 = timer()
         plan = sched.schedule(now)
-        t1 = time.perf_counter()
+        t1 = timer()
         gc.enable()
         if step >= warmup:
             times.append(t1 - t0)
@@ -122,27 +137,63 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--prefix-cache", default=None,
                     help="comma list of off,on: requests carry token ids, cache off/on (default: no ids)")
+    ap.add_argument("--baseline", default=None, metavar="REV",
+                    help="also time git revision REV's scheduler, row by row (before/after in one run)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time schedule() by wall clock or by this thread's CPU time (robust to a loaded machine)")
+    ap.add_argument("--scheduler-src", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json-row", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.json_row:   # one row for a --baseline parent: print its result as JSON
+        cache = args.prefix_cache if args.prefix_cache else None
+        print(json.dumps(bench(args.policies, int(args.waiting), args.running, args.steps,
+                               load_profile(args.profile), budget=args.budget, cache=cache, clock=args.clock)))
+        return
+    baseline_dir = _export_scheduler(args.baseline) if args.baseline else None
     caches = args.prefix_cache.split(",") if args.prefix_cache else [None]
     if any(c not in (None, "off", "on") for c in caches):
         ap.error("--prefix-cache takes off, on or off,on")
     cost = load_profile(args.profile)
     sizes = [int(x) for x in args.waiting.split(",")]
     print(f"profile {cost.name}; {args.running} running (max_num_seqs), budget {args.budget} tokens, "
-          f"{args.steps} timed steps; python {sys.version.split()[0]}")
+          f"{args.steps} timed steps, {args.clock} clock; python {sys.version.split()[0]}")
     print(f"{'policy':<14}{'waiting':>8}{'cache':>6}{'median µs':>11}{'mean µs':>9}{'p99 µs':>9}"
-          f"{'step ms':>9}{'% of step':>10}{'running':>9}{'vs off':>8}")
+          f"{'step ms':>9}{'% of step':>10}{'running':>9}{'vs off':>8}"
+          + (f"{'base µs':>9}{'vs base':>9}" if baseline_dir else ""))
     for name in args.policies.split(","):
         for n in sizes:
             base = None
             for cache in caches:
-                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache)
+                base_row = _baseline_row(baseline_dir, args, name, n, cache) if baseline_dir else None
+                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache, clock=args.clock)
                 if cache == "off":
                     base = r["median_us"]
                 ratio = f"{r['median_us'] / base:>7.2f}x" if base and cache == "on" else f"{'':>8}"
                 print(f"{name:<14}{n:>8}{cache or '-':>6}{r['median_us']:>11.0f}{r['mean_us']:>9.0f}"
                       f"{r['p99_us']:>9.0f}{r['step_ms']:>9.1f}{100 * r['fraction']:>9.2f}%"
-                      f"{r['running_mean']:>9.0f}{ratio}", flush=True)
+                      f"{r['running_mean']:>9.0f}{ratio}"
+                      + (f"{base_row['median_us']:>9.0f}{r['median_us'] / base_row['median_us']:>8.2f}x"
+                         if base_row else ""), flush=True)
+
+
+def _export_scheduler(rev: str) -> str:
+    """Export git revision ``rev``'s ``scheduler/`` package to a temporary folder; returns it."""
+    out = tempfile.mkdtemp(prefix="bench-scheduler-base-")
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "scheduler"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    return out
+
+
+def _baseline_row(src: str, args: argparse.Namespace, policy: str, waiting: int, cache: str | None) -> dict:
+    """``bench`` of one row with the scheduler exported to ``src``, in a subprocess."""
+    cmd = [sys.executable, __file__, "--scheduler-src", src, "--json-row", "--policies", policy,
+           "--waiting", str(waiting), "--running", str(args.running), "--steps", str(args.steps),
+           "--budget", str(args.budget), "--profile", args.profile, "--clock", args.clock]
+    if cache:
+        cmd += ["--prefix-cache", cache]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

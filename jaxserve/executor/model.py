@@ -33,11 +33,24 @@ from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_
                                         replicated, to_host)
 from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample, sample_masked
-from scheduler import Request, ScheduledChunk, StepPlan, StepResult, SwapOp
+from scheduler import CACHE_OWNER, Request, ScheduledChunk, StepPlan, StepResult, SwapOp
 
 
 def next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def min_token_bucket_for(platform: str) -> int:
+    """Smallest token bucket (padded tokens per step) for a backend (``jax.default_backend()``).
+
+    On CPU a step's products cost in proportion to the padded rows, so a decode of one
+    or two sequences runs in a 2-token step: SmolLM2-135M float32 decodes 1.5x more
+    tokens per CPU second than in 8-token steps (``tools/decode_context.py``,
+    docs/benchmarks.md). Not 1: in a 1-token program XLA CPU copies the whole KV pool
+    (the one-slot write is not done in place) and the transposed embedding every step,
+    slower than 8 rows and in proportion to the pool. On GPU/TPU a step of 8 rows
+    costs what one of 2 does, so smaller buckets would only add programs to compile."""
+    return 2 if platform == "cpu" else 8
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,7 @@ class ModelExecutorConfig:
     kv_dtype: jnp.dtype
     attention_impl: str
     interpret: bool = False
-    min_token_bucket: int = 8
+    min_token_bucket: int = 8   # smallest token bucket compiled (see ``min_token_bucket_for``)
     min_page_bucket: int = 4    # narrowest page-table width compiled (pages per sequence)
     keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
 
@@ -316,27 +329,35 @@ class ModelExecutor:
 
     # -------------------------------------------------------------------- swap
     def swap_out(self, ops: list[SwapOp]) -> None:
-        """Copy each op's device pages to host memory (``pinned_host`` where the backend has it)."""
+        """Copy each op's device pages to host memory (``pinned_host`` where the backend has it),
+        filed under the op's owner (a request, or the prefix cache's host tier). A host page
+        a request's copy lands in was given up by the host tier, if it held it: its old copy goes."""
         for op in ops:
             n = len(op.device_pages)
             ids = np.zeros(next_power_of_two(n), np.int32)
             ids[:n] = op.device_pages
             chunk = self._gather(self.kv, put_replicated(ids, self.mesh))
             host = jax.device_put(chunk, self.host_sharding)
-            store = self._host_store.setdefault(op.request.request_id, {})
+            store = self._host_store.setdefault(op.owner, {})
+            given_up = self._host_store.get(CACHE_OWNER) if op.request is not None else None
             for row, hp in enumerate(op.host_pages):
                 store[hp] = (host, row)
+                if given_up:
+                    given_up.pop(hp, None)
 
     def swap_in(self, ops: list[SwapOp]) -> None:
         """Copy each op's host pages back into its (newly allocated) device pages:
         one host->device copy and one donated scatter per host chunk involved. The
         row ids are padded to the chunk's rows, so the scatter has the shapes
-        ``warmup`` compiled even when only part of a chunk comes back."""
+        ``warmup`` compiled even when only part of a chunk comes back. A
+        request's host copies are dropped once copied back; the host tier's
+        (an op without a request) stay, as the scheduler's books say."""
         for op in ops:
             groups: dict[int, tuple[jax.Array, list[int], list[int]]] = {}
-            store = self._host_store[op.request.request_id]
+            store = self._host_store[op.owner]
+            take = store.pop if op.request is not None else store.__getitem__
             for hp, dp in zip(op.host_pages, op.device_pages):
-                host, row = store.pop(hp)
+                host, row = take(hp)
                 _, rows, pages = groups.setdefault(id(host), (host, [], []))
                 rows.append(row)
                 pages.append(dp)
@@ -348,6 +369,27 @@ class ModelExecutor:
                 page_ids[:len(pages)] = pages
                 chunk = jax.device_put(host, self.chunk_sharding)
                 self.kv = self._scatter(self.kv, chunk, *put_replicated((row_ids, page_ids), self.mesh))
+
+    # ---------------------------------------------- KV export/import (disaggregation)
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """Host copy (numpy, ``jax.device_get``) of device ``pages``: ``[L, 2, n, page_size, Hkv, D]``."""
+        n = len(pages)
+        ids = np.zeros(next_power_of_two(n), np.int32)
+        ids[:n] = pages
+        return np.asarray(jax.device_get(self._gather(self.kv, put_replicated(ids, self.mesh))))[:, :, :n]
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        """Write ``data`` (``[L, 2, n, page_size, Hkv, D]``, from ``read_pages`` of an engine
+        of the same model and dtype) into device ``pages`` with ``jax.device_put`` and the swap scatter."""
+        n = len(pages)
+        size = next_power_of_two(n)
+        padded = np.zeros(data.shape[:2] + (size,) + data.shape[3:], data.dtype)
+        padded[:, :, :n] = data
+        page_ids = np.full(size, self.config.num_pages, np.int32)   # out of range -> dropped
+        page_ids[:n] = pages
+        chunk = jax.device_put(padded, self.chunk_sharding)
+        self.kv = self._scatter(self.kv, chunk, *put_replicated((np.arange(size, dtype=np.int32), page_ids),
+                                                                self.mesh))
 
     def host_memory_kind(self, request_id: str, host_page: int) -> str | None:
         """Memory kind of the host copy of ``host_page`` (e.g. ``"pinned_host"``); None if absent."""

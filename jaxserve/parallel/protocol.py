@@ -134,6 +134,11 @@ class _WireSwapOp:
     device_pages: list[int] = field(default_factory=list)
     host_pages: list[int] = field(default_factory=list)
 
+    @property
+    def owner(self) -> int:
+        """The request's handle (multi-host runs without the prefix cache's host tier)."""
+        return self.request.request_id
+
 
 def _swap_ops(tree) -> list[_WireSwapOp]:
     handles, counts, device_pages, host_pages = tree

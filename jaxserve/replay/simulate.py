@@ -49,6 +49,7 @@ class SimConfig:
     # named by (request id, page index): no sharing between requests, but soft discard,
     # preemption and swap-in re-link whatever of its own context was not evicted.
     enable_prefix_caching: bool = False
+    host_cache: bool = True   # the cache's host tier in the host pool (SchedulerConfig.host_cache)
 
     def resolve(self, cost: CostModel) -> "SimConfig":
         """A copy with every ``None`` sized from ``cost``."""
@@ -80,7 +81,7 @@ def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Sched
     sched_config = SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens,
                                    max_num_seqs=c.max_num_seqs,
                                    swap_budget_tokens=c.swap_budget_tokens, handling=c.handling,
-                                   enable_prefix_caching=c.enable_prefix_caching)
+                                   enable_prefix_caching=c.enable_prefix_caching, host_cache=c.host_cache)
     return Scheduler(sched_config, policy, PageAllocator(c.num_device_pages, c.page_size, "device"),
                      PageAllocator(c.num_host_pages, c.page_size, "host"), cost)
 

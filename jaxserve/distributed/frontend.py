@@ -1,0 +1,267 @@
+"""``Frontend``: the one HTTP endpoint in front of the replicas (a Ray Serve ingress deployment).
+
+Every route but ``/health`` and ``/metrics`` is forwarded, unchanged, to one
+replica, which serves it with the single server's app (same routes, errors,
+auth); the replica is picked by ``routing.ReplicaRouter`` from hints read in
+the body. ``/health`` asks every replica; ``/metrics`` merges the replicas'
+metrics, each sample labelled ``replica="<name>"``, with the front's own
+(replicas up, routing decisions). A replica that fails before its response
+started gives a 503 JSON error body; one that fails while streaming ends the
+stream with an SSE error event, as the single server does for in-band errors.
+"""
+
+import asyncio
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.distributed.replica import REPLICA_HEADER
+from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints
+
+log = logging.getLogger("jaxserve.distributed")
+
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+HEALTH_TIMEOUT_S = 5.0          # a replica that does not answer /health in this long counts as down
+HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
+_CALL_ID = re.compile(r'"id":\s*"(call_[A-Za-z0-9]+)"')
+_DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}
+
+def _error(status: int, message: str, code: str, replica: str | None = None) -> JSONResponse:
+    headers = {REPLICA_HEADER: replica} if replica else None
+    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                   "invalid_request_error", "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def ingress_class():
+    """``Frontend`` as a Ray Serve ingress class with its routes. Built per call (the FastAPI
+    app inside travels with the class to the replica process; a module-level app would be
+    imported there afresh, without the routes bound to the class). This module has no
+    ``from __future__ import annotations``: FastAPI must see ``Request`` itself, not a name."""
+    from ray import serve
+
+    app = FastAPI(title="jaxserve replicas", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @serve.ingress(app)
+    class FrontendIngress(Frontend):
+        @app.get("/health")
+        async def health(self):
+            return await self.health_response()
+
+        @app.get("/metrics")
+        async def metrics(self):
+            return await self.metrics_response()
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+        async def forward(self, request: Request):
+            return await self.forward_request(request)
+
+    return FrontendIngress
+
+
+class Frontend:
+    """The front's state and behaviour (``ingress_class`` adds the routes).
+    ``replicas``: name -> deployment handle; ``settings``: the ``jaxserve serve``
+    arguments (model, page_size, replica_router)."""
+
+    def __init__(self, replicas: dict, settings: dict) -> None:
+        from jaxserve.model_source import load_tokenizer, resolve_model
+
+        self.handles = dict(replicas)
+        self.router = ReplicaRouter(list(self.handles), settings.get("replica_router", "affinity"))
+        self.page_size = int(settings.get("page_size", 16))
+        tokenizer = load_tokenizer(resolve_model(settings["model"]))
+        self.tokenize = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer else None
+        self._monitor: asyncio.Task | None = None
+
+    # --------------------------------------------------------------- health
+    async def _check(self, name: str) -> bool:
+        try:
+            status = await asyncio.wait_for(self.handles[name].health.remote(), HEALTH_TIMEOUT_S)
+            return bool(status["alive"])
+        except Exception:  # noqa: BLE001 - dead actor, restarting, timed out: down
+            return False
+
+    async def check_all(self) -> dict[str, bool]:
+        """Ask every replica; update the router's view. ``{name: up}``."""
+        names = list(self.handles)
+        ups = await asyncio.gather(*(self._check(n) for n in names))
+        for name, up in zip(names, ups):
+            self.router.set_alive(name, up)
+        return dict(zip(names, ups))
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - keep watching
+                log.exception("replica health check failed")
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def health_response(self) -> JSONResponse:
+        self._ensure_monitor()
+        ups = await self.check_all()
+        up = sum(ups.values())
+        status = "ok" if up == len(ups) else "degraded" if up else "dead"
+        return JSONResponse({"status": status, "replicas_up": up, "replicas_desired": len(ups),
+                             "replicas": {n: "up" if u else "down" for n, u in ups.items()}},
+                            status_code=503 if up == 0 else 200)
+
+    # -------------------------------------------------------------- metrics
+    async def metrics_response(self) -> Response:
+        names = list(self.handles)
+
+        async def scrape(name):
+            try:
+                return await asyncio.wait_for(self.handles[name].metrics.remote(), HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a down replica has no metrics this scrape
+                return None
+
+        texts = await asyncio.gather(*(scrape(n) for n in names))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_MergedMetrics(dict(zip(names, texts)), self.router))
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ------------------------------------------------------------ forwarding
+    async def forward_request(self, request: Request) -> Response:
+        self._ensure_monitor()
+        body = await request.body()
+        path = request.url.path
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        lower = {k.lower(): v for k, v in request.headers.items()}
+        hints = await asyncio.to_thread(self._hints, path, request.method, lower, body)   # tokenizes
+        try:
+            replica, _ = self.router.choose(hints)
+        except RuntimeError:
+            return _error(503, "no replica is up; retry later", "no_replica")
+        self.router.routed(replica, hints)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.router.finished(replica)
+
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+        stream = self.handles[replica].options(stream=True).handle.remote(
+            request.method, path, request.url.query.encode(), headers, body)
+        try:
+            head = await stream.__anext__()
+        except asyncio.CancelledError:   # the client left while the replica was starting
+            stream.cancel()
+            release()
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
+            release()
+            log.warning("replica %s failed before answering: %s", replica, e)
+            return _error(503, f"replica {replica} failed while serving this request ({type(e).__name__}); "
+                          f"retry", "replica_failed", replica)
+        out_headers = {k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS}
+        if not out_headers.get("content-type", "").startswith("text/event-stream"):
+            chunks = []
+            try:
+                async for chunk in stream:
+                    chunks.append(chunk)
+            except asyncio.CancelledError:   # the client left: the replica's app sees a disconnect
+                stream.cancel()
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.warning("replica %s failed while answering: %s", replica, e)
+                return _error(503, f"replica {replica} failed while serving this request ({type(e).__name__}); "
+                              f"retry", "replica_failed", replica)
+            finally:
+                release()
+            content = b"".join(chunks)
+            self._note_tool_calls(replica, content)
+            return Response(content, status_code=head["status"], headers=out_headers)
+
+        async def relay():
+            finished = False
+            try:
+                async for chunk in stream:
+                    self._note_tool_calls(replica, chunk)
+                    yield chunk
+                finished = True
+            except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+                finished = True
+                log.warning("replica %s failed while streaming: %s", replica, e)
+                error = {"error": {"message": f"replica {replica} failed while serving this request "
+                                   f"({type(e).__name__})", "type": "server_error", "param": None,
+                                   "code": "replica_failed"}}
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                if not finished:   # the client left mid-stream: stop the generation on the replica
+                    stream.cancel()
+                release()
+
+        return StreamingResponse(relay(), status_code=head["status"], headers=out_headers)
+
+    def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
+        if method != "POST" or path not in ROUTED_PATHS:
+            return RoutingHints()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return RoutingHints()
+        if not isinstance(parsed, dict):
+            return RoutingHints()
+        try:
+            return read_hints(parsed, headers, self.tokenize, self.page_size)
+        except Exception:  # noqa: BLE001 - text the tokenizer cannot take: route without hints
+            return RoutingHints()
+
+    def _note_tool_calls(self, replica: str, content: bytes) -> None:
+        if b'"tool_calls"' in content:
+            ids = _CALL_ID.findall(content.decode("utf-8", "replace"))
+            if ids:
+                self.router.parked(replica, ids)
+
+
+class _MergedMetrics:
+    """The replicas' families with a ``replica`` label, plus the front's own."""
+
+    def __init__(self, texts: dict[str, str | None], router: ReplicaRouter) -> None:
+        self.texts = texts
+        self.router = router
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for replica, text in self.texts.items():
+            if text is None:
+                continue
+            for family in text_string_to_metric_families(text):
+                target = merged.get(family.name)
+                if target is None:
+                    target = merged[family.name] = Metric(family.name, family.documentation, family.type)
+                for s in family.samples:
+                    target.add_sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp)
+        yield from merged.values()
+        up = GaugeMetricFamily("jaxserve:replicas_up", "Replicas answering their health check.",
+                               labels=["replica"])
+        for replica, alive in self.router.alive.items():
+            up.add_metric([replica], 1.0 if alive else 0.0)
+        yield up
+        yield GaugeMetricFamily("jaxserve:replicas_desired", "Replicas asked for.", value=len(self.router.replicas))
+        in_flight = GaugeMetricFamily("jaxserve:router_requests_in_flight",
+                                      "Requests the front has in flight, by replica.", labels=["replica"])
+        for replica, n in self.router.in_flight.items():
+            in_flight.add_metric([replica], n)
+        yield in_flight
+        decisions = CounterMetricFamily("jaxserve:router_decisions", "Requests routed, by the rule that chose "
+                                        "the replica.", labels=["reason"])
+        for reason, n in sorted(self.router.routed_by.items()):
+            decisions.add_metric([reason], n)
+        yield decisions

@@ -1,0 +1,58 @@
+"""The engine and the app of one ``jaxserve serve`` process (or of one replica).
+
+``build_app(args)`` builds exactly what the single server serves; ``server.cli``
+runs it with uvicorn, a Ray Serve replica (``jaxserve.distributed.replica``)
+serves forwarded requests through it in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+from pathlib import Path
+
+from jaxserve.config import EngineConfig
+from jaxserve.model_source import BUILTIN_MODELS
+
+log = logging.getLogger("jaxserve.server")
+
+
+def load_tools(spec: str | None) -> dict:
+    """``"name=module:function,..."`` -> ``{name: callable}``."""
+    tools = {}
+    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
+        name, sep, target = item.partition("=")
+        module, colon, attr = target.partition(":")
+        if not sep or not colon or not name or not module or not attr:
+            raise ValueError(f"--tools: expected name=module:function, got {item!r}")
+        fn = getattr(importlib.import_module(module), attr)
+        if not callable(fn):
+            raise ValueError(f"--tools: {target} is not callable")
+        tools[name] = fn
+    return tools
+
+
+def build_app(args: argparse.Namespace, async_engine_class=None, **config_overrides):
+    """The engine and the app for ``args`` (the caller shuts the engine down).
+    ``async_engine_class``: an ``AsyncEngine`` subclass to drive the engine with (a
+    disaggregated decode replica's); ``config_overrides``: ``EngineConfig`` fields to change."""
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from server.app import create_app
+
+    engine = LLMEngine(config=EngineConfig.from_cli(args, **config_overrides), tools=load_tools(args.tools))
+    async_engine = (async_engine_class or AsyncEngine)(engine=engine)
+    usage = async_engine.usage_snapshot
+    pool_tokens = usage["device_pages_total"] * engine.config.page_size
+    max_model_len = engine.max_model_len
+    if pool_tokens < max_model_len:
+        log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
+                    pool_tokens, max_model_len, pool_tokens)
+        max_model_len = pool_tokens
+    name = args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
+    app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
+                     max_concurrent_requests=args.max_concurrent_requests,
+                     paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
+                     max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
+    return async_engine, app

@@ -1,0 +1,27 @@
+"""The benchmark's measurement of the learned length probe's cost (issue 18): it runs
+end to end on the demo model and reports every figure it promises."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from jaxserve import bench
+
+
+def test_probe_cost_random_probe_reports_paired_figures(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "cost.json"
+    args = parser.parse_args(["--length-probe", "random", "--num-prompts", "4", "--prompt-len", "8",
+                              "--max-tokens", "4", "--rounds", "2", "--probe-calls", "4", "--json", str(out)])
+    assert bench.main(args) == 0
+    cost = json.loads(out.read_text())
+    assert cost["same_tokens"] is True   # the probe never changes what is generated
+    assert cost["jitted_rows"] == 4 and cost["jitted_context"] == 12
+    for key in ("engine_step_wall", "engine_step_cpu", "jitted_step_wall", "jitted_step_cpu"):
+        m = cost[key]
+        assert m["median_without_ms"] > 0 and m["median_with_ms"] > 0
+        lo, hi = m["overhead_iqr"]
+        assert lo <= m["overhead"] <= hi
+    assert cost["probe_alone_cpu_ms"] >= 0 and cost["probe_alone_share"] < 1.0

@@ -1,0 +1,61 @@
+"""Moving a prompt's KV pages between two engines (prefill/decode disaggregation, without Ray):
+export from one engine's prefix cache, import into another's, and generate there."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.distributed.kv_transfer import cached_pages, context_hashes, export_pages, import_pages
+from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+
+SETTINGS = dict(dtype="float32", num_pages=48, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8,
+                warmup=False, check_invariants=True)
+PROMPT = [(7 * i + 3) % 200 + 5 for i in range(70)]   # 4 full pages of 16 cacheable, 6 tokens left
+
+
+def _run(engine: LLMEngine, rid: str, max_tokens: int) -> list[int]:
+    engine.add_request(rid, prompt_token_ids=PROMPT, sampling_params=SamplingParams(max_tokens=max_tokens,
+                                                                                   temperature=0.0))
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return list(out.token_ids)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    prefill, decode, reference = (LLMEngine("demo", **SETTINGS) for _ in range(3))
+    yield prefill, decode, reference
+    for e in (prefill, decode, reference):
+        e.shutdown()
+
+
+def test_moved_pages_are_used_and_give_the_same_tokens(engines):
+    prefill, decode, reference = engines
+    expected = _run(reference, "ref", 12)
+    _run(prefill, "p", 1)
+    hashes, kv = export_pages(prefill, PROMPT)
+    assert len(hashes) == 4 and hashes == context_hashes(decode, PROMPT)   # both sides name pages alike
+    c = prefill.executor.model_config
+    assert kv.shape == (c.num_hidden_layers, 2, 4, 16, c.num_key_value_heads, c.head_dim)
+    assert cached_pages(decode, PROMPT) == (0, 4)
+    assert import_pages(decode, hashes, kv) == 4
+    assert cached_pages(decode, PROMPT) == (4, 4)
+    pages = decode.scheduler.kv.cache.match(hashes)
+    np.testing.assert_array_equal(decode.executor.read_pages(pages), kv)
+    assert import_pages(decode, hashes, kv) == 0                         # already cached: nothing written
+    hits_before = decode.scheduler.kv.cache.hit_tokens
+    assert _run(decode, "d", 12) == expected
+    assert decode.scheduler.kv.cache.hit_tokens - hits_before == 64       # the moved pages, not recomputed
+
+
+def test_import_stops_when_the_pool_is_full(engines):
+    _, decode, _ = engines
+    kvm = decode.scheduler.kv
+    free = kvm.num_free_device
+    fake = [bytes([i]) * 16 for i in range(free + 3)]
+    adopted = kvm.adopt(fake)
+    assert len(adopted) == free and [i for i, _ in adopted] == list(range(free))
+    assert kvm.num_free_device == free   # adopted pages are evictable, as cached pages of finished requests

@@ -1,0 +1,111 @@
+"""The replica router (``jaxserve.distributed.routing``, no Ray) and the Ray-free single-engine path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, page_hashes, read_hints
+
+
+def _hints(text: str, **body) -> RoutingHints:
+    return read_hints({"messages": [{"role": "user", "content": text}], **body}, {}, None, page_size=8)
+
+
+def test_page_hashes_are_chained_over_full_pages():
+    a = page_hashes(list(range(10)), 4)
+    b = page_hashes(list(range(8)) + [99, 98, 97, 96], 4)
+    assert len(a) == 2 and a == b[:2] and len(b) == 3
+    assert page_hashes([5, 1, 2, 3] + list(range(4, 8)), 4)[1] != a[1]   # page 1's hash covers page 0
+
+
+def test_affinity_order_parked_then_session_then_prefix_then_least_loaded():
+    router = ReplicaRouter(["r0", "r1"])
+    long = "a conversation long enough for several pages"
+    first, reason = router.choose(_hints(long))
+    assert (first, reason) == ("r0", "least_loaded")
+    router.routed(first, _hints(long))
+    # The next turn starts with this one: the deepest cached prefix wins over load.
+    assert router.choose(_hints(long + " and the next turn")) == ("r0", "prefix")
+    other = _hints("something else entirely, also long")
+    assert router.choose(other) == ("r1", "least_loaded")   # r0 has one in flight
+    router.routed("r1", _hints("x", user="bob"))
+    assert router.choose(_hints("unrelated text that is long", user="bob")) == ("r1", "session")
+    router.parked("r0", ["call_abc"])
+    follow = read_hints({"user": "bob", "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "call_abc", "type": "function"}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "ok"}]}, {}, None, 4)
+    assert router.choose(follow) == ("r0", "parked")
+
+
+def test_session_header_wins_over_body_keys():
+    hints = read_hints({"user": "u", "session_id": "s", "messages": []}, {"x-session-affinity": "h"}, None, 16)
+    assert hints.session_key == "h"
+    assert read_hints({"user": "u", "prompt_cache_key": "k"}, {}, None, 16).session_key == "k"
+
+
+def test_prefix_affinity_yields_to_load_and_dead_replicas_are_forgotten():
+    router = ReplicaRouter(["r0", "r1"], max_imbalance=2)
+    shared = _hints("the same long shared system prompt for everyone")
+    router.routed("r0", shared)
+    router.routed("r0", shared)
+    assert router.choose(shared) == ("r1", "least_loaded")   # r0 is 2 requests ahead
+    router.finished("r0")
+    assert router.choose(shared) == ("r0", "prefix")
+    router.set_alive("r0", False)
+    assert router.choose(shared) == ("r1", "least_loaded")
+    router.set_alive("r0", True)
+    assert router.choose(shared) == ("r1", "least_loaded")   # its cache was forgotten (and r0 has 1 in flight)
+    assert not router.prefixes["r0"]
+    router.set_alive("r0", False)
+    router.set_alive("r1", False)
+    with pytest.raises(RuntimeError, match="no replica is up"):
+        router.choose(shared)
+
+
+def test_a_shallow_shared_prefix_does_not_pin_new_conversations():
+    router = ReplicaRouter(["r0", "r1"])
+    router.routed("r0", _hints("Agent 1: the same header, then conversation one"))
+    router.finished("r0")
+    # Only the first page or two ("<user>Agent 1: t...") match: under half of the new prompt's pages.
+    assert router.choose(_hints("Agent 1: the other conversation, which is much longer than the header")) \
+        == ("r0", "least_loaded")   # both idle: the first replica, by load, not by prefix
+    assert router.routed_by == {"least_loaded": 1}
+
+
+def test_round_robin_and_bounded_maps():
+    router = ReplicaRouter(["r0", "r1", "r2"], "round_robin", hashes_per_replica=3, max_keys=2)
+    assert [router.choose(RoutingHints())[0] for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    router.routed("r0", RoutingHints(page_hashes=[b"1", b"2", b"3", b"4"]))
+    assert list(router.prefixes["r0"]) == [b"2", b"3", b"4"]
+    router.parked("r1", ["a", "b", "c"])
+    assert list(router.parked_calls) == ["b", "c"]
+
+
+def test_odd_bodies_give_no_hints():
+    assert read_hints({"messages": "nope", "prompt": 3}, {}, None, 16) == RoutingHints()
+    assert read_hints({"prompt": list(range(40))}, {}, None, 16).page_hashes == page_hashes(list(range(40)), 16)
+
+
+def test_replica_settings_are_validated():
+    assert not EngineConfig().replicated
+    assert EngineConfig(data_parallel_size=2).replicated
+    assert EngineConfig(prefill_replicas=1, decode_replicas=2).replicated
+    for bad, match in (({"data_parallel_size": 0}, "data_parallel_size"),
+                       ({"prefill_replicas": 1}, "go together"),
+                       ({"prefill_replicas": -1, "decode_replicas": 1}, "prefill_replicas"),
+                       ({"prefill_replicas": 1, "decode_replicas": 1, "data_parallel_size": 2}, "either"),
+                       ({"replica_router": "random"}, "replica_router"),
+                       ({"ray_address": ""}, "ray_address")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+
+
+def test_single_engine_path_imports_no_ray():
+    code = ("import sys, jaxserve, server, server.app, server.cli, jaxserve.async_engine; "
+            "from jaxserve.cli import build_parser; build_parser(); "
+            "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
