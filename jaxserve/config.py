@@ -123,6 +123,9 @@ class EngineConfig:
         "loaded), least_loaded, round_robin", group="replicas", choices=REPLICA_ROUTERS))
     # ------------------------------------------------------------- executor
     warmup: bool = field(default=True, metadata=_flag("compile the step programs before serving"))
+    warmup_all_shapes: bool = field(default=False, metadata=_flag(
+        "with --warmup, compile every step shape (token bucket x page-table width) before serving, so none "
+        "compiles mid-run (timed replays; a slower start)"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
     check_invariants: bool = field(default=False, metadata=_flag(
         "check the page invariants after every step (tests; slow)"))

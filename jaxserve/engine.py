@@ -126,7 +126,8 @@ class LLMEngine:
                                check_invariants=config.check_invariants)
         self._ids = itertools.count()
         if config.warmup:
-            executor.warmup(swap_pages=max(1, sched_cfg.swap_budget_tokens // config.page_size))
+            executor.warmup(swap_pages=max(1, sched_cfg.swap_budget_tokens // config.page_size),
+                            all_shapes=config.warmup_all_shapes)
         if hasattr(executor, "start_broadcasting"):   # process 0 of several: workers follow from here
             executor.start_broadcasting()
 

@@ -6,6 +6,7 @@ multiplied by how long it is held).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -13,24 +14,35 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """How long a step and a copy take on one device.
+STEP_MODELS = ("linear", "buckets", "auto")
 
-    ``T_fwd(n, c) = fwd_base_s + fwd_per_token_s · n + fwd_per_context_token_s · c``
-    for a forward over ``n`` batched query tokens whose attention reads ``c``
-    cached context tokens in all (each chunk reads its request's whole context
-    so far: a decode step of ``B`` requests with contexts ``c_j`` reads
-    ``Σ c_j``); ``T_step(n, c) = T_fwd(n, c) + step_overhead_s`` is the whole
-    step, the one cost the simulated clock and every waste/value equation use; ``T_swap(n) = n * bytes_per_token / swap_bandwidth_bytes_s``
-    for a one-way copy of ``n`` tokens' KV. ``saturation_tokens`` (S) is the
-    batch size in tokens beyond which a step gets slower with no more throughput.
-    ``step_overhead_s`` is the engine's host-side time per step outside the
-    forward (scheduling, input building, reading back tokens); the simulator
-    adds it to every step that runs the model. ``swap_overlaps_forward``: the
-    copies of a step run behind its forward (InferCept's layer-pipelined swap,
-    the published GPT-J/A100 setting) rather than before it (jaxserve's engine
-    today, which ``jaxserve profile`` records).
+
+@dataclass(frozen=True)
+class CostModel:
+    """How long a step and a copy take on one device: the one cost model that the
+    simulated clock and every waste/value equation of the policies read.
+
+    ``T_fwd(n, c) = scale · (forward(n) + fwd_per_context_token_s · c)`` for a
+    forward over ``n`` batched query tokens whose attention reads ``c`` cached
+    context tokens in all (each chunk reads its request's whole context so far:
+    a decode step of ``B`` requests with contexts ``c_j`` reads ``Σ c_j``), and
+    ``T_step(n, c) = T_fwd(n, c) + scale · step_overhead_s`` the whole step (0
+    for ``n == 0``). ``forward(n)`` per ``step_model``: ``linear``,
+    ``fwd_base_s + fwd_per_token_s · n``; ``buckets``, the measured time of the
+    smallest power-of-two bucket ``>= n`` in ``meta["step_times_s"]`` (written by
+    ``jaxserve profile``; beyond the largest bucket, its time plus
+    ``fwd_per_token_s`` per extra token), as the engine pads steps; ``auto``,
+    buckets when the profile has them, else linear. ``scale`` is
+    ``step_time_scale`` (1 unless asked: a what-if or a sensitivity check; it
+    multiplies copies too). ``T_swap(n) = scale · n · bytes_per_token /
+    swap_bandwidth_bytes_s`` for a one-way copy of ``n`` tokens' KV.
+    ``saturation_tokens`` (S) is the batch size in tokens beyond which a step
+    gets slower with no more throughput. ``step_overhead_s`` is the engine's
+    host-side time per step outside the forward (scheduling, input building,
+    reading back tokens). ``swap_overlaps_forward``: the copies of a step run
+    behind its forward (InferCept's layer-pipelined swap, the published
+    GPT-J/A100 setting) rather than before it (jaxserve's engine today, which
+    ``jaxserve profile`` records).
     """
 
     fwd_base_s: float
@@ -44,24 +56,61 @@ class CostModel:
     step_overhead_s: float = 0.0
     swap_overlaps_forward: bool = True
     fwd_per_context_token_s: float = 0.0   # seconds per cached context token read per step
+    step_model: str = "auto"               # how forward(n) is computed: linear | buckets | auto
+    step_time_scale: float = 1.0           # multiplies every step and copy time
     name: str = "unnamed"
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.step_model not in STEP_MODELS:
+            raise ValueError(f"step model must be one of {', '.join(STEP_MODELS)}, got {self.step_model!r}")
+        if not self.step_time_scale > 0:
+            raise ValueError(f"step time scale must be > 0, got {self.step_time_scale}")
+        table = sorted((int(k), float(v)) for k, v in ((self.meta or {}).get("step_times_s") or {}).items())
+        if self.step_model == "buckets" and not table:
+            raise ValueError(f"profile {self.name!r} has no measured step times (meta.step_times_s); "
+                             "use the linear step model")
+        use = table if self.step_model in ("buckets", "auto") else []
+        # Not a field: derived from meta, so asdict/to_json/replace never see it.
+        object.__setattr__(self, "_bucket_sizes", [b for b, _ in use])
+        object.__setattr__(self, "_bucket_seconds", [t for _, t in use])
+
+    @property
+    def resolved_step_model(self) -> str:
+        """``buckets`` or ``linear``: what ``step_model`` (maybe ``auto``) came to."""
+        return "buckets" if self._bucket_sizes else "linear"
+
+    def timed(self, step_model: str = "auto", step_time_scale: float = 1.0) -> "CostModel":
+        """This profile with another step model and scale (validated)."""
+        if step_model == self.step_model and step_time_scale == self.step_time_scale:
+            return self
+        return dataclasses.replace(self, step_model=step_model, step_time_scale=step_time_scale)
+
+    def _forward(self, num_tokens: float) -> float:
+        sizes = self._bucket_sizes
+        if not sizes:
+            return self.fwd_base_s + self.fwd_per_token_s * num_tokens
+        i = bisect.bisect_left(sizes, num_tokens)
+        if i < len(sizes):
+            return self._bucket_seconds[i]
+        return self._bucket_seconds[-1] + self.fwd_per_token_s * (num_tokens - sizes[-1])
+
     def t_fwd(self, num_tokens: float, context_tokens: float = 0.0) -> float:
         """Seconds of the forward over ``num_tokens`` query tokens reading ``context_tokens``."""
-        return (self.fwd_base_s + self.fwd_per_token_s * max(0.0, num_tokens)
-                + self.fwd_per_context_token_s * max(0.0, context_tokens))
+        return self.step_time_scale * (self._forward(max(0.0, num_tokens))
+                                       + self.fwd_per_context_token_s * max(0.0, context_tokens))
 
     def t_step(self, num_tokens: float, context_tokens: float = 0.0) -> float:
-        """Seconds of a whole step: ``T_fwd(n, c) + step_overhead_s`` (0 for an empty step)."""
+        """Seconds of a whole step: ``T_fwd(n, c) + scale · step_overhead_s`` (0 for an empty step)."""
         if num_tokens <= 0:
             return 0.0
-        return self.t_fwd(num_tokens, context_tokens) + self.step_overhead_s
+        return self.t_fwd(num_tokens, context_tokens) + self.step_time_scale * self.step_overhead_s
 
     def t_swap(self, num_tokens: float) -> float:
+        """Seconds of a one-way copy of ``num_tokens`` tokens' KV over the host link."""
         if self.swap_bandwidth_bytes_s <= 0:
             return math.inf
-        return num_tokens * self.bytes_per_token / self.swap_bandwidth_bytes_s
+        return self.step_time_scale * num_tokens * self.bytes_per_token / self.swap_bandwidth_bytes_s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -184,3 +233,68 @@ def waste_discard_chunked(cost: CostModel, context_tokens: int, other_tokens: in
 def waste_swap(cost: CostModel, context_tokens: int, other_tokens: int) -> float:
     """WasteSwap = 2 · T_swap(C_i) · C_batch · M (out and back in; others stall)."""
     return 2 * cost.t_swap(context_tokens) * (context_tokens + other_tokens) * cost.bytes_per_token
+
+
+# --------------------------------------------------------------- policy values
+# The policies' ranking values integrate memory over the time of the steps a
+# request will take, each step priced by the same ``T_step(n, c)`` as the
+# simulated clock (and, in the real engine, by the loaded/measured profile).
+
+
+def _context_slope(cost: CostModel) -> float:
+    """Seconds a step gains per context token read (``∂T_step/∂c``)."""
+    return cost.step_time_scale * cost.fwd_per_context_token_s
+
+
+def decode_cost(cost: CostModel, context_tokens: float, output_tokens: float) -> tuple[float, float]:
+    """``(seconds, token-seconds)`` of decoding ``output_tokens`` one per step from a
+    context of ``context_tokens``: step ``k`` is a saturated step that also reads
+    the request's own context, ``T_step(S, C + k)``, holding ``C + k + ½`` tokens
+    on average. The other requests' context reads are left out: at ranking time
+    they are the same for every candidate and not known for the future batch."""
+    n = max(0.0, output_tokens)
+    if n <= 0:
+        return 0.0, 0.0
+    c = max(0.0, context_tokens)
+    a, b = cost.t_step(cost.saturation_tokens), _context_slope(cost)
+    s1 = n * c + n * (n - 1) / 2                                    # Σ (C + k)
+    s2 = n * c * c + c * n * (n - 1) + (n - 1) * n * (2 * n - 1) / 6  # Σ (C + k)²
+    return a * n + b * s1, a * (n * c + n * n / 2) + b * (s2 + s1 / 2)
+
+
+def fill_cost(cost: CostModel, start_tokens: float, fill_tokens: float, chunk_tokens: int) -> tuple[float, float]:
+    """``(seconds, token-seconds)`` of computing ``fill_tokens`` of KV on top of
+    ``start_tokens`` already held (a prefill, a recompute after Discard, the
+    returned tokens of an API call), in chunks of ``chunk_tokens`` one per step:
+    chunk ``j`` ending at context ``e_j`` takes ``T_step(n_j, e_j)`` (its attention
+    reads the context so far) and holds ``e_j − n_j/2`` tokens on average."""
+    fill = max(0.0, fill_tokens)
+    if fill <= 0:
+        return 0.0, 0.0
+    ch = max(1, int(chunk_tokens))
+    s = max(0.0, start_tokens)
+    b = _context_slope(cost)
+    full = int(fill // ch)
+    rest = fill - full * ch
+    seconds = area = 0.0
+    if full:
+        a = cost.t_step(ch)
+        e1 = full * s + ch * full * (full + 1) / 2                        # Σ e_j
+        e2 = full * s * s + s * ch * full * (full + 1) + ch * ch * full * (full + 1) * (2 * full + 1) / 6
+        seconds += a * full + b * e1
+        area += a * (e1 - full * ch / 2) + b * (e2 - ch / 2 * e1)
+    if rest > 0:
+        end = s + fill
+        t = cost.t_step(rest, end)
+        seconds += t
+        area += t * (end - rest / 2)
+    return seconds, area
+
+
+def swap_ramp_seconds(cost: CostModel, tokens: float, tokens_per_step: int) -> float:
+    """Seconds to copy ``tokens`` of KV one way at ``tokens_per_step`` per saturated
+    step (``T_step(S)`` each), or at the host link's pace if that is slower."""
+    if tokens <= 0:
+        return 0.0
+    steps = math.ceil(tokens / max(1, tokens_per_step))
+    return max(steps * cost.t_step(cost.saturation_tokens), cost.t_swap(tokens))

@@ -261,3 +261,28 @@ def test_prefill_decode_split_runs_the_two_phases_side_by_side():
     replay_cli.add_arguments(parser)
     _, config = replay_cli.build_config(parser.parse_args(["--simulate", "--prefill-decode-split", "--rate", "2"]))
     assert config.sim.prefill_decode_split is True
+
+
+def test_in_run_profile_takes_the_engines_own_step_times():
+    """tools/replay_fidelity.py's in-run profile: buckets the engine ran often enough
+    cost what they cost in the run; the others scale the profile by the observed
+    ratio; swap-only steps (bucket 0) are left out."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "replay_fidelity.py"
+    spec = importlib.util.spec_from_file_location("replay_fidelity", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    before = dataclasses.replace(COST, step_overhead_s=0.001, max_num_batched_tokens=512,
+                                 meta={"step_times_s": {"8": 0.002, "64": 0.01, "512": 0.1}})
+    rows = [{"steps_by_bucket": {"0": {"steps": 3, "mean_s": 0.5}, "1": {"steps": 10, "mean_s": 0.004},
+                                 "512": {"steps": 6, "mean_s": 0.2}, "64": {"steps": 2, "mean_s": 9.0}}}]
+    cal = tool.in_run_profile(before, rows)
+    assert cal.resolved_step_model == "buckets" and cal.step_overhead_s == 0.0
+    assert cal.t_step(1) == pytest.approx(0.004)
+    assert cal.t_step(300) == pytest.approx(0.2)
+    ratio = (10 * 0.004 + 6 * 0.2) / (10 * before.t_step(1) + 6 * before.t_step(512))
+    assert cal.t_step(64) == pytest.approx(ratio * before.t_step(64))   # 2 steps: too few to trust
+    assert cal.meta["in_run"]["buckets_seen"] == [1, 512]

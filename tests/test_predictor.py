@@ -170,3 +170,26 @@ def test_learned_predictor_falls_back_to_class_running_mean():
     fresh = Request("u", 0.0, prompt_len=5, max_tokens=100, segments=[Segment(7, "math", 0.1, 2)],
                     predictions={"class": "math"})
     assert p.segment_output_len(fresh) == 10      # the class's running mean
+
+
+def test_batched_hidden_states_equal_one_by_one():
+    """``read_many`` (right-padded batches of similar length, and the one-by-one path
+    for contexts past the window) gives the same features as ``read`` per context."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.predictor.features import HiddenStateReader, load_served_model
+    served = dataclasses.replace(load_served_model("demo"), window=40)
+    tok = served.tokenizer
+    texts = ["hi", "alpha beta gamma delta", "a much longer conversation about the weather " * 2,
+             "tool call then more words " * 3, "short one", "x " * 30]
+    contexts = []
+    for t in texts:
+        ids = tuple(tok.encode(t, add_special_tokens=True))
+        contexts.append((ids, tuple(sorted({max(1, len(ids) // 2), len(ids)}))))
+    assert any(max(e) > served.window for _, e in contexts) and any(max(e) <= served.window for _, e in contexts)
+    reader = HiddenStateReader(served)
+    batched = reader.read_many(contexts, max_batch_tokens=64)
+    for (ids, ends), got in zip(contexts, batched):
+        np.testing.assert_allclose(got, reader.read(ids, ends), atol=2e-4, rtol=0)

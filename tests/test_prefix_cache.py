@@ -326,7 +326,7 @@ def test_simulator_models_the_host_tier_and_charges_its_copies():
         sched = build_scheduler(COST, make_policy("infercept"),
                                 SimConfig(page_size=16, num_device_pages=80, num_host_pages=host_pages,
                                           handling=Handling.DISCARD, enable_prefix_caching=True))
-        results[host_pages] = run_simulation(sched, COST, requests(), check_invariants=True)
+        results[host_pages] = run_simulation(sched, requests(), check_invariants=True)
         assert sched.kv.num_free_device == 80 and sched.kv.num_free_host == host_pages
     device_only, tiered = results[0], results[400]
     assert device_only.swapped_tokens == 0 and tiered.swapped_tokens > 0   # Discard: only host-tier copies

@@ -11,7 +11,7 @@ from jaxserve.replay import cli as replay_cli
 from jaxserve.replay.metrics import Slo, aggregate, request_metrics
 from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs
 from jaxserve.core import SimClock
-from jaxserve.executor.sim import SimExecutor, StepTimer
+from jaxserve.executor.sim import SimExecutor
 from jaxserve.replay.simulate import SimConfig, SimulationStalled, build_scheduler, run_simulation
 from jaxserve.replay.trace import (TraceError, bundled_trace_path, entries_to_jsonl, load_trace,
                                    parse_infercept, parse_jsonl, scale_entries)
@@ -225,7 +225,7 @@ def test_sim_completes_every_request_with_all_pages_free(multi, policy):
     sched = build_scheduler(COST, make_policy(policy, make_predictor("oracle")),
                             SimConfig(page_size=8, num_device_pages=160, num_host_pages=40,
                                       max_num_batched_tokens=64, check_invariants=True))
-    result = run_simulation(sched, COST, requests, check_invariants=True)
+    result = run_simulation(sched, requests, check_invariants=True)
     assert all(r.finish_time is not None and r.finish_reason in ("length", "stop") for r in requests)
     assert not sched.has_unfinished()
     assert sched.kv.num_free_device == sched.device_pool.num_pages
@@ -243,7 +243,7 @@ def test_sim_forced_handling(multi, handling):
                                                        WorkloadSpec("poisson", rate=10.0, num_requests=30))]
     sched = build_scheduler(COST, make_policy("infercept"),
                             SimConfig(page_size=8, num_device_pages=400, num_host_pages=400, handling=handling))
-    result = run_simulation(sched, COST, requests, check_invariants=True)
+    result = run_simulation(sched, requests, check_invariants=True)
     used = {c.handling for r in requests for c in r.api_calls}
     assert used == {handling}
     assert (result.swapped_tokens > 0) == (handling == Handling.SWAP)
@@ -282,7 +282,7 @@ def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
                   segments=[__import__("scheduler").Segment(1, "chat", 100.0, 4),
                             __import__("scheduler").Segment(2)])
     sched = build_scheduler(COST, make_policy("infercept"), SimConfig(page_size=16))
-    result = run_simulation(sched, COST, [req])
+    result = run_simulation(sched, [req])
     assert req.first_token_time == pytest.approx(5.0 + COST.t_fwd(10, 10))
     call = req.api_calls[0]
     assert call.return_time - call.call_time == pytest.approx(100.0)
@@ -290,7 +290,7 @@ def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
     big = Request("big", 0.0, prompt_len=10_000, max_tokens=1)
     sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16, num_device_pages=10))
     with pytest.raises(SimulationStalled, match="nothing can run"):
-        run_simulation(sched, COST, [big])
+        run_simulation(sched, [big])
 
 
 # ------------------------------------------------------------------ metrics
@@ -363,31 +363,32 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert "jaxserve replay:" in capsys.readouterr().err
 
 
-def test_step_timer_linear_and_measured_buckets():
+def test_step_model_linear_and_measured_buckets():
     from dataclasses import replace
 
-    assert StepTimer(COST)(100) == pytest.approx(COST.t_fwd(100))
-    assert StepTimer(COST, "auto").model == "linear"            # no measured table
+    assert COST.t_step(100) == pytest.approx(COST.t_fwd(100) + COST.step_overhead_s)
+    assert COST.resolved_step_model == "linear"                   # no measured table
     with pytest.raises(ValueError, match="no measured step times"):
-        StepTimer(COST, "buckets")
-    measured = replace(COST, meta={"step_times_s": {"8": 0.002, "16": 0.004, "32": 0.01}})
-    timer = StepTimer(measured, "auto")
-    assert timer.model == "buckets"
-    assert [timer(n) for n in (0, 1, 8, 9, 16, 32)] == [0.0, 0.002, 0.002, 0.004, 0.004, 0.01]
-    assert timer(40) == pytest.approx(0.01 + 8 * COST.fwd_per_token_s)
+        COST.timed("buckets")
+    measured = replace(COST, step_overhead_s=0.0, meta={"step_times_s": {"8": 0.002, "16": 0.004, "32": 0.01}})
+    assert measured.resolved_step_model == "buckets"
+    assert [measured.t_step(n) for n in (0, 1, 8, 9, 16, 32)] == [0.0, 0.002, 0.002, 0.004, 0.004, 0.01]
+    assert measured.t_step(40) == pytest.approx(0.01 + 8 * COST.fwd_per_token_s)
+    assert measured.timed("linear").t_step(40) == pytest.approx(COST.fwd_base_s + 40 * COST.fwd_per_token_s)
     with pytest.raises(ValueError, match="step model"):
-        StepTimer(COST, "cubic")
+        COST.timed("cubic")
 
 
-def test_step_timer_adds_host_overhead_and_scales():
+def test_step_time_adds_host_overhead_and_scales():
     from dataclasses import replace
 
     measured = replace(COST, step_overhead_s=0.0005, meta={"step_times_s": {"8": 0.002, "16": 0.004}})
-    assert StepTimer(measured)(5) == pytest.approx(0.0025)
-    assert StepTimer(measured, scale=1.1)(12) == pytest.approx(1.1 * 0.0045)
-    assert StepTimer(measured)(0) == 0.0                         # no forward, no overhead
+    assert measured.t_step(5) == pytest.approx(0.0025)
+    assert measured.timed(step_time_scale=1.1).t_step(12) == pytest.approx(1.1 * 0.0045)
+    assert measured.timed(step_time_scale=2.0).t_swap(1000) == pytest.approx(2 * measured.t_swap(1000))
+    assert measured.t_step(0) == 0.0                               # no forward, no overhead
     with pytest.raises(ValueError, match="scale"):
-        StepTimer(measured, scale=0.0)
+        measured.timed(step_time_scale=0.0)
 
 
 def test_sim_serial_swaps_add_to_the_forward():
@@ -424,7 +425,7 @@ def test_sim_prefix_cache_soft_discard_recomputes_less(multi):
         sched = build_scheduler(COST, make_policy("infercept"),
                                 SimConfig(page_size=8, num_device_pages=400, num_host_pages=400,
                                           handling=Handling.DISCARD, enable_prefix_caching=cache))
-        results[cache] = run_simulation(sched, COST, requests, check_invariants=True)
+        results[cache] = run_simulation(sched, requests, check_invariants=True)
         assert sched.kv.num_free_device == sched.device_pool.num_pages
         assert all(r.finish_reason in ("length", "stop") for r in requests)
     off, on = results[False], results[True]

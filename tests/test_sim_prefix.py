@@ -56,7 +56,7 @@ def test_conversation_segments_list_one_set_of_names():
 def test_resend_cache_cuts_recomputed_tokens_and_ttft(multi_workload):
     results = {}
     for cache in (False, True):
-        results[cache] = run_resend([scheduler(cache, num_device_pages=1500)], COST, multi_workload)
+        results[cache] = run_resend([scheduler(cache, num_device_pages=1500)], multi_workload)
     off, on = results[False], results[True]
     assert len(off.requests) == len(on.requests) == sum(len(w.entry.segments) for w in multi_workload)
     assert all(r.finish_reason == "length" for r in on.requests)
@@ -80,9 +80,9 @@ def test_one_replica_resend_loop_matches_the_core_loop():
     """Single-segment conversations: re-send on one replica is run_simulation, step for step."""
     entries = [entry(f"e{i}", 50 + 37 * i, [(5 + i % 7, None, 0)]) for i in range(12)]
     workload = make_workload(entries, WorkloadSpec("poisson", rate=40.0, num_requests=30, seed=0))
-    a = run_resend([scheduler(True)], COST, workload)
+    a = run_resend([scheduler(True)], workload)
     reqs = [w.to_request() for w in workload]
-    b = run_simulation(scheduler(True), COST, reqs)
+    b = run_simulation(scheduler(True), reqs)
     assert a.num_steps == b.num_steps
     times = {r.request_id.rpartition("/")[0]: (r.first_token_time, r.finish_time) for r in a.requests}
     assert times == {r.request_id: (r.first_token_time, r.finish_time) for r in b.requests}
@@ -111,7 +111,7 @@ def test_affinity_sends_a_follow_up_to_the_replica_holding_its_prefix():
     workload = [WorkloadItem(f"w{i}", 0.05 * i, e) for i, e in enumerate(entries)]
     rates = {}
     for router in ("round_robin", "affinity"):
-        res = run_resend([scheduler(True) for _ in range(4)], COST, workload, router, check_invariants=True)
+        res = run_resend([scheduler(True) for _ in range(4)], workload, router, check_invariants=True)
         assert res.follow_ups == 10 and all(n > 0 for n in res.requests_by_replica)
         rates[router] = (res.affinity_hit_rate, res.follow_ups_same_replica)
     assert rates["affinity"] == (1.0, 10)

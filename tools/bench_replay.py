@@ -86,7 +86,7 @@ def main() -> int:
         start, cpu_start = time.perf_counter(), time.process_time()
         if prof:
             prof.enable()
-        result = run_simulation(sched, cost, requests, page_names=names)
+        result = run_simulation(sched, requests, page_names=names)
         if prof:
             prof.disable()
         wall = time.perf_counter() - start

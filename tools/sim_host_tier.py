@@ -41,7 +41,7 @@ def main() -> None:
             sched = build_scheduler(cost, make_policy(policy, make_predictor("oracle")),
                                     SimConfig(enable_prefix_caching=cache, host_cache=host_cache,
                                               num_host_pages=host_pages))
-            res = run_simulation(sched, cost, reqs)
+            res = run_simulation(sched, reqs)
             e2e = sorted(r.finish_time - r.arrival_time for r in reqs)
             ttft = [r.first_token_time - r.arrival_time for r in reqs]
             handlings: dict[str, int] = {}

@@ -53,7 +53,7 @@ def main() -> int:
         schedulers = [build_scheduler(cost, make_policy(args.policy, make_predictor("oracle", args.seed)),
                                       SimConfig(enable_prefix_caching=True)) for _ in range(args.replicas)]
         wall, cpu = time.perf_counter(), time.process_time()
-        result = run_resend(schedulers, cost, workload, router)
+        result = run_resend(schedulers, workload, router)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         slowest = max(slowest, wall)
         agg = aggregate([request_metrics(r) for r in result.requests], result.end_time_s, Slo())

@@ -316,15 +316,20 @@ class ModelExecutor:
                         top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
         return StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.arange(s_b, dtype=np.int32), sampling, s_b)
 
-    def warmup(self, swap_pages: int = 0, all_buckets: bool = False) -> None:
+    def warmup(self, swap_pages: int = 0, all_buckets: bool = False, all_shapes: bool = False) -> None:
         """Compile what the engine runs first: the decode step (smallest token bucket,
         narrowest page table) and the swap gather/scatter for every power-of-two op size
         up to ``swap_pages``. Other step shapes compile on first use (from the persistent
         compilation cache when it has them); ``all_buckets`` compiles every token bucket
-        at the narrowest width now (profiling, benchmarks)."""
-        buckets = self.config.token_buckets if all_buckets else self.config.token_buckets[:1]
+        at the narrowest width now (profiling, benchmarks); ``all_shapes`` every token
+        bucket at every page-table width (timed replays: nothing compiles mid-run)."""
+        cfg = self.config
+        buckets = cfg.token_buckets if all_buckets or all_shapes else cfg.token_buckets[:1]
+        widths = sorted({cfg.page_bucket(p) for p in range(1, cfg.pages_per_seq + 1)}) if all_shapes else [None]
         for t_b in buckets:
-            self.forward(self.synthetic_inputs(t_b, context=1))[0].block_until_ready()
+            for width in widths:
+                context = 1 if width is None else min(width * cfg.page_size, cfg.max_model_len)
+                self.forward(self.synthetic_inputs(t_b, context=context))[0].block_until_ready()
         size = 1
         while swap_pages and size <= next_power_of_two(swap_pages):
             # Index arrays staged from numpy as swap_out/swap_in stage them (same programs).

@@ -59,6 +59,38 @@ class HiddenStateReader:
         self.served = served
         self.model = AutoModelForCausalLM.from_pretrained(str(served.model_dir), dtype=torch.float32).eval()
 
+    def read_many(self, contexts: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                  max_batch_tokens: int = 8192) -> list[np.ndarray]:
+        """``read`` for many ``(token_ids, ends)`` at once: contexts that fit the window
+        run as right-padded batches of similar length (at most ``max_batch_tokens``
+        padded tokens per forward; causal attention keeps padding out of every real
+        position), the others one by one. Returns one ``[len(ends), H]`` array per context."""
+        torch = self._torch
+        w = self.served.window
+        out: list[np.ndarray | None] = [None] * len(contexts)
+        spans = {i: max(ends) for i, (_, ends) in enumerate(contexts) if ends and max(ends) <= w}
+        order = sorted(spans, key=spans.get)
+        while order:
+            longest = spans[order[0]]
+            batch = []
+            while order and (len(batch) + 1) * max(longest, spans[order[0]]) <= max(max_batch_tokens, longest):
+                longest = max(longest, spans[order[0]])
+                batch.append(order.pop(0))
+            ids = np.zeros((len(batch), longest), np.int64)
+            mask = np.zeros((len(batch), longest), np.int64)
+            for row, i in enumerate(batch):
+                ids[row, :spans[i]] = contexts[i][0][:spans[i]]
+                mask[row, :spans[i]] = 1
+            with torch.inference_mode():
+                hidden = self.model.model(input_ids=torch.as_tensor(ids),
+                                          attention_mask=torch.as_tensor(mask)).last_hidden_state
+            for row, i in enumerate(batch):
+                out[i] = hidden[row, [e - 1 for e in contexts[i][1]]].float().numpy()
+        for i, (token_ids, ends) in enumerate(contexts):
+            if out[i] is None:
+                out[i] = self.read(token_ids, ends)
+        return out
+
     def _run(self, ids: np.ndarray, rows: list[int]) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():

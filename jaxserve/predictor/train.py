@@ -48,19 +48,29 @@ def trace_digest(trace: str | Path | None) -> str:
     return hashlib.sha256(resolve_trace_path(trace).read_bytes()).hexdigest()[:16]
 
 
-def compute_examples(served: ServedModel, requests: list[TextRequest], progress: bool = True) -> Examples:
-    """Hidden states of every text segment's last prompt token."""
+def compute_examples(served: ServedModel, requests: list[TextRequest], progress: bool = True,
+                     batch_requests: int = 16) -> Examples:
+    """Hidden states of every text segment's last prompt token: one forward per
+    request's whole context, ``batch_requests`` requests at a time through
+    ``HiddenStateReader.read_many`` (padded batches of similar length)."""
     from tqdm import tqdm
     reader = HiddenStateReader(served)
-    feats, lengths, rids, segs, kinds = [], [], [], [], []
-    for r in tqdm(requests, desc="hidden states", disable=not progress, leave=False):
-        feats.append(reader.read(r.token_ids, r.prompt_ends))
+    ordered = sorted(requests, key=lambda r: len(r.token_ids))
+    feats: dict[str, np.ndarray] = {}
+    with tqdm(total=len(ordered), desc="hidden states", disable=not progress, leave=False) as bar:
+        for start in range(0, len(ordered), batch_requests):
+            group = ordered[start:start + batch_requests]
+            for r, f in zip(group, reader.read_many([(r.token_ids, r.prompt_ends) for r in group])):
+                feats[r.request_id] = f
+            bar.update(len(group))
+    lengths, rids, segs, kinds = [], [], [], []
+    for r in requests:
         lengths += r.labels
         rids += [r.request_id] * len(r.labels)
         segs += range(len(r.labels))
         kinds += [r.kind] * len(r.labels)
-    return Examples(np.concatenate(feats), np.asarray(lengths, np.int64), np.asarray(rids), np.asarray(segs),
-                    np.asarray(kinds))
+    return Examples(np.concatenate([feats[r.request_id] for r in requests]), np.asarray(lengths, np.int64),
+                    np.asarray(rids), np.asarray(segs), np.asarray(kinds))
 
 
 def cached_examples(served: ServedModel, trace: str | Path | None, cache_dir: Path | None,

@@ -41,7 +41,7 @@ from jaxserve.executor.sim import SimExecutor
 from jaxserve.replay.page_keys import PageNamer
 from jaxserve.replay.simulate import SimulationStalled
 from jaxserve.replay.workload import WorkloadItem
-from scheduler import CostModel, Request, Scheduler, Segment
+from scheduler import Request, Scheduler, Segment
 
 ROUTERS = ("round_robin", "least_loaded", "affinity")
 
@@ -160,12 +160,12 @@ class ClusterResult:
         return self.follow_up_hits / self.follow_ups if self.follow_ups else None
 
 
-def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Sequence[WorkloadItem],
+def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem],
                router: str = "round_robin", *, horizon_s: float | None = None, check_invariants: bool = False,
-               step_model: str = "auto", step_time_scale: float = 1.0,
                progress: Callable[[int, float], None] | None = None) -> ClusterResult:
     """Replay ``workload`` in re-send mode on one replica per scheduler (see module doc).
 
+    Each replica's steps are timed by its scheduler's ``cost`` (the model its policy prices with).
     ``progress(num_requests_finished_since_last_call, now)`` every 2,000 passes and at the end.
     """
     if not schedulers:
@@ -176,7 +176,7 @@ def run_resend(schedulers: Sequence[Scheduler], cost: CostModel, workload: Seque
     replicas = []
     for i, sched in enumerate(schedulers):
         clock = SimClock()
-        executor = SimExecutor(cost, page_size, clock, step_model=step_model, step_time_scale=step_time_scale)
+        executor = SimExecutor(sched.cost, page_size, clock)
         replicas.append(Replica(i, EngineCore(sched, executor, clock, check_invariants=check_invariants),
                                 clock, executor))
     pick = Router(router)

@@ -19,7 +19,6 @@ from typing import Callable, Iterator, Sequence
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
 from jaxserve.replay.page_keys import PageNamer
 from jaxserve.replay.plots import RunCurves, write_plots
-from jaxserve.executor.sim import StepTimer
 from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadSpec, make_workload
@@ -191,7 +190,7 @@ def simulate(entries: Sequence[TraceEntry], cost: CostModel, config: ReplayConfi
     from tqdm import tqdm
 
     sim = config.sim.resolve(cost)
-    reference_step = StepTimer(cost, sim.step_model, sim.step_time_scale)(sim.max_num_batched_tokens)
+    reference_step = cost.timed(sim.step_model, sim.step_time_scale).t_step(sim.max_num_batched_tokens)
     slo = config.slo(reference_step)
     runs: list[RunCurves] = []
     for run in grid(entries, config):
@@ -223,17 +222,17 @@ def _simulate_one(run: GridRun, cache: bool, router: str | None, cost: CostModel
             bar.update(n)
             bar.set_postfix_str(f"t={now:.0f}s", refresh=False)
         if config.mode == "resend":
-            result = run_resend([scheduler() for _ in range(config.replicas)], cost, run.workload, router,
-                                horizon_s=config.horizon_s, check_invariants=sim.check_invariants,
-                                step_model=sim.step_model, step_time_scale=sim.step_time_scale, progress=tick)
+            schedulers = [scheduler() for _ in range(config.replicas)]
+            result = run_resend(schedulers, run.workload, router, horizon_s=config.horizon_s,
+                                check_invariants=sim.check_invariants, progress=tick)
             kinds = {r.request_id: run.kinds.get(r.request_id.rpartition("/")[0]) for r in result.requests}
         else:
             names = run.page_names(sim.page_size) if cache else None
-            result = run_simulation(scheduler(), cost, [w.to_request() for w in run.workload],
+            schedulers = [scheduler()]
+            result = run_simulation(schedulers[0], [w.to_request() for w in run.workload],
                                     horizon_s=config.horizon_s, progress=tick,
                                     sample_interval_s=sim.sample_interval_s,
-                                    check_invariants=sim.check_invariants, step_model=sim.step_model,
-                                    step_time_scale=sim.step_time_scale,
+                                    check_invariants=sim.check_invariants,
                                     prefill_decode_split=sim.prefill_decode_split, page_names=names)
             kinds = run.kinds
     makespan = result.end_time_s
@@ -242,7 +241,7 @@ def _simulate_one(run: GridRun, cache: bool, router: str | None, cost: CostModel
         window = min(window, config.horizon_s)
     row, per_request = summarize_run(run.policy, run.rate, config, result.requests, kinds, window, makespan, slo)
     row.update({
-        "executor": "sim", "profile": cost.name, "step_model": StepTimer(cost, sim.step_model).model,
+        "executor": "sim", "profile": cost.name, "step_model": schedulers[0].cost.resolved_step_model,
         "step_time_scale": sim.step_time_scale, "prefill_decode_split": sim.prefill_decode_split,
         "mode": config.mode, "prefix_cache": cache, "replicas": config.replicas, "router": router,
         "steps": result.num_steps, "batched_tokens": result.batched_tokens,

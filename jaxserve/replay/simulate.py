@@ -74,7 +74,10 @@ class SimConfig:
 
 
 def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Scheduler:
-    """A ``Scheduler`` with page pools sized by ``config`` (resolved against ``cost``)."""
+    """A ``Scheduler`` with page pools sized by ``config`` (resolved against ``cost``);
+    its ``cost`` is ``cost`` with ``config``'s step model and scale, the one cost
+    model of its policies and of ``run_simulation``'s clock."""
+    cost = cost.timed(config.step_model, config.step_time_scale)
     c = config.resolve(cost)
     sched_config = SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens,
                                    max_num_seqs=c.max_num_seqs,
@@ -125,13 +128,14 @@ class SimulationStalled(RuntimeError):
     larger than the whole device pool)."""
 
 
-def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Request], *,
+def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
                    horizon_s: float | None = None, progress: Callable[[int, float], None] | None = None,
-                   sample_interval_s: float = 1.0, check_invariants: bool = False, step_model: str = "auto",
-                   step_time_scale: float = 1.0, prefill_decode_split: bool = False,
+                   sample_interval_s: float = 1.0, check_invariants: bool = False,
+                   prefill_decode_split: bool = False,
                    page_names: Callable[[Request], list] | None = None) -> SimResult:
     """Simulate ``requests`` (fresh, never scheduled; ``arrival_time`` says when
-    each enters) until every one ends, or the clock passes ``horizon_s``.
+    each enters) until every one ends, or the clock passes ``horizon_s``. Steps
+    are timed by ``scheduler.cost``, the cost model its policy prices with.
     ``progress(num_finished_since_last_call, now)`` is called every 500 steps
     and at the end. With a prefix cache, each request without token ids or
     names gets ``page_names(request)`` (default: names of its own,
@@ -140,8 +144,7 @@ def run_simulation(scheduler: Scheduler, cost: CostModel, requests: Sequence[Req
     naming = sorted(requests, key=lambda r: r.arrival_time) if scheduler.kv.cache is not None else []
     name_pages = page_names or PageNamer(scheduler.page_size).fresh
     clock = SimClock()
-    executor = SimExecutor(cost, scheduler.page_size, clock, step_model=step_model,
-                           step_time_scale=step_time_scale, prefill_decode_split=prefill_decode_split)
+    executor = SimExecutor(scheduler.cost, scheduler.page_size, clock, prefill_decode_split=prefill_decode_split)
     core = EngineCore(scheduler, executor, clock, check_invariants=check_invariants)
     total = len(requests)
     occ = Occupancy()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from scheduler.cost_model import CostModel, waste_discard, waste_preserve
+from scheduler.cost_model import CostModel, decode_cost, fill_cost, swap_ramp_seconds, waste_discard, waste_preserve
 from scheduler.plan import MemoryView
 from scheduler.policies.base import Policy, register_policy
-from scheduler.policies.lamps import step_time
 from scheduler.request import Handling, Request, RequestState
 
 ALPHA = 10.0       # token-seconds per second waited (eq. 26), see docs/fidelity.md
@@ -40,9 +39,13 @@ class AugServePolicy(Policy):
       eqs. 23–25 with the next round's predicted handling (which is also the
       handling applied at the next call). A request preempted without an API
       return keeps its last value.
-    - Values are in token-seconds (byte-seconds ÷ ``M``), ``T^fwd`` is the
-      saturated step time ``T_step(S)``, ``N_max`` the engine's
-      ``max_num_batched_tokens``, ``S_out = S_in`` its ``swap_budget_tokens``.
+    - Values are in token-seconds (byte-seconds ÷ ``M``). Where the equations
+      multiply a number of steps by ``T^fwd``, each step is priced by the cost
+      model the simulated clock uses (``cost.t_step(n, c)``): prefill,
+      recompute and returned-token chunks of ``N_max`` (the engine's
+      ``max_num_batched_tokens``) by ``fill_cost``, decode steps by
+      ``decode_cost``, swap ramps of ``S_out = S_in`` (``swap_budget_tokens``)
+      tokens per step by ``swap_ramp_seconds``.
     - Anti-starvation (eq. 26): printed as ``V + α·wait``, but lower values
       run first and the stated aim is that long-waiting requests gain
       priority, so the key is ``V − α·(now − t_last)`` with ``t_last`` the
@@ -76,9 +79,14 @@ class AugServePolicy(Policy):
         self.alpha = alpha
 
     # ------------------------------------------------------------- helpers
-    def _params(self) -> tuple[CostModel, float, int, int]:
+    def _params(self) -> tuple[CostModel, int, int]:
         ctx = self.context
-        return ctx.cost, step_time(ctx.cost), ctx.max_num_batched_tokens, ctx.swap_budget_tokens
+        return ctx.cost, ctx.max_num_batched_tokens, ctx.swap_budget_tokens
+
+    def _ramp(self, tokens: int) -> float:
+        """Token-seconds of a swap ramp (out or in) of ``tokens``: ``½ · L · t_ramp``."""
+        cost, _, s_io = self._params()
+        return 0.5 * tokens * swap_ramp_seconds(cost, tokens, s_io)
 
     def _next_call(self, request: Request, now: float) -> tuple[bool, float]:
         seg = request.current_segment
@@ -87,21 +95,21 @@ class AugServePolicy(Policy):
         return True, self.predictor.api_duration(request, now, None) or 0.0
 
     def _choose(self, context: int, duration: float, view: MemoryView) -> Handling:
-        cost, _, n_max, _ = self._params()
+        cost, n_max, _ = self._params()
         swap_ok = view.free_host_pages * view.page_size >= context
         return augserve_handling(cost, context, view.running_tokens, duration, n_max, swap_ok)
 
     # ------------------------------------------------------------- stage I
     def stage1_value(self, request: Request, handling: Handling | None, duration: float) -> float:
         """Eqs. 9–15 (token-seconds)."""
-        _, tau, n_max, s_out = self._params()
+        cost, n_max, _ = self._params()
         l_pre = request.num_tokens
         l_out = self.predictor.segment_output_len(request)
-        value = 0.5 * l_pre * l_pre / n_max * tau + tau * (l_pre * l_out + 0.5 * l_out * l_out)
+        value = fill_cost(cost, 0, l_pre, n_max)[1] + decode_cost(cost, l_pre, l_out)[1]
         if handling == Handling.PRESERVE:
             value += (l_pre + l_out) * duration
         elif handling == Handling.SWAP:
-            value += 0.5 * (l_pre + l_out) ** 2 / s_out * tau
+            value += self._ramp(l_pre + l_out)
         return value
 
     def on_arrival(self, request: Request, now: float, view: MemoryView) -> None:
@@ -118,17 +126,17 @@ class AugServePolicy(Policy):
     def stage2_value(self, applied: Handling, total: int, returned: int, out_next: int,
                      next_handling: Handling | None, next_duration: float) -> float:
         """Eqs. 16–25 (token-seconds): ``total`` = L_total, ``returned`` = L̃_ret."""
-        _, tau, n_max, s_io = self._params()
-        pro_api = tau / n_max * (total * returned + 0.5 * returned * returned)
-        decode_post = tau * ((total + returned) * out_next + 0.5 * out_next * out_next)
+        cost, n_max, _ = self._params()
+        pro_api = fill_cost(cost, total, returned, n_max)[1]
+        decode_post = decode_cost(cost, total + returned, out_next)[1]
         value = pro_api + decode_post
         if applied == Handling.SWAP:
-            value += 0.5 * total * total / s_io * tau
+            value += self._ramp(total)
         elif applied == Handling.DISCARD:
-            value += 0.5 * total * total / n_max * tau
+            value += fill_cost(cost, 0, total, n_max)[1]
         c_next = total + returned + out_next
         if next_handling == Handling.SWAP:
-            value += 0.5 * c_next * c_next / s_io * tau
+            value += self._ramp(c_next)
         elif next_handling == Handling.PRESERVE:
             value += c_next * next_duration
         return value

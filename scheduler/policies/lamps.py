@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Iterable
 
-from scheduler.cost_model import CostModel
+from scheduler.cost_model import CostModel, decode_cost, fill_cost
 from scheduler.plan import MemoryView
 from scheduler.policies.base import Policy, register_policy
 from scheduler.policies.infercept import min_waste_choice, min_waste_handling
 from scheduler.request import Handling, Request, RequestState
-
-
-def step_time(cost: CostModel) -> float:
-    """Seconds of one saturated step, ``T_step(S, 0)`` (the simulated clock's cost
-    model without its context term): the time unit scores use. A constant, so a
-    waiting request's score does not move with the batch; the context term,
-    which depends on the whole batch, enters the waste equations through
-    ``scheduler.cost_model.recompute_time``."""
-    return cost.t_step(cost.saturation_tokens)
 
 
 def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens: int, output_tokens: int,
@@ -43,22 +33,24 @@ def memory_time_integral(cost: CostModel, context_tokens: int, uncomputed_tokens
       (swap-in) of ``T_swap(C)`` each;
     - ``None``: no call (the last segment).
 
-    Step time is ``T_step(S)`` (``step_time``).
+    Every step is priced by the cost model the simulated clock uses,
+    ``cost.t_step(n, c)``: a chunk by its tokens and the context it reads
+    (``fill_cost``), a decode step as a saturated step reading the request's
+    own context (``decode_cost``).
     """
-    tau = step_time(cost)
     m = cost.bytes_per_token
     area = 0.0
     if swapped_tokens:
         area += 0.5 * cost.t_swap(swapped_tokens) * swapped_tokens
     if uncomputed_tokens > 0:
-        area += tau * math.ceil(uncomputed_tokens / chunk_tokens) * (context_tokens - uncomputed_tokens / 2)
-    area += tau * (context_tokens * output_tokens + output_tokens * output_tokens / 2)
+        area += fill_cost(cost, context_tokens - uncomputed_tokens, uncomputed_tokens, chunk_tokens)[1]
+    area += decode_cost(cost, context_tokens, output_tokens)[1]
     c_call = context_tokens + output_tokens
     if handling == Handling.PRESERVE:
         area += api_duration_s * c_call
     elif handling == Handling.DISCARD:
         cached = min(cached_tokens, c_call)
-        area += tau * math.ceil((c_call - cached) / chunk_tokens) * (cached + (c_call - cached) / 2)
+        area += fill_cost(cost, cached, c_call - cached, chunk_tokens)[1]
     elif handling == Handling.SWAP:
         area += cost.t_swap(c_call) * c_call
     return area * m

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from scheduler.cost_model import decode_cost
 from scheduler.plan import MemoryView
 from scheduler.policies.base import register_policy
 from scheduler.policies.infercept import InferceptPolicy
-from scheduler.policies.lamps import step_time
 from scheduler.request import Request
 
 
@@ -26,11 +26,12 @@ class SjfPolicy(InferceptPolicy):
 
 @register_policy("sjf-total")
 class SjfTotalPolicy(InferceptPolicy):
-    """Waiting order by predicted remaining time: output tokens × the step
-    time ``T_fwd(S)`` plus the predicted durations of the API calls still
-    ahead (seconds), shortest first; ties by arrival. Handling as ``sjf``."""
+    """Waiting order by predicted remaining time: the seconds of decoding the
+    predicted output tokens from the current context (``decode_cost``: the cost
+    model's ``T_step(S, C + k)`` per token) plus the predicted durations of the
+    API calls still ahead, shortest first; ties by arrival. Handling as ``sjf``."""
 
     def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
-        tau = step_time(self.context.cost)
-        total = self.predictor.total_output_len(request) * tau + self.predictor.total_api_duration(request, now)
+        decode_s = decode_cost(self.context.cost, request.num_tokens, self.predictor.total_output_len(request))[0]
+        total = decode_s + self.predictor.total_api_duration(request, now)
         return (total, request.arrival_time)
