@@ -119,8 +119,8 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
         # Structured output: the executor asks it for the token bitmask of constrained rows.
-        self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self.eos_token_ids, self.tool_format) \
-            if self.tokenizer is not None else None
+        self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self._turn_end_ids(),
+                                             self.tool_format) if self.tokenizer is not None else None
         executor.constraints = self.structured
         self.core = EngineCore(scheduler, executor, clock or WallClock(), frontend=self,
                                check_invariants=config.check_invariants)
@@ -374,6 +374,15 @@ class LLMEngine:
         record = request.api_calls[-1]
         record.name, record.arguments = calls[0].name, calls[0].arguments
         record.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
+
+    def _turn_end_ids(self) -> set[int]:
+        """The EOS ids a grammar may end on: the end-of-turn token the chat template writes
+        after an assistant message (the first token of a tool turn's wrapper) when it is one
+        of the model's EOS ids, so a forced call's context re-renders token for token and a
+        client's follow-up resumes it; else every EOS id."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        wrapper = self.tokenizer.encode(self.tool_format.wrap_results([""], template), add_special_tokens=False)
+        return {wrapper[0]} if wrapper and wrapper[0] in self.eos_token_ids else self.eos_token_ids
 
     def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
         """Tool outputs of one turn as context tokens, wrapped the way the chat template

@@ -192,7 +192,9 @@ def test_client_tool_follow_up_resumes_on_the_parking_replica(cluster, app):
     (the client's tool call) and the follow-up stay on the decode replica."""
     before = _metrics(cluster[app])
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "weather in Paris?"}]
-    first = _chat(cluster[app], messages, tools=[WEATHER_TOOL], max_tokens=64,
+    # One call (no parallel turn): the demo's EOS is not its template's end of turn, so a
+    # parallel turn's closing EOS would not re-render (docs/server.md, parallel_tool_calls).
+    first = _chat(cluster[app], messages, tools=[WEATHER_TOOL], max_tokens=64, parallel_tool_calls=False,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert first.status_code == 200, first.text
     choice = first.json()["choices"][0]

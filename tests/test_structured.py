@@ -53,6 +53,22 @@ def llm():
     engine.engine.shutdown()
 
 
+def test_a_grammar_ends_on_the_chat_templates_end_of_turn_when_it_is_an_eos(llm):
+    """A forced parallel turn ends with EOS; with several EOS ids (Llama 3: end of text,
+    end of message, end of turn) only the one the template writes after an assistant
+    message lets a client's follow-up re-render the context and resume it."""
+    engine = llm.engine
+    end_of_turn = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn not in engine.eos_token_ids       # the demo's only EOS is another id
+    assert engine._turn_end_ids() == engine.eos_token_ids
+    saved = set(engine.eos_token_ids)
+    try:
+        engine.eos_token_ids |= {end_of_turn}
+        assert engine._turn_end_ids() == {end_of_turn}
+    finally:
+        engine.eos_token_ids = saved
+
+
 def valid(text: str, schema: dict) -> dict:
     value = json.loads(text)
     jsonschema.validate(value, schema)
