@@ -28,7 +28,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from jaxserve.replay.page_keys import MOONCAKE_BLOCK_TOKENS
 from scheduler import Request, Segment
@@ -150,10 +150,9 @@ def looks_like_mooncake(first_line: str) -> bool:
     return isinstance(obj, dict) and "hash_ids" in obj and "input_length" in obj
 
 
-def parse_mooncake(text: str, source: str = "<trace>") -> list[TraceEntry]:
-    """Mooncake JSONL -> entries (ids ``mc-<line>``), in file order. Raises
-    ``TraceError`` naming the file and line for any malformed record."""
-    entries = []
+def _json_objects(text: str, source: str) -> Iterator[tuple[int, str, dict]]:
+    """``(line number, "trace SOURCE line N", object)`` for each non-blank line of a
+    JSONL text; ``TraceError`` naming the file and line for one that is not a JSON object."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -164,6 +163,14 @@ def parse_mooncake(text: str, source: str = "<trace>") -> list[TraceEntry]:
             raise TraceError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object")
+        yield lineno, where, obj
+
+
+def parse_mooncake(text: str, source: str = "<trace>") -> list[TraceEntry]:
+    """Mooncake JSONL -> entries (ids ``mc-<line>``), in file order. Raises
+    ``TraceError`` naming the file and line for any malformed record."""
+    entries = []
+    for lineno, where, obj in _json_objects(text, source):
         missing = MOONCAKE_KEYS - set(obj)
         if missing:
             raise TraceError(f"{where}: missing field(s) {sorted(missing)}")
@@ -211,16 +218,7 @@ def parse_jsonl(text: str, tokenizer: Tokenizer | None = None, source: str = "<t
     ``api_type``, ``predictions``. Blank lines are skipped; ids must be unique."""
     entries: list[TraceEntry] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"trace {source} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object")
+    for lineno, where, obj in _json_objects(text, source):
         if "id" not in obj:
             raise TraceError(f"{where}: missing field 'id'")
         rid = str(obj["id"])
