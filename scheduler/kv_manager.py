@@ -277,12 +277,11 @@ class KVManager:
             for i, page in zip(on_host, fresh):
                 host_page = ~pages[i]
                 h = request.block_hashes[i]
-                cache.insert(page, h)
+                cache.insert(page, h)   # bumps the epoch: other lookups see it on the device
                 cache.host_touch(h)
                 self._copy_ins.append((host_page, page))
                 pages[i] = page
             self.copy_budget -= len(on_host)
-            cache.epoch += 1   # those hashes are on the device now: other lookups must see it
             cache.host_hit_tokens += len(on_host) * self.page_size
         request.device_pages = pages
         request.num_shared_pages = len(pages)

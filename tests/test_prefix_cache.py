@@ -175,6 +175,27 @@ def test_swap_out_takes_host_pages_from_the_host_tier_first():
     kv.check_invariants([b], set(), set())
 
 
+def test_a_lookup_kept_across_steps_sees_a_host_page_computed_again_on_the_device():
+    kv = make_tiered_kv(device=4, host=3)
+    a = computed(kv, "a", list(range(9)))              # 2 cached pages + a private one
+    kv.free_device(a)
+    y = Request("y", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    assert kv.allocate_slots(y, 2)                     # admitted without a hit, computes a's prefix again
+    b = computed(kv, "b", list(range(100, 108)))       # a's 2 cached pages are evicted to host
+    assert kv.cache.num_host_pages == 2
+    kv.copies_done()
+    kv.copy_budget = 8
+    x = Request("x", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    assert all(p < 0 for p in kv.lookup(x))            # host-resident, kept for the next step
+    y.num_computed_tokens = 8
+    kv.commit(y)                                       # the same hashes are on the device now
+    hits = kv.lookup(x)
+    assert hits == y.device_pages                      # not the host copies: no copy-in, no second entry
+    kv.link(x, hits)
+    assert kv.take_copies()[1] is None
+    kv.check_invariants([y, x, b], set(), set())
+
+
 # ------------------------------------------------------- scheduler with fake KV
 class PagedModel:
     """A fake model over simulated KV pages: a computed position writes its token
