@@ -266,6 +266,37 @@ def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14, host_cache=T
     return {rid: r.output_token_ids for rid, r in outs.items()}, sched
 
 
+def test_pages_adopted_between_steps_are_not_kept_on_host_by_copies_that_never_run():
+    """A disaggregated decode engine adopts pages between steps (``adopt``, outside
+    ``schedule``): an eviction then cannot plan a host-tier copy, since the next
+    ``schedule`` starts afresh; a host entry without its copy would be read back
+    as KV of another context."""
+    ps = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4, swap_budget_tokens=8,
+                                      enable_prefix_caching=True, host_cache=True),
+                      make_policy("fcfs"), PageAllocator(3, ps), PageAllocator(4, ps, "host"), COST)
+    model, now = PagedModel(ps), 0.0
+
+    def run(request):
+        nonlocal now
+        sched.add_request(request, now)
+        while not request.is_finished:
+            plan = sched.schedule(now)
+            result = model.step(plan)
+            now += 0.01
+            sched.update(plan, result, now)
+            sched.check_invariants()
+
+    run(Request("a", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(3, 12))))   # 2 pages cached
+    assert sched.schedule(now).is_empty                # idle: the engine's loop runs no step
+    other = Request("o", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(50, 59)))
+    adopted = sched.kv.adopt(sched.kv.hashes(other, 2))
+    assert len(adopted) == 2 and sched.kv.cache.evicted_pages >= 1
+    for i, page in adopted:                            # the KV the importer writes
+        model.device[page] = other.token_ids[i * ps:(i + 1) * ps]
+    run(Request("b", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(3, 12))))   # a's prefix again
+
+
 @pytest.mark.parametrize("handling", [None, Handling.PRESERVE, Handling.DISCARD, Handling.SWAP])
 @pytest.mark.parametrize("num_pages", [64, 12])
 def test_outputs_identical_with_and_without_the_cache(handling, num_pages):
