@@ -122,9 +122,8 @@ class KVManager:
             return
         if self.copy_budget <= 0:
             return
-        if self.host_pool.num_free:
-            host_page = self.host_pool.allocate(CACHE_OWNER, 1)[0]
-        else:
+        host_page = self._free_host_page()
+        if host_page is None:
             host_page = cache.host_evict(self._host_busy)   # stays owned by CACHE_OWNER
             if host_page is None:
                 return
@@ -132,6 +131,19 @@ class KVManager:
         self._host_busy.add(host_page)
         self._copy_outs.append((page, host_page))
         self.copy_budget -= 1
+
+    def _free_host_page(self) -> int | None:
+        """A free host page for the host tier that no copy of this step reads (a
+        swap-in that completed this step freed its pages, but the executor runs
+        copy-outs first); None if there is none. The free list is FIFO, so such
+        pages sit at its tail: at most one try per busy page."""
+        pool = self.host_pool
+        for _ in range(pool.num_free):
+            page = pool.allocate(CACHE_OWNER, 1)[0]
+            if page not in self._host_busy:
+                return page
+            pool.free(CACHE_OWNER, [page])
+        return None
 
     def copies_done(self) -> None:
         """The last plan ran (or none is pending): its host-tier copies are done, so
@@ -409,6 +421,7 @@ class KVManager:
             if out:
                 self.free_device(request, retain=True)   # inside its API call
             else:
+                self._host_busy.update(request.host_pages)   # read by this step's swap-in: not rewritten in it
                 self.host_pool.free(request.request_id, request.host_pages)
                 request.host_pages = []
                 self.commit(request)

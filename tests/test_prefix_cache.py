@@ -196,6 +196,26 @@ def test_a_lookup_kept_across_steps_sees_a_host_page_computed_again_on_the_devic
     kv.check_invariants([y, x, b], set(), set())
 
 
+def test_a_host_page_a_swap_in_reads_is_not_written_by_a_copy_out_of_the_same_step():
+    kv = make_tiered_kv(device=4, host=2)
+    r = computed(kv, "r", [90, 91, 92])                # one private page
+    assert kv.start_swap_out(r) and kv.swap_chunk(r, 8, out=True)[2]
+    a = computed(kv, "a", list(range(8)))              # 2 cached pages
+    kv.free_device(a)
+    b = computed(kv, "b", list(range(100, 112)))       # 3 pages: a's evicted, one kept on the last host page
+    assert kv.host_pool.num_free == 0 and kv.cache.num_host_pages == 1
+    kv.free_device(b)
+    kv.copies_done()                                   # the next step
+    kv.copy_budget = 8
+    assert kv.start_swap_in(r)
+    swap_in, _, done = kv.swap_chunk(r, 8, out=False)  # done: r's host page is freed, read this step
+    assert done
+    computed(kv, "c", list(range(200, 212)))           # evicts b's cached pages to host
+    copy_out, _ = kv.take_copies()
+    assert copy_out is not None
+    assert not set(copy_out.host_pages) & set(swap_in.host_pages)   # copy-outs run before swap-ins
+
+
 # ------------------------------------------------------- scheduler with fake KV
 class PagedModel:
     """A fake model over simulated KV pages: a computed position writes its token
