@@ -285,6 +285,7 @@ class KVManager:
         cache.acquire([p for p in pages if p >= 0] if on_host else pages)   # first: not evictable below
         if on_host:
             self._host_busy.update(~pages[i] for i in on_host)
+            self.copy_budget -= len(on_host)   # first: the copy-outs of the evictions below get only what is left
             fresh = self._take(CACHE_OWNER, len(on_host))
             for i, page in zip(on_host, fresh):
                 host_page = ~pages[i]
@@ -293,7 +294,6 @@ class KVManager:
                 cache.host_touch(h)
                 self._copy_ins.append((host_page, page))
                 pages[i] = page
-            self.copy_budget -= len(on_host)
             cache.host_hit_tokens += len(on_host) * self.page_size
         request.device_pages = pages
         request.num_shared_pages = len(pages)

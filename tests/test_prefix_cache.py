@@ -216,6 +216,21 @@ def test_a_host_page_a_swap_in_reads_is_not_written_by_a_copy_out_of_the_same_st
     assert not set(copy_out.host_pages) & set(swap_in.host_pages)   # copy-outs run before swap-ins
 
 
+def test_a_hit_copied_back_and_the_evictions_it_causes_share_one_copy_budget():
+    kv = make_tiered_kv(device=4, host=4)
+    a = computed(kv, "a", list(range(8)))
+    kv.free_device(a)
+    kv.free_device(computed(kv, "b", list(range(100, 116))))   # a's pages -> host; b's 4 cached on the device
+    kv.copies_done()
+    kv.copy_budget = 2
+    x = Request("x", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    hits = kv.lookup(x)
+    assert len(hits) == 2 and all(p < 0 for p in hits)
+    kv.link(x, hits)                                   # 2 copy-ins; their device pages evict 2 of b's
+    copies = [op for op in kv.take_copies() if op is not None]
+    assert sum(len(op.host_pages) for op in copies) <= 2   # the step's swap budget, not twice it
+
+
 # ------------------------------------------------------- scheduler with fake KV
 class PagedModel:
     """A fake model over simulated KV pages: a computed position writes its token
