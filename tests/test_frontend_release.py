@@ -108,3 +108,18 @@ def test_a_stream_read_to_its_end_is_released_not_cancelled_and_its_tool_calls_n
     assert b"".join(m.get("body", b"") for m in sent) == chunk + b"data: [DONE]\n\n"
     assert front.router.in_flight["r0"] == 0 and not stream.cancelled
     assert front.router.parked_calls == {"call_abc123": "r0"}
+
+
+def test_a_call_that_fails_before_it_reaches_the_replica_is_a_503_and_released():
+    class Unreachable(ReplicaHandle):
+        def remote(self, *_):
+            raise RuntimeError("deployment handle is shutting down")
+
+    front = Frontend({"r0": Unreachable(ReplicaStream([]))}, {"model": "smollm2-135m", "page_size": 16})
+
+    async def run():
+        return await front.forward_request(_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+
+    response = asyncio.run(run())
+    assert response.status_code == 503 and json.loads(response.body)["error"]["code"] == "replica_failed"
+    assert front.router.in_flight["r0"] == 0

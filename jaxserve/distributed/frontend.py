@@ -156,12 +156,14 @@ class Frontend:
                 self.router.finished(replica)
 
         headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
-        stream = self.handles[replica].options(stream=True).handle.remote(
-            request.method, path, request.url.query.encode(), headers, body)
+        stream = None
         try:
+            stream = self.handles[replica].options(stream=True).handle.remote(
+                request.method, path, request.url.query.encode(), headers, body)
             head = await stream.__anext__()
         except asyncio.CancelledError:   # the client left while the replica was starting
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             release()
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
