@@ -122,9 +122,8 @@ class KVManager:
             return
         if self.copy_budget <= 0:
             return
-        if self.host_pool.num_free:
-            host_page = self.host_pool.allocate(CACHE_OWNER, 1)[0]
-        else:
+        host_page = self._free_host_page()
+        if host_page is None:
             host_page = cache.host_evict(self._host_busy)   # stays owned by CACHE_OWNER
             if host_page is None:
                 return
@@ -132,6 +131,19 @@ class KVManager:
         self._host_busy.add(host_page)
         self._copy_outs.append((page, host_page))
         self.copy_budget -= 1
+
+    def _free_host_page(self) -> int | None:
+        """A free host page for the host tier that no copy of this step reads (a
+        swap-in that completed this step freed its pages, but the executor runs
+        copy-outs first); None if there is none. The free list is FIFO, so such
+        pages sit at its tail: at most one try per busy page."""
+        pool = self.host_pool
+        for _ in range(pool.num_free):
+            page = pool.allocate(CACHE_OWNER, 1)[0]
+            if page not in self._host_busy:
+                return page
+            pool.free(CACHE_OWNER, [page])
+        return None
 
     def copies_done(self) -> None:
         """The last plan ran (or none is pending): its host-tier copies are done, so
@@ -273,16 +285,15 @@ class KVManager:
         cache.acquire([p for p in pages if p >= 0] if on_host else pages)   # first: not evictable below
         if on_host:
             self._host_busy.update(~pages[i] for i in on_host)
+            self.copy_budget -= len(on_host)   # first: the copy-outs of the evictions below get only what is left
             fresh = self._take(CACHE_OWNER, len(on_host))
             for i, page in zip(on_host, fresh):
                 host_page = ~pages[i]
                 h = request.block_hashes[i]
-                cache.insert(page, h)
+                cache.insert(page, h)   # bumps the epoch: other lookups see it on the device
                 cache.host_touch(h)
                 self._copy_ins.append((host_page, page))
                 pages[i] = page
-            self.copy_budget -= len(on_host)
-            cache.epoch += 1   # those hashes are on the device now: other lookups must see it
             cache.host_hit_tokens += len(on_host) * self.page_size
         request.device_pages = pages
         request.num_shared_pages = len(pages)
@@ -410,6 +421,7 @@ class KVManager:
             if out:
                 self.free_device(request, retain=True)   # inside its API call
             else:
+                self._host_busy.update(request.host_pages)   # read by this step's swap-in: not rewritten in it
                 self.host_pool.free(request.request_id, request.host_pages)
                 request.host_pages = []
                 self.commit(request)

@@ -77,8 +77,8 @@ class PrefixCache:
         self.query_tokens = 0    # tokens looked up at admissions (cumulative)
         self.hit_tokens = 0      # of those, tokens whose KV came from the cache
         self.evicted_pages = 0
-        self.epoch = 0           # bumped when a page leaves a tier or enters the device from host (a
-        #                          ``match_tiers`` result can only grow otherwise)
+        self.epoch = 0           # bumped when a page leaves a tier or a host-tier hash enters the device
+        #                          (copied back or computed again; a ``match_tiers`` result can only grow otherwise)
         # Host tier: hash <-> host page, least recently used first.
         self.host_page_of: OrderedDict[bytes, int] = OrderedDict()
         self.host_hash_of: dict[int, bytes] = {}
@@ -135,6 +135,8 @@ class PrefixCache:
     def insert(self, page: int, h: bytes) -> None:
         """Name ``page`` (just computed, listed by one request) ``h``; count 1."""
         assert h not in self.page_of and page not in self.hash_of, "page or hash cached twice"
+        if h in self.host_page_of:
+            self.epoch += 1   # a host-only page is on the device now: ``match_tiers`` results change
         self.page_of[h] = page
         self.hash_of[page] = h
         self.refs[page] = 1

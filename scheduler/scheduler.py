@@ -315,6 +315,7 @@ class Scheduler:
                 plan.swap_out.append(copy_out)
             if copy_in is not None:
                 plan.swap_in.append(copy_in)
+            kv.copy_budget = 0   # the plan is fixed: a copy planned after it (adopt between steps) would never run
         self.policy.on_plan(plan, now, self.iteration)
         return plan
 

@@ -175,6 +175,62 @@ def test_swap_out_takes_host_pages_from_the_host_tier_first():
     kv.check_invariants([b], set(), set())
 
 
+def test_a_lookup_kept_across_steps_sees_a_host_page_computed_again_on_the_device():
+    kv = make_tiered_kv(device=4, host=3)
+    a = computed(kv, "a", list(range(9)))              # 2 cached pages + a private one
+    kv.free_device(a)
+    y = Request("y", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    assert kv.allocate_slots(y, 2)                     # admitted without a hit, computes a's prefix again
+    b = computed(kv, "b", list(range(100, 108)))       # a's 2 cached pages are evicted to host
+    assert kv.cache.num_host_pages == 2
+    kv.copies_done()
+    kv.copy_budget = 8
+    x = Request("x", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    assert all(p < 0 for p in kv.lookup(x))            # host-resident, kept for the next step
+    y.num_computed_tokens = 8
+    kv.commit(y)                                       # the same hashes are on the device now
+    hits = kv.lookup(x)
+    assert hits == y.device_pages                      # not the host copies: no copy-in, no second entry
+    kv.link(x, hits)
+    assert kv.take_copies()[1] is None
+    kv.check_invariants([y, x, b], set(), set())
+
+
+def test_a_host_page_a_swap_in_reads_is_not_written_by_a_copy_out_of_the_same_step():
+    kv = make_tiered_kv(device=4, host=2)
+    r = computed(kv, "r", [90, 91, 92])                # one private page
+    assert kv.start_swap_out(r) and kv.swap_chunk(r, 8, out=True)[2]
+    a = computed(kv, "a", list(range(8)))              # 2 cached pages
+    kv.free_device(a)
+    b = computed(kv, "b", list(range(100, 112)))       # 3 pages: a's evicted, one kept on the last host page
+    assert kv.host_pool.num_free == 0 and kv.cache.num_host_pages == 1
+    kv.free_device(b)
+    kv.copies_done()                                   # the next step
+    kv.copy_budget = 8
+    assert kv.start_swap_in(r)
+    swap_in, _, done = kv.swap_chunk(r, 8, out=False)  # done: r's host page is freed, read this step
+    assert done
+    computed(kv, "c", list(range(200, 212)))           # evicts b's cached pages to host
+    copy_out, _ = kv.take_copies()
+    assert copy_out is not None
+    assert not set(copy_out.host_pages) & set(swap_in.host_pages)   # copy-outs run before swap-ins
+
+
+def test_a_hit_copied_back_and_the_evictions_it_causes_share_one_copy_budget():
+    kv = make_tiered_kv(device=4, host=4)
+    a = computed(kv, "a", list(range(8)))
+    kv.free_device(a)
+    kv.free_device(computed(kv, "b", list(range(100, 116))))   # a's pages -> host; b's 4 cached on the device
+    kv.copies_done()
+    kv.copy_budget = 2
+    x = Request("x", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(9)))
+    hits = kv.lookup(x)
+    assert len(hits) == 2 and all(p < 0 for p in hits)
+    kv.link(x, hits)                                   # 2 copy-ins; their device pages evict 2 of b's
+    copies = [op for op in kv.take_copies() if op is not None]
+    assert sum(len(op.host_pages) for op in copies) <= 2   # the step's swap budget, not twice it
+
+
 # ------------------------------------------------------- scheduler with fake KV
 class PagedModel:
     """A fake model over simulated KV pages: a computed position writes its token
@@ -243,6 +299,37 @@ def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14, host_cache=T
     assert sched.kv.num_free_device == num_pages and sched.kv.num_free_host == 6
     assert all(owner == CACHE_OWNER for owner in sched.host_pool.owned_by())
     return {rid: r.output_token_ids for rid, r in outs.items()}, sched
+
+
+def test_pages_adopted_between_steps_are_not_kept_on_host_by_copies_that_never_run():
+    """A disaggregated decode engine adopts pages between steps (``adopt``, outside
+    ``schedule``): an eviction then cannot plan a host-tier copy, since the next
+    ``schedule`` starts afresh; a host entry without its copy would be read back
+    as KV of another context."""
+    ps = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4, swap_budget_tokens=8,
+                                      enable_prefix_caching=True, host_cache=True),
+                      make_policy("fcfs"), PageAllocator(3, ps), PageAllocator(4, ps, "host"), COST)
+    model, now = PagedModel(ps), 0.0
+
+    def run(request):
+        nonlocal now
+        sched.add_request(request, now)
+        while not request.is_finished:
+            plan = sched.schedule(now)
+            result = model.step(plan)
+            now += 0.01
+            sched.update(plan, result, now)
+            sched.check_invariants()
+
+    run(Request("a", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(3, 12))))   # 2 pages cached
+    assert sched.schedule(now).is_empty                # idle: the engine's loop runs no step
+    other = Request("o", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(50, 59)))
+    adopted = sched.kv.adopt(sched.kv.hashes(other, 2))
+    assert len(adopted) == 2 and sched.kv.cache.evicted_pages >= 1
+    for i, page in adopted:                            # the KV the importer writes
+        model.device[page] = other.token_ids[i * ps:(i + 1) * ps]
+    run(Request("b", 0.0, prompt_len=9, max_tokens=1, token_ids=list(range(3, 12))))   # a's prefix again
 
 
 @pytest.mark.parametrize("handling", [None, Handling.PRESERVE, Handling.DISCARD, Handling.SWAP])

@@ -87,6 +87,10 @@ def test_round_robin_and_bounded_maps():
 
 def test_odd_bodies_give_no_hints():
     assert read_hints({"messages": "nope", "prompt": 3}, {}, None, 16) == RoutingHints()
+    # A body the replica will reject still keeps the hints it has (the session key).
+    assert read_hints({"messages": 5, "user": "bob"}, {}, None, 16).session_key == "bob"
+    assert read_hints({"user": "bob", "messages": [{"role": "assistant", "tool_calls": 5}]},
+                      {}, None, 16).session_key == "bob"
     assert read_hints({"prompt": list(range(40))}, {}, None, 16).page_hashes == page_hashes(list(range(40)), 16)
 
 

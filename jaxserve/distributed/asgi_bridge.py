@@ -18,13 +18,15 @@ log = logging.getLogger("jaxserve.distributed")
 
 
 class Lifespan:
-    """Runs an app's ASGI lifespan (startup now, shutdown on ``stop``)."""
+    """Runs an app's ASGI lifespan (startup now, shutdown on ``stop``). A startup
+    the app reports failed raises ``RuntimeError`` from ``start``."""
 
     def __init__(self, app) -> None:
         self.app = app
         self._started = asyncio.Event()
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._failure: str | None = None
 
     async def start(self) -> None:
         sent_startup = False
@@ -38,11 +40,16 @@ class Lifespan:
             return {"type": "lifespan.shutdown"}
 
         async def send(message):
+            if message["type"] == "lifespan.startup.failed":
+                self._failure = message.get("message", "")
             if message["type"].startswith("lifespan.startup"):
                 self._started.set()
 
         self._task = asyncio.create_task(self.app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
         await self._started.wait()
+        if self._failure is not None:
+            await asyncio.gather(self._task, return_exceptions=True)   # the app re-raises after reporting it
+            raise RuntimeError(f"app startup failed: {self._failure}")
 
     async def stop(self) -> None:
         self._stopping.set()

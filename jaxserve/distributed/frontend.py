@@ -156,12 +156,14 @@ class Frontend:
                 self.router.finished(replica)
 
         headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
-        stream = self.handles[replica].options(stream=True).handle.remote(
-            request.method, path, request.url.query.encode(), headers, body)
+        stream = None
         try:
+            stream = self.handles[replica].options(stream=True).handle.remote(
+                request.method, path, request.url.query.encode(), headers, body)
             head = await stream.__anext__()
         except asyncio.CancelledError:   # the client left while the replica was starting
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             release()
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed before answering
@@ -188,8 +190,10 @@ class Frontend:
             self._note_tool_calls(replica, content)
             return Response(content, status_code=head["status"], headers=out_headers)
 
+        finished = False
+
         async def relay():
-            finished = False
+            nonlocal finished
             try:
                 async for chunk in stream:
                     self._note_tool_calls(replica, chunk)
@@ -202,12 +206,13 @@ class Frontend:
                                    f"({type(e).__name__})", "type": "server_error", "param": None,
                                    "code": "replica_failed"}}
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-            finally:
-                if not finished:   # the client left mid-stream: stop the generation on the replica
-                    stream.cancel()
-                release()
 
-        return StreamingResponse(relay(), status_code=head["status"], headers=out_headers)
+        def close() -> None:
+            if not finished:   # the client left (maybe before the first chunk): stop the generation on the replica
+                stream.cancel()
+            release()
+
+        return _RelayResponse(relay(), close, status_code=head["status"], headers=out_headers)
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
         if method != "POST" or path not in ROUTED_PATHS:
@@ -228,6 +233,22 @@ class Frontend:
             ids = _CALL_ID.findall(content.decode("utf-8", "replace"))
             if ids:
                 self.router.parked(replica, ids)
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed response that runs ``on_close`` however it ends: also when its body
+    iterator never started (a client gone before the first chunk leaves a never-started
+    generator, whose ``finally`` never runs)."""
+
+    def __init__(self, content, on_close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 class _MergedMetrics:

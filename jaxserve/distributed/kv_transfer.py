@@ -17,7 +17,7 @@ last partial page cached: at most ``page_size - 1`` prompt tokens (and at
 least one, for the logits) are computed there. API pauses happen on the
 decode replica, which keeps the context.
 
-The page hashes are the engines' own (``scheduler.prefix_cache.page_hash``
+The page hashes are the engines' own (``scheduler.prefix_cache.chain_hashes``
 chained from the cache root of model, dtype, format and seed), so both sides
 agree on which pages hold which tokens. A prefill replica that fails or
 returns no pages costs only speed: the decode replica computes the prompt
@@ -36,7 +36,7 @@ from prometheus_client import Counter
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
-from scheduler.prefix_cache import page_hash
+from scheduler.prefix_cache import chain_hashes
 
 log = logging.getLogger("jaxserve.distributed")
 
@@ -49,11 +49,8 @@ def context_hashes(engine, token_ids: list[int]) -> list[bytes]:
     kv = engine.scheduler.kv
     if kv.cache is None:
         return []
-    ps, parent, hashes = kv.page_size, kv.cache.root, []
-    for i in range((len(token_ids) - 1) // ps):
-        parent = page_hash(parent, token_ids[i * ps:(i + 1) * ps])
-        hashes.append(parent)
-    return hashes
+    full = (len(token_ids) - 1) // kv.page_size
+    return chain_hashes(kv.cache.root, token_ids[:full * kv.page_size], kv.page_size)
 
 
 def cached_pages(engine, token_ids: list[int]) -> tuple[int, int]:

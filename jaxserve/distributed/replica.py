@@ -46,8 +46,9 @@ class EngineReplica:
 
     async def _started(self) -> None:
         if self._lifespan is None:
-            self._lifespan = Lifespan(self.app)
-            await self._lifespan.start()
+            lifespan = Lifespan(self.app)
+            await lifespan.start()   # raises if the app's startup failed: the request fails, the next tries again
+            self._lifespan = lifespan
 
     async def handle(self, method: str, path: str, query_string: bytes, headers: list[tuple[str, str]],
                      body: bytes) -> AsyncIterator[dict | bytes]:

@@ -102,10 +102,12 @@ def read_hints(body: dict, headers: dict[str, str], tokenize: Callable[[str], li
         if isinstance(key, str) and key:
             hints.session_key = key
             break
-    for m in body.get("messages") or []:
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else []:
         if not isinstance(m, dict):
             continue
-        for call in m.get("tool_calls") or []:
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
             if isinstance(call, dict) and isinstance(call.get("id"), str):
                 hints.tool_call_ids.append(call["id"])
         if isinstance(m.get("tool_call_id"), str):

@@ -1,0 +1,125 @@
+"""The replica front's bookkeeping of a streamed response (``jaxserve.distributed.frontend``), without Ray:
+the replica's deployment handle is replaced by a stand-in that yields a head and SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.requests import ClientDisconnect, Request
+
+from jaxserve.distributed.frontend import Frontend
+
+
+class ReplicaStream:
+    """What ``handle.options(stream=True).handle.remote(...)`` gives: the head, then body chunks."""
+
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ReplicaHandle:
+    def __init__(self, stream: ReplicaStream) -> None:
+        self.stream = stream
+        self.health = self.Health()
+
+    class Health:
+        async def remote(self):
+            return {"alive": True}
+
+    def options(self, **_):
+        return self
+
+    @property
+    def handle(self):
+        return self
+
+    def remote(self, *_):
+        return self.stream
+
+
+def _request(body: dict) -> Request:
+    data = json.dumps(body).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "scheme": "http"}
+    return Request(scope, receive)
+
+
+def test_a_client_gone_before_the_stream_starts_is_released_and_cancelled():
+    stream = ReplicaStream([{"status": 200, "headers": [["content-type", "text/event-stream"]]},
+                            b'data: {"choices": []}\n\n', b"data: [DONE]\n\n"])
+    front = Frontend({"r0": ReplicaHandle(stream)}, {"model": "smollm2-135m", "page_size": 16})
+
+    async def gone(message):
+        raise OSError("client disconnected")
+
+    async def run():
+        request = _request({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        response = await front.forward_request(request)
+        assert front.router.in_flight["r0"] == 1
+        with pytest.raises(ClientDisconnect):
+            await response(request.scope, request.receive, gone)
+
+    asyncio.run(run())
+    assert front.router.in_flight["r0"] == 0           # not counted in flight forever
+    assert stream.cancelled                            # the replica stops generating for nobody
+
+
+def test_a_stream_read_to_its_end_is_released_not_cancelled_and_its_tool_calls_noted():
+    chunk = b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "call_abc123"}]}}]}\n\n'
+    stream = ReplicaStream([{"status": 200, "headers": [["content-type", "text/event-stream"]]},
+                            chunk, b"data: [DONE]\n\n"])
+    front = Frontend({"r0": ReplicaHandle(stream)}, {"model": "smollm2-135m", "page_size": 16})
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        request = _request({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        response = await front.forward_request(request)
+        await response(request.scope, request.receive, send)
+
+    asyncio.run(run())
+    assert b"".join(m.get("body", b"") for m in sent) == chunk + b"data: [DONE]\n\n"
+    assert front.router.in_flight["r0"] == 0 and not stream.cancelled
+    assert front.router.parked_calls == {"call_abc123": "r0"}
+
+
+def test_a_call_that_fails_before_it_reaches_the_replica_is_a_503_and_released():
+    class Unreachable(ReplicaHandle):
+        def remote(self, *_):
+            raise RuntimeError("deployment handle is shutting down")
+
+    front = Frontend({"r0": Unreachable(ReplicaStream([]))}, {"model": "smollm2-135m", "page_size": 16})
+
+    async def run():
+        return await front.forward_request(_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+
+    response = asyncio.run(run())
+    assert response.status_code == 503 and json.loads(response.body)["error"]["code"] == "replica_failed"
+    assert front.router.in_flight["r0"] == 0
