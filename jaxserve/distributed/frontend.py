@@ -27,7 +27,8 @@ from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints
 log = logging.getLogger("jaxserve.distributed")
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
-HEALTH_TIMEOUT_S = 5.0          # a replica that does not answer /health in this long counts as down
+HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this long counts as down (one being
+                                # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
 _CALL_ID = re.compile(r'"id":\s*"(call_[A-Za-z0-9]+)"')
 _DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}
