@@ -10,6 +10,7 @@ through that app in-process (``asgi_bridge.call_app``), adding the header
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -43,12 +44,16 @@ class EngineReplica:
             self.engine.prefill = prefill
             self.engine.metrics = TransferMetrics(self.app.state.server.metrics.registry)
         self._lifespan: Lifespan | None = None
+        self._starting = asyncio.Lock()   # concurrent first requests start the app once
 
     async def _started(self) -> None:
-        if self._lifespan is None:
-            lifespan = Lifespan(self.app)
-            await lifespan.start()   # raises if the app's startup failed: the request fails, the next tries again
-            self._lifespan = lifespan
+        if self._lifespan is not None:
+            return
+        async with self._starting:
+            if self._lifespan is None:
+                lifespan = Lifespan(self.app)
+                await lifespan.start()   # raises if the app's startup failed: the request fails, the next tries again
+                self._lifespan = lifespan
 
     async def handle(self, method: str, path: str, query_string: bytes, headers: list[tuple[str, str]],
                      body: bytes) -> AsyncIterator[dict | bytes]:
