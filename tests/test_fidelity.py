@@ -282,6 +282,8 @@ def test_in_run_profile_takes_the_engines_own_step_times():
     cal = tool.in_run_profile(before, rows)
     assert cal.resolved_step_model == "buckets" and cal.step_overhead_s == 0.0
     assert cal.t_step(1) == pytest.approx(0.004)
+    # the buckets are whole steps at the run's own contexts: no context term on top
+    assert cal.fwd_per_context_token_s == 0.0 and cal.t_step(1, 5000) == pytest.approx(0.004)
     assert cal.t_step(300) == pytest.approx(0.2)
     ratio = (10 * 0.004 + 6 * 0.2) / (10 * before.t_step(1) + 6 * before.t_step(512))
     assert cal.t_step(64) == pytest.approx(ratio * before.t_step(64))   # 2 steps: too few to trust

@@ -90,8 +90,10 @@ def in_run_profile(cost: CostModel, engine_rows: list[dict], min_steps: int = 5)
     seed's runs, pooled): each power-of-two bucket's mean wall time of a whole
     ``EngineCore`` step (schedule, forward, update, front end) where the engine ran
     at least ``min_steps`` such steps, else the profile's step for it times the
-    ratio measured over the observed buckets; no separate host overhead (the
-    buckets hold it). The machine's speed during the run, not before it."""
+    ratio measured over the observed buckets; no separate host overhead and no
+    context term (the buckets hold both: their steps read the run's own
+    contexts, so adding ``fwd_per_context_token_s · c`` would charge the reads
+    twice). The machine's speed during the run, not before it."""
     pooled = pooled_buckets(engine_rows)
     seen = {b: t / c for b, (c, t) in pooled.items() if c >= min_steps}
     before = cost.timed("auto")
@@ -104,7 +106,7 @@ def in_run_profile(cost: CostModel, engine_rows: list[dict], min_steps: int = 5)
                 in_run={"buckets_seen": sorted(seen), "unseen_ratio": ratio,
                         "steps": sum(c for c, _ in pooled.values())})
     return dataclasses.replace(cost, name=f"{cost.name}-in-run", step_model="buckets", step_overhead_s=0.0,
-                               meta=meta)
+                               fwd_per_context_token_s=0.0, meta=meta)
 
 
 def ranking(rows: list[dict], key: str) -> list[str]:

@@ -60,7 +60,11 @@ def _engine_request(item: WorkloadItem, vocab: int, seed: int):
 
 def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: EngineOptions,
                cost: CostModel | None = None, progress: bool = True) -> list[RunCurves]:
-    """Every (rate, policy) run on a fresh engine; arrivals in wall-clock time.
+    """Every (rate, policy, prefix-cache setting) run on a fresh engine; arrivals in wall-clock time.
+
+    The engine's prefix cache follows ``config.prefix_cache`` (one run per
+    setting, as the simulator does), not the engine's own default, so a
+    comparison with ``simulate`` on the same config recomputes the same tokens.
 
     ``cost`` (a profile) only sets the SLO's reference step time
     (``T_fwd(max_num_batched_tokens)``); without it the run's own mean step
@@ -72,13 +76,15 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
 
     sim = config.sim
     runs: list[RunCurves] = []
-    for run in grid(entries, config, suffix=" (engine)"):
+    for run, cache in ((run, cache) for run in grid(entries, config, suffix=" (engine)")
+                       for cache in config.prefix_cache):
         engine = LLMEngine(config=options.engine.replace(
             page_size=sim.page_size, num_pages=sim.num_device_pages, num_host_pages=sim.num_host_pages,
             max_num_batched_tokens=sim.max_num_batched_tokens, max_num_seqs=sim.max_num_seqs,
             policy=run.policy, handling=config.handling.value if config.handling else None,
             predictor=config.predictor, policy_options=dict(config.policy_options), seed=config.seed,
-            swap_budget_tokens=sim.swap_budget_tokens, check_invariants=sim.check_invariants))
+            swap_budget_tokens=sim.swap_budget_tokens, check_invariants=sim.check_invariants,
+            enable_prefix_caching=cache))
         try:
             with tqdm(total=len(run.workload), desc=run.label, unit="req", disable=not progress, leave=False,
                       dynamic_ncols=True) as bar:
@@ -96,7 +102,7 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
         reference = cost.t_fwd(batched) if cost else step_s
         row, per_request = summarize_run(run.policy, run.rate, config, requests, run.kinds, window, makespan,
                                          config.slo(reference))
-        row.update({"executor": "engine", "model": engine.config.model, "steps": stats.steps,
+        row.update({"executor": "engine", "model": engine.config.model, "prefix_cache": cache, "steps": stats.steps,
                     "mean_step_s": step_s, "batched_tokens": stats.batched_tokens,
                     "recomputed_tokens": stats.recomputed_tokens, "steps_by_bucket": stats.steps_by_bucket.as_row(),
                     "busy_fraction": stats.busy_time_s / makespan if makespan > 0 else 0.0,
