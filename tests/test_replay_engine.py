@@ -38,3 +38,25 @@ def test_engine_replay_completes_and_reports(tmp_path):
     assert row["api_calls"] == 6 and sum(row["handling_counts"].values()) == 6
     assert row["mean_ttft_s"] > 0 and row["mean_e2e_s"] >= row["mean_ttft_s"]
     assert row["steps"] > 0 and 0 < row["busy_fraction"] <= 1
+
+
+def test_engine_resend_replay_serves_earlier_turns_from_the_cache(tmp_path):
+    """Re-send mode on the real engine: every later segment arrives as a new request
+    carrying the conversation's real token ids; with the cache on the follow-ups
+    find the earlier turns' full pages, with it off they recompute them."""
+    multi = [e for e in load_trace("merged_exp_uniform.json") if len(e.segments) >= 3][:4]
+    entries = scale_entries(multi, 0.05, 0.002)
+    config = ReplayConfig(policies=["lamps"], rates=[50.0], num_requests=4, seed=1, mode="resend",
+                          prefix_cache=(False, True),
+                          sim=SimConfig(page_size=8, num_device_pages=128, num_host_pages=0,
+                                        max_num_batched_tokens=64, max_num_seqs=8, check_invariants=True))
+    off, on = (r.row for r in run_engine(entries, config, EngineOptions(EngineConfig(model="demo",
+                                                                                     max_model_len=512)),
+                                         progress=False))
+    for row in (off, on):
+        assert row["mode"] == "resend" and row["completed"] == row["requests"]
+        assert row["follow_ups"] == row["requests"] - 4 > 0
+    assert (off["prefix_cache"], on["prefix_cache"]) == (False, True)
+    assert off["cached_prompt_tokens"] == 0 and off["affinity_hit_rate"] == 0.0
+    assert on["cached_prompt_tokens"] > 0 and on["affinity_hit_rate"] > 0.5
+    assert on["recomputed_tokens"] < off["recomputed_tokens"]

@@ -77,9 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sch.add_argument("--mode", choices=("requests", "resend"), default="requests",
                      help="requests: each trace request pauses for its API calls (default); resend: each "
                           "segment arrives as a new request carrying the whole conversation, the next one "
-                          "when it has finished plus the API time (as an OpenAI client drives an agent)")
-    sch.add_argument("--sim-cache", choices=("off", "on", "both"), default="off",
-                     help="model the prefix cache in the simulator: off (default), on, or both side by side")
+                          "when it has finished plus the API time (as an OpenAI client drives an agent); "
+                          "simulator and --model")
+    sch.add_argument("--sim-cache", choices=("off", "on", "both"), default=None,
+                     help="the prefix cache of the runs: off, on, or both side by side (default: off on the "
+                          "simulator; with --model, the engine's --enable-prefix-caching)")
     sch.add_argument("--replicas", type=int, default=1,
                      help="simulated replicas behind a router (re-send mode)")
     sch.add_argument("--routers", default="round_robin",
@@ -148,8 +150,8 @@ def build_config(args: argparse.Namespace):
     from jaxserve.replay.simulate import SimConfig
     from scheduler import Handling
 
-    if args.model is not None and (args.mode != "requests" or args.replicas != 1 or args.sim_cache != "off"):
-        raise ValueError("--mode resend, --replicas and --sim-cache are simulator settings; drop --model")
+    if args.model is not None and args.replicas != 1:
+        raise ValueError("--replicas is a simulator setting (the real engine is one replica); drop --model")
     rates = _parse_rates(args)
     policies = _parse_policies(args.policies)
     engine = EngineConfig.from_cli(args, model=args.model or "demo", seed=args.seed)   # validates every setting
@@ -163,7 +165,8 @@ def build_config(args: argparse.Namespace):
             duration = DEFAULT_DURATION_S
     if not args.step_time_scale > 0:
         raise ValueError("--step-time-scale must be > 0")
-    caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.sim_cache]
+    cache = args.sim_cache or ("off" if args.model is None or not engine.enable_prefix_caching else "on")
+    caches = {"off": (False,), "on": (True,), "both": (False, True)}[cache]
     routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
     sim = SimConfig(page_size=engine.page_size, num_device_pages=engine.num_pages,
                     num_host_pages=engine.num_host_pages, max_num_batched_tokens=engine.max_num_batched_tokens,

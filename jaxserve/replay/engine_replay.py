@@ -11,11 +11,21 @@ A trace request whose last segment ends in an API call ends when that call
 returns, in the engine (an ``ApiCall`` at ``after_tokens == max_tokens``) as in
 the simulator, so both replay the same entries.
 
+Re-send mode (``ReplayConfig.mode == "resend"``, as ``jaxserve.replay.cluster``
+simulates it): each segment arrives as a new request carrying the whole
+conversation so far — the first prompt, every earlier segment's generated
+tokens and every earlier API return — and generates that segment's tokens; the
+next segment arrives when this one finished plus the call's duration. The
+follow-ups are real token ids, so the engine's prefix cache finds the earlier
+turns by hashing them, as it would for an OpenAI client re-sending its history.
+
 Importing this module imports JAX (through the engine).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -88,7 +98,8 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
         try:
             with tqdm(total=len(run.workload), desc=run.label, unit="req", disable=not progress, leave=False,
                       dynamic_ncols=True) as bar:
-                requests, t0, end, occupancy = _drive(engine, run.workload, config.seed, options, bar)
+                drive = _drive_resend if config.mode == "resend" else _drive
+                requests, t0, end, occupancy, follow_ups = drive(engine, run.workload, config.seed, options, bar)
         finally:
             engine.shutdown()
         stats = engine.stats
@@ -100,16 +111,26 @@ def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: Eng
         step_s = stats.busy_time_s / stats.steps if stats.steps else 0.0
         batched = engine.scheduler.config.max_num_batched_tokens
         reference = cost.t_fwd(batched) if cost else step_s
-        row, per_request = summarize_run(run.policy, run.rate, config, requests, run.kinds, window, makespan,
+        kinds = run.kinds if config.mode != "resend" else \
+            {r.request_id: run.kinds.get(r.request_id.rpartition("/")[0]) for r in requests}
+        row, per_request = summarize_run(run.policy, run.rate, config, requests, kinds, window, makespan,
                                          config.slo(reference))
-        row.update({"executor": "engine", "model": engine.config.model, "prefix_cache": cache, "steps": stats.steps,
-                    "mean_step_s": step_s, "batched_tokens": stats.batched_tokens,
-                    "recomputed_tokens": stats.recomputed_tokens, "steps_by_bucket": stats.steps_by_bucket.as_row(),
+        # A re-sent turn recomputes the context its predecessor computed, less what it found cached.
+        resent_uncached = sum(max(0, prev.max_computed_tokens - r.num_cached_tokens)
+                              for r, prev in follow_ups if r.first_scheduled_time is not None)
+        row.update({"executor": "engine", "model": engine.config.model, "mode": config.mode, "prefix_cache": cache,
+                    "steps": stats.steps, "mean_step_s": step_s, "batched_tokens": stats.batched_tokens,
+                    "recomputed_tokens": stats.recomputed_tokens + resent_uncached,
+                    "steps_by_bucket": stats.steps_by_bucket.as_row(),
                     "busy_fraction": stats.busy_time_s / makespan if makespan > 0 else 0.0,
                     "device_pages": engine.scheduler.device_pool.num_pages,
                     "host_pages": engine.scheduler.host_pool.num_pages, "page_size": sim.page_size,
                     "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
                     "swap_budget_tokens": engine.scheduler.config.swap_budget_tokens})
+        if config.mode == "resend":
+            row.update({"follow_ups": len(follow_ups),
+                        "affinity_hit_rate": (sum(r.num_cached_tokens > 0 for r, _ in follow_ups) / len(follow_ups)
+                                              if follow_ups else None)})
         times, dev, host = occupancy
         runs.append(RunCurves(run.policy, run.rate, row, e2e_values(per_request), [t - t0 for t in times],
                               [d / engine.scheduler.device_pool.num_pages for d in dev],
@@ -133,39 +154,123 @@ def _shift(r, dt: float) -> None:
             c.resume_time += dt
 
 
+def _check_fits(engine, item: WorkloadItem, total: int) -> None:
+    if total > engine.max_model_len:
+        raise ValueError(f"request {item.entry.request_id!r} needs {total} tokens of context but the model "
+                         f"allows {engine.max_model_len}; scale the trace down with --token-scale")
+
+
+class _Occupancy:
+    """Pages in use, sampled every ``interval_s`` of the run (wall seconds)."""
+
+    def __init__(self, engine, interval_s: float) -> None:
+        self.sched, self.interval_s = engine.scheduler, interval_s
+        self.times: list[float] = []
+        self.device: list[int] = []
+        self.host: list[int] = []
+        self.next_at = engine.clock.now()
+
+    def observe(self, now: float) -> None:
+        if now >= self.next_at:
+            self.times.append(now)
+            self.device.append(self.sched.device_pool.num_used)
+            self.host.append(self.sched.host_pool.num_used)
+            self.next_at = now + self.interval_s
+
+    @property
+    def curves(self) -> tuple[list[float], list[int], list[int]]:
+        return self.times, self.device, self.host
+
+
+def _finished(touched) -> list:
+    """The requests a pass finished, each once."""
+    return [r for r in {id(r): r for r in touched}.values() if r.is_finished]
+
+
 def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineOptions, bar):
     """Feed arrivals in wall-clock time through the engine loop until every request ends."""
-    sched = engine.scheduler
     vocab = engine.model_config.vocab_size
-    limit = engine.max_model_len
     t0 = engine.clock.now()
     requests = []
     for w in workload:
         ids, params, calls = _engine_request(w, vocab, seed)
-        total = len(ids) + params.max_tokens + sum(len(c.returned_token_ids) for c in calls)
-        if total > limit:
-            raise ValueError(f"request {w.entry.request_id!r} needs {total} tokens of context but the model "
-                             f"allows {limit}; scale the trace down with --token-scale")
+        _check_fits(engine, w, len(ids) + params.max_tokens + sum(len(c.returned_token_ids) for c in calls))
         requests.append(engine.make_request(w.request_id, prompt_token_ids=ids, sampling_params=params,
                                             api_calls=calls, parse_tool_calls=False,
                                             arrival_time=t0 + w.arrival_time,
                                             predictions=dict(w.entry.predictions) or None))
-    times, dev, host = [], [], []
-    next_sample = [t0]
-
-    def observe(now: float) -> None:
-        if now >= next_sample[0]:
-            times.append(now)
-            dev.append(sched.device_pool.num_used)
-            host.append(sched.host_pool.num_used)
-            next_sample[0] = now + options.sample_interval_s
-
-    def progress(touched) -> None:
-        bar.update(sum(1 for r in {id(r): r for r in touched}.values() if r.is_finished))
-
+    occupancy = _Occupancy(engine, options.sample_interval_s)
     total_requests = len(requests)
     engine.core.run(done=lambda: engine.stats.requests == total_requests and not engine.has_unfinished(),
-                    arrivals=requests, observe=observe, on_outputs=progress,
-                    idle=lambda until: engine.idle(min(until, next_sample[0]) if until is not None else next_sample[0]))
+                    arrivals=requests, observe=occupancy.observe,
+                    on_outputs=lambda touched: bar.update(len(_finished(touched))),
+                    idle=lambda until: engine.idle(min(until, occupancy.next_at) if until is not None
+                                                   else occupancy.next_at))
     end = max((r.finish_time for r in requests if r.finish_time is not None), default=engine.clock.now())
-    return requests, t0, end, (times, dev, host)
+    return requests, t0, end, occupancy.curves, []
+
+
+def _drive_resend(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineOptions, bar):
+    """Re-send mode (module doc): segment ``k`` of a conversation arrives as request
+    ``"<id>/<k>"`` whose prompt is the conversation so far; a trailing API call
+    (after the last segment) has nothing left to generate and is dropped. Returns
+    also the (follow-up, predecessor) pairs."""
+    from jaxserve import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    low = min(4, vocab - 1)   # as _engine_request: clear of small vocabularies' special ids
+    t0 = engine.clock.now()
+    requests, follow_ups = [], []
+    pending: list[tuple[float, int, object]] = []   # (arrival time, tie-break, request) of follow-ups
+    turn_of: dict[str, tuple[WorkloadItem, int, np.random.Generator]] = {}
+    total = sum(len(w.entry.segments) for w in workload)
+
+    def segment_request(item: WorkloadItem, k: int, ids: list[int], at: float, rng: np.random.Generator):
+        tokens = item.entry.segments[k].num_tokens
+        _check_fits(engine, item, len(ids) + tokens)
+        request = engine.make_request(f"{item.request_id}/{k}", prompt_token_ids=ids, parse_tool_calls=False,
+                                      sampling_params=SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                     ignore_eos=True),
+                                      arrival_time=at, predictions=dict(item.entry.predictions) or None)
+        turn_of[request.request_id] = (item, k, rng)
+        requests.append(request)
+        return request
+
+    first = []
+    for w in workload:
+        rng = np.random.default_rng([seed, zlib.crc32(w.request_id.encode())])
+        ids = rng.integers(low, vocab, size=w.entry.prompt_len).tolist()
+        first.append(segment_request(w, 0, ids, t0 + w.arrival_time, rng))
+    order = itertools.count()
+
+    def on_outputs(touched) -> None:
+        done = _finished(touched)
+        bar.update(len(done))
+        for r in done:
+            item, k, rng = turn_of.pop(r.request_id)
+            if k + 1 >= len(item.entry.segments):
+                continue
+            seg = item.entry.segments[k]
+            returned = rng.integers(low, vocab, size=seg.num_returned_tokens).tolist() if seg.has_api_call else []
+            nxt = segment_request(item, k + 1, list(r.token_ids) + returned,
+                                  r.finish_time + (seg.api_duration_s or 0.0), rng)
+            follow_ups.append((nxt, r))
+            heapq.heappush(pending, (nxt.arrival_time, next(order), nxt))
+
+    occupancy = _Occupancy(engine, options.sample_interval_s)
+
+    def observe(now: float) -> None:
+        while pending and pending[0][0] <= now:
+            request = heapq.heappop(pending)[2]
+            engine.core.add(request, request.arrival_time)
+        occupancy.observe(now)
+
+    def idle(until: float | None) -> None:
+        wake = min(t for t in (until, occupancy.next_at, pending[0][0] if pending else None) if t is not None)
+        engine.idle(wake)
+
+    engine.core.run(done=lambda: len(requests) == total and engine.stats.requests == total
+                    and not engine.has_unfinished() and not pending,
+                    arrivals=first, observe=observe, on_outputs=on_outputs, idle=idle)
+    end = max((r.finish_time for r in requests if r.finish_time is not None), default=engine.clock.now())
+    return requests, t0, end, occupancy.curves, follow_ups
