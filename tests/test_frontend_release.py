@@ -123,3 +123,34 @@ def test_a_call_that_fails_before_it_reaches_the_replica_is_a_503_and_released()
     response = asyncio.run(run())
     assert response.status_code == 503 and json.loads(response.body)["error"]["code"] == "replica_failed"
     assert front.router.in_flight["r0"] == 0
+
+
+def test_health_reports_the_prefill_deployment_and_degrades_without_it():
+    class DownPrefill:
+        class health:
+            @staticmethod
+            async def remote():
+                raise RuntimeError("actor died")
+
+    class UpPrefill:
+        class health:
+            @staticmethod
+            async def remote():
+                return {"alive": True}
+
+    settings = {"model": "smollm2-135m", "page_size": 16, "prefill_replicas": 2}
+
+    async def health(prefill):
+        front = Frontend({"decode-0": ReplicaHandle(ReplicaStream([]))}, settings, prefill)
+        response = await front.health_response()
+        front._monitor.cancel()
+        return response.status_code, json.loads(response.body)
+
+    code, body = asyncio.run(health(UpPrefill()))
+    assert code == 200 and body["status"] == "ok"
+    assert body["prefill"] == {"status": "up", "replicas_desired": 2}
+    code, body = asyncio.run(health(DownPrefill()))   # decode replicas compute prompts themselves: still served
+    assert code == 200 and body["status"] == "degraded" and body["prefill"]["status"] == "down"
+    assert body["replicas"] == {"decode-0": "up"}
+    code, body = asyncio.run(health(None))            # colocated replicas: no prefill entry
+    assert body["status"] == "ok" and "prefill" not in body

@@ -114,7 +114,9 @@ def test_routes_errors_and_header_match_single_server(cluster):
             assert r.headers["x-jaxserve-replica"] in ("replica-0", "replica-1")
             assert models.headers["x-jaxserve-replica"] in ("replica-0", "replica-1")
     health = httpx.get(cluster["dp"] + "/health", timeout=30).json()
-    assert health["status"] == "ok" and health["replicas_up"] == 2
+    assert health["status"] == "ok" and health["replicas_up"] == 2 and "prefill" not in health
+    health = httpx.get(cluster["pd"] + "/health", timeout=30).json()
+    assert health["status"] == "ok" and health["prefill"] == {"status": "up", "replicas_desired": 1}
     single = _metrics(cluster["single"])   # the vLLM-named gauges on the single server too
     assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= set(single)
 

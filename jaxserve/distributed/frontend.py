@@ -69,12 +69,16 @@ def ingress_class():
 class Frontend:
     """The front's state and behaviour (``ingress_class`` adds the routes).
     ``replicas``: name -> deployment handle; ``settings``: the ``jaxserve serve``
-    arguments (model, page_size, replica_router)."""
+    arguments (model, page_size, replica_router, prefill_replicas); ``prefill``: the
+    prefill deployment's handle when disaggregated (its health is reported, not routed to:
+    decode replicas call it)."""
 
-    def __init__(self, replicas: dict, settings: dict) -> None:
+    def __init__(self, replicas: dict, settings: dict, prefill=None) -> None:
         from jaxserve.model_source import load_tokenizer, resolve_model
 
         self.handles = dict(replicas)
+        self.prefill = prefill
+        self.prefill_replicas = int(settings.get("prefill_replicas", 0) or 0)
         self.router = ReplicaRouter(list(self.handles), settings.get("replica_router", "affinity"))
         self.page_size = int(settings.get("page_size", 16))
         tokenizer = load_tokenizer(resolve_model(settings["model"]))
@@ -82,12 +86,16 @@ class Frontend:
         self._monitor: asyncio.Task | None = None
 
     # --------------------------------------------------------------- health
-    async def _check(self, name: str) -> bool:
+    @staticmethod
+    async def _alive(handle) -> bool:
         try:
-            status = await asyncio.wait_for(self.handles[name].health.remote(), HEALTH_TIMEOUT_S)
+            status = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
             return bool(status["alive"])
         except Exception:  # noqa: BLE001 - dead actor, restarting, timed out: down
             return False
+
+    async def _check(self, name: str) -> bool:
+        return await self._alive(self.handles[name])
 
     async def check_all(self) -> dict[str, bool]:
         """Ask every replica; update the router's view. ``{name: up}``."""
@@ -110,13 +118,22 @@ class Frontend:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
     async def health_response(self) -> JSONResponse:
+        """``ok`` when every replica (and the prefill deployment, if any) answers;
+        ``degraded`` when some do not, or the prefill deployment is down (decode
+        replicas then compute prompts themselves: slower, not failed); ``dead``
+        (503) when no replica serves."""
         self._ensure_monitor()
-        ups = await self.check_all()
+        if self.prefill is None:
+            ups, prefill_up = await self.check_all(), None
+        else:
+            ups, prefill_up = await asyncio.gather(self.check_all(), self._alive(self.prefill))
         up = sum(ups.values())
-        status = "ok" if up == len(ups) else "degraded" if up else "dead"
-        return JSONResponse({"status": status, "replicas_up": up, "replicas_desired": len(ups),
-                             "replicas": {n: "up" if u else "down" for n, u in ups.items()}},
-                            status_code=503 if up == 0 else 200)
+        status = "ok" if up == len(ups) and prefill_up is not False else "degraded" if up else "dead"
+        body = {"status": status, "replicas_up": up, "replicas_desired": len(ups),
+                "replicas": {n: "up" if u else "down" for n, u in ups.items()}}
+        if self.prefill is not None:
+            body["prefill"] = {"status": "up" if prefill_up else "down", "replicas_desired": self.prefill_replicas}
+        return JSONResponse(body, status_code=503 if up == 0 else 200)
 
     # -------------------------------------------------------------- metrics
     async def metrics_response(self) -> Response:

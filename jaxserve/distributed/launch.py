@@ -77,7 +77,8 @@ def build_application(settings: dict, *, accelerator: str | None = None, replica
                              max_ongoing_requests=4096,
                              ray_actor_options={"num_cpus": 0, "runtime_env": options["runtime_env"]})
     return front.bind(replicas, {"model": config.model, "page_size": config.page_size,
-                                 "replica_router": config.replica_router})
+                                 "replica_router": config.replica_router,
+                                 "prefill_replicas": config.prefill_replicas}, prefill)
 
 
 def start(settings: dict, *, route_prefix: str = "/", name: str = APP_NAME, replica_cpus: float = 1.0) -> None:
