@@ -427,6 +427,8 @@ class Scheduler:
         for request in self._ranked:
             if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
                 break
+            if not self.policy.may_admit(request, plan):
+                break
             if request.state == RequestState.SWAPPED:
                 while not kv.start_swap_in(request) and self._evict_idle_holder(request, now):
                     pass

@@ -15,6 +15,7 @@ from jaxserve.replay.trace import load_trace, scale_entries
 from scheduler import (BUILTIN_PROFILES, EventKind, Handling, PageAllocator, Request, RequestState, Scheduler,
                        SchedulerConfig, ScheduledChunk, Segment, StepPlan, StepResult, make_policy)
 from scheduler.cost_model import waste_discard, waste_discard_chunked
+from scheduler.policies.prophet import in_prefill
 
 COST = BUILTIN_PROFILES["gptj-6b-a100-40g"]
 
@@ -192,12 +193,14 @@ def test_prophet_caps_the_decode_batch_so_the_mlfq_demotes_and_rotates():
     reqs = [Request(f"r{i}", 0.0, prompt_len=4, max_tokens=100) for i in range(20)]
     for r in reqs:
         sched.add_request(r, 0.0)
-    sizes = []
+    decode, prefill = [], []
     for i in range(40):
         plan = sched.schedule(0.01 * i)
-        sizes.append(len(plan.chunks))
+        decode.append(sum(not in_prefill(c.request) for c in plan.chunks))
+        prefill.append(sum(in_prefill(c.request) for c in plan.chunks))
         sched.update(plan, StepResult(), 0.01 * i)
-    assert max(sizes[1:]) == 16                      # the seed's decoder batch size
+    assert max(decode) == 16                         # the seed's decoder batch size
+    assert max(prefill) == 4 and prefill[:5] == [4] * 5   # its prefiller's: 20 prompts in 5 steps
     assert {policy.level(r) for r in reqs} == {1}     # everyone ran its 5-step quantum and was demoted
     assert min(r.num_generated for r in reqs) > 5     # ... and the four left out rotated in
     sched.check_invariants()

@@ -268,6 +268,29 @@ def test_prophet_budget_goes_to_lower_levels_first_when_short():
     assert len(capped.order_running([old, new], 0.2, sched.view(), budget=64, iteration=sched.iteration)) == 1
 
 
+def test_prophet_prefiller_batches_at_most_four_prompts_per_step_in_srpt_order():
+    sched = make_scheduler(make_policy("prophet"), budget=256, seqs=16)
+    for i in range(6):   # six prompts, longest first; each fits the budget alone
+        sched.add_request(Request(f"p{i}", 0.0, prompt_len=40 - 4 * i, max_tokens=4), 0.0)
+    plan = sched.schedule(0.0)
+    assert sorted(c.request.request_id for c in plan.chunks) == ["p2", "p3", "p4", "p5"]   # the 4 shortest
+    sched.update(plan, StepResult(), 0.0)
+    plan = sched.schedule(0.01)   # the first four decode now; the other two prompts join them
+    assert sorted(c.request.request_id for c in plan.chunks) == ["p0", "p1", "p2", "p3", "p4", "p5"]
+    chunked = make_scheduler(make_policy("prophet", prefill_batch_size=2), budget=6, seqs=16)
+    for i in range(3):   # prompts longer than the budget: chunked over steps, two in progress at a time
+        chunked.add_request(Request(f"c{i}", 0.0, prompt_len=8 + i, max_tokens=2), 0.0)
+    seen = []
+    for k in range(4):
+        plan = chunked.schedule(0.01 * k)
+        seen.append({c.request.request_id for c in plan.chunks})
+        chunked.update(plan, StepResult(), 0.01 * k)
+    assert all(len({r for r in s if r.startswith("c")}) <= 2 for s in seen)
+    assert make_policy("prophet", prefill_batch_size=None).prefill_batch_size is None
+    with pytest.raises(ValueError, match="prefill_batch_size"):
+        make_policy("prophet", prefill_batch_size=0)
+
+
 # ----------------------------------------------------------------- augserve
 def test_dynamic_budget_stays_inside_bounds_as_free_memory_swings():
     target, low, high = 512, 0.25, 1.0

@@ -167,6 +167,11 @@ class Policy:
         (a new list; leaving one out skips it this step, keeping its pages)."""
         return list(running)
 
+    def may_admit(self, request: Request, plan: StepPlan) -> bool:
+        """Whether ``request`` (next in the waiting order) may join this step's ``plan``;
+        False stops admission for the step (the order is kept: nothing skips ahead)."""
+        return True
+
     def order_swap_out(self, swapping: list[Request], view: MemoryView) -> list[Request]:
         """Which in-progress swap-outs get this step's swap budget first."""
         return swapping

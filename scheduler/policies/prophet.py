@@ -43,20 +43,26 @@ class ProphetPolicy(InferceptPolicy):
       newer ones. Memory preemption takes the lowest level first. Without the
       cap (or with a budget that covers every running request) the order does
       not matter and the MLFQ is inert.
+    - The prefiller's batch: at most ``prefill_batch_size`` prefill-phase
+      requests (default 4, the seed's Prefiller batch size, §5) get prompt
+      tokens per step, admissions and chunked prompts in progress together, in
+      SRPT order (``None``: no cap beyond the token budget).
     - Handling is InferCept's (min waste when the call happens).
     """
 
     def __init__(self, predictor=None, *, quanta: Iterable[int] = (25, 50, 100, 200, 400),
                  starvation_limit: int = 200, prefill_starvation_limit: int = 16,
-                 decode_batch_size: int | None = 16, **options) -> None:
+                 decode_batch_size: int | None = 16, prefill_batch_size: int | None = 4, **options) -> None:
         super().__init__(predictor, **options)
         self.quanta = tuple(int(q) for q in quanta)
         if not self.quanta or min(self.quanta) < 1:
             raise ValueError("quanta must be a non-empty list of positive iteration counts")
         if starvation_limit < 1 or prefill_starvation_limit < 1:
             raise ValueError("starvation limits must be >= 1 iteration")
-        if decode_batch_size is not None and decode_batch_size < 1:
-            raise ValueError("decode_batch_size must be >= 1 or None")
+        for name, size in (("decode_batch_size", decode_batch_size), ("prefill_batch_size", prefill_batch_size)):
+            if size is not None and size < 1:
+                raise ValueError(f"{name} must be >= 1 or None")
+        self.prefill_batch_size = prefill_batch_size
         self.starvation_limit = starvation_limit
         self.prefill_starvation_limit = prefill_starvation_limit
         self.decode_batch_size = decode_batch_size
@@ -126,9 +132,21 @@ class ProphetPolicy(InferceptPolicy):
                 level, runs = level + 1, 0
             state["mlfq_level"], state["mlfq_runs"] = level, runs
 
+    def may_admit(self, request: Request, plan: StepPlan) -> bool:
+        """A prompt joins the step only while the prefiller's batch has room."""
+        cap = self.prefill_batch_size
+        return cap is None or not in_prefill(request) or \
+            sum(1 for c in plan.chunks if in_prefill(c.request)) < cap
+
     def order_running(self, running: Iterable[Request], now: float, view: MemoryView,
                       budget: int | None = None, iteration: int = 0) -> list[Request]:
         requests = list(running)
+        prefill_cap = self.prefill_batch_size
+        if prefill_cap is not None:
+            prompts = sorted((r for r in requests if in_prefill(r)), key=lambda r: r.num_uncomputed_tokens)
+            if len(prompts) > prefill_cap:   # chunked prompts in progress: the prefiller's batch, SRPT
+                kept = {id(r) for r in prompts[:prefill_cap]}
+                requests = [r for r in requests if not in_prefill(r) or id(r) in kept]
         cap = self.decode_batch_size
         if (cap is None or len(requests) <= cap) and budget is not None:
             demand = 0
