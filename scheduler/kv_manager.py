@@ -107,30 +107,37 @@ class KVManager:
         """``n`` device pages for ``owner``, evicting cached pages as the free list
         runs short (to the host tier when it is on and the step's copy budget lasts)."""
         pool, cache = self.device_pool, self.cache
-        while pool.num_free < n and cache is not None and cache.num_evictable:
-            page, h = cache.evict_entry(self.now)
+        short = n - pool.num_free
+        if short > 0 and cache is not None:
+            evicted = cache.evict_entries(short, self.now)
             if self.host_tier:
-                self._keep_on_host(page, h)
-            pool.free(CACHE_OWNER, [page])
+                self._keep_on_host(evicted)
+            pool.free(CACHE_OWNER, [page for page, _ in evicted])
         return pool.allocate(owner, n)
 
-    def _keep_on_host(self, page: int, h: bytes) -> None:
-        """Device page ``page`` (hash ``h``) is being evicted: make sure the host tier holds it."""
+    def _keep_on_host(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Device pages ``(page, hash)`` are being evicted, in this order: make sure the
+        host tier holds each, while this step's copy budget lasts (one pass: the
+        simulator evicts millions of pages an hour through here)."""
         cache = self.cache
-        if h in cache.host_page_of:
-            cache.host_touch(h)   # copied before: nothing to copy
-            return
-        if self.copy_budget <= 0:
-            return
-        host_page = self._free_host_page()
-        if host_page is None:
-            host_page = cache.host_evict(self._host_busy)   # stays owned by CACHE_OWNER
-            if host_page is None:
-                return
-        cache.host_insert(host_page, h)
-        self._host_busy.add(host_page)
-        self._copy_outs.append((page, host_page))
-        self.copy_budget -= 1
+        on_host = cache.host_page_of
+        busy, copy_outs, host_pool = self._host_busy, self._copy_outs, self.host_pool
+        for page, h in evicted:
+            if h in on_host:
+                cache.host_touch(h)   # copied before: nothing to copy
+                continue
+            if self.copy_budget <= 0:
+                continue
+            host_page = self._free_host_page() if host_pool.num_free else None
+            if host_page is not None:
+                cache.host_insert(host_page, h)
+            else:
+                host_page = cache.host_replace(h, busy)   # an LRU host page: stays owned by CACHE_OWNER
+                if host_page is None:
+                    continue
+            busy.add(host_page)
+            copy_outs.append((page, host_page))
+            self.copy_budget -= 1
 
     def _free_host_page(self) -> int | None:
         """A free host page for the host tier that no copy of this step reads (a
@@ -267,7 +274,7 @@ class KVManager:
         for each host-resident one."""
         n = self.cache.num_evictable_among(pages)
         if self.host_tier and pages and min(pages) < 0:
-            n += sum(1 for p in pages if p < 0)
+            n += len(pages) - sum(map((0).__le__, pages))   # the negative (host-only) ones, counted in C
         return n
 
     def link(self, request: Request, pages: list[int]) -> None:

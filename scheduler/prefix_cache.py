@@ -172,26 +172,40 @@ class PrefixCache:
 
     def evict_entry(self, now: float | None = None) -> tuple[int, bytes]:
         """``evict``, returning ``(page, its hash)``."""
-        heap, score = self._heap, self._score
-        while heap:
-            s, seq, p = heapq.heappop(heap)
-            if score.get(p) == (s, seq):
-                del score[p]
-                released = self._released.pop(p)
-                if now is not None:
-                    age = max(0.0, now - released)
-                    self.residence_s = age if self.residence_s == float("inf") else \
-                        0.9 * self.residence_s + 0.1 * age
-                h = self.hash_of.pop(p)
-                del self.page_of[h]
-                del self.refs[p]
-                self.evicted_pages += 1
-                self.epoch += 1
-                if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
-                    self._heap = [(e[0], e[1], q) for q, e in score.items()]
-                    heapq.heapify(self._heap)
-                return p, h
-        raise RuntimeError("prefix cache: nothing evictable")
+        evicted = self.evict_entries(1, now)
+        if not evicted:
+            raise RuntimeError("prefix cache: nothing evictable")
+        return evicted[0]
+
+    def evict_entries(self, count: int, now: float | None = None) -> list[tuple[int, bytes]]:
+        """``evict_entry`` ``count`` times in one pass (fewer when fewer pages are
+        evictable): ``[(page, its hash)]`` in eviction order. Heap entries are unique
+        ``(score, seq)`` keys, so the order is the one-at-a-time order exactly."""
+        heap, score, released_at = self._heap, self._score, self._released
+        hash_of, page_of, refs = self.hash_of, self.page_of, self.refs
+        pop, inf = heapq.heappop, float("inf")
+        residence = self.residence_s
+        evicted: list[tuple[int, bytes]] = []
+        while heap and len(evicted) < count:
+            s, seq, p = pop(heap)
+            if score.get(p) != (s, seq):
+                continue   # stale: re-scored or re-referenced since it was pushed
+            del score[p]
+            released = released_at.pop(p)
+            if now is not None:
+                age = max(0.0, now - released)
+                residence = age if residence == inf else 0.9 * residence + 0.1 * age
+            h = hash_of.pop(p)
+            del page_of[h]
+            del refs[p]
+            evicted.append((p, h))
+        self.residence_s = residence
+        self.evicted_pages += len(evicted)
+        self.epoch += len(evicted)
+        if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
+            self._heap = [(e[0], e[1], q) for q, e in score.items()]
+            heapq.heapify(self._heap)
+        return evicted
 
     # ------------------------------------------------------------ host tier
     @property
@@ -220,6 +234,23 @@ class PrefixCache:
                 self.epoch += 1
                 return hp
         return None
+
+    def host_replace(self, h: bytes, keep: set[int] | frozenset[int] = frozenset()) -> int | None:
+        """``host_evict`` then ``host_insert`` of ``h`` (not cached on host) into the host
+        page it freed, in one step (a full host tier does this for every page it
+        keeps); returns that host page, None if every host page is in ``keep``."""
+        on_host = self.host_page_of
+        for old, host_page in on_host.items():
+            if host_page not in keep:
+                break
+        else:
+            return None
+        del on_host[old]
+        on_host[h] = host_page   # the newest entry
+        self.host_hash_of[host_page] = h
+        self.host_evicted_pages += 1
+        self.epoch += 1
+        return host_page
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self, listed: dict[int, int]) -> None:
