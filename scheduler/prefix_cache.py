@@ -168,17 +168,13 @@ class PrefixCache:
         """Forget the evictable page with the lowest score; returns its page id.
         ``now`` (seconds) updates ``residence_s``, the EMA of how long an
         evicted page stayed cached after its release."""
-        return self.evict_entry(now)[0]
-
-    def evict_entry(self, now: float | None = None) -> tuple[int, bytes]:
-        """``evict``, returning ``(page, its hash)``."""
         evicted = self.evict_entries(1, now)
         if not evicted:
             raise RuntimeError("prefix cache: nothing evictable")
-        return evicted[0]
+        return evicted[0][0]
 
     def evict_entries(self, count: int, now: float | None = None) -> list[tuple[int, bytes]]:
-        """``evict_entry`` ``count`` times in one pass (fewer when fewer pages are
+        """``evict`` ``count`` times in one pass (fewer when fewer pages are
         evictable): ``[(page, its hash)]`` in eviction order. Heap entries are unique
         ``(score, seq)`` keys, so the order is the one-at-a-time order exactly."""
         heap, score, released_at = self._heap, self._score, self._released
@@ -236,20 +232,13 @@ class PrefixCache:
         return None
 
     def host_replace(self, h: bytes, keep: set[int] | frozenset[int] = frozenset()) -> int | None:
-        """``host_evict`` then ``host_insert`` of ``h`` (not cached on host) into the host
-        page it freed, in one step (a full host tier does this for every page it
-        keeps); returns that host page, None if every host page is in ``keep``."""
-        on_host = self.host_page_of
-        for old, host_page in on_host.items():
-            if host_page not in keep:
-                break
-        else:
-            return None
-        del on_host[old]
-        on_host[h] = host_page   # the newest entry
-        self.host_hash_of[host_page] = h
-        self.host_evicted_pages += 1
-        self.epoch += 1
+        """``host_evict``, then name the host page it freed ``h`` (not cached on host:
+        ``host_insert`` without its checks; a full host tier does this for every page
+        it keeps); returns that host page, None if every host page is in ``keep``."""
+        host_page = self.host_evict(keep)
+        if host_page is not None:
+            self.host_page_of[h] = host_page   # the newest entry
+            self.host_hash_of[host_page] = h
         return host_page
 
     # ------------------------------------------------------------ invariants

@@ -50,18 +50,28 @@ class EngineOptions:
     sample_interval_s: float = 0.25     # occupancy sampling period, wall seconds
 
 
+class _SyntheticTokens:
+    """Seeded token ids for one workload item: its prompt first, then each API return in turn."""
+
+    def __init__(self, item: WorkloadItem, vocab: int, seed: int) -> None:
+        self.rng = np.random.default_rng([seed, zlib.crc32(item.request_id.encode())])
+        self.low, self.vocab = min(4, vocab - 1), vocab   # clear of small vocabularies' special ids
+
+    def draw(self, n: int) -> list[int]:
+        return self.rng.integers(self.low, self.vocab, size=n).tolist()
+
+
 def _engine_request(item: WorkloadItem, vocab: int, seed: int):
     """(prompt ids, SamplingParams, ApiCalls) for one workload item."""
     from jaxserve import ApiCall, SamplingParams
 
-    rng = np.random.default_rng([seed, zlib.crc32(item.request_id.encode())])
-    low = min(4, vocab - 1)   # stay clear of the special ids at the start of small vocabularies
-    ids = rng.integers(low, vocab, size=item.entry.prompt_len).tolist()
+    tokens = _SyntheticTokens(item, vocab, seed)
+    ids = tokens.draw(item.entry.prompt_len)
     calls, done = [], 0
     for seg in item.entry.segments:
         done += seg.num_tokens
         if seg.has_api_call:
-            returned = tuple(rng.integers(low, vocab, size=seg.num_returned_tokens).tolist())
+            returned = tuple(tokens.draw(seg.num_returned_tokens))
             calls.append(ApiCall(after_tokens=done, duration_s=float(seg.api_duration_s),
                                  returned_token_ids=returned, api_type=seg.api_type))
     params = SamplingParams(max_tokens=done, temperature=0.0, ignore_eos=True)
@@ -218,42 +228,40 @@ def _drive_resend(engine, workload: Sequence[WorkloadItem], seed: int, options: 
     from jaxserve import SamplingParams
 
     vocab = engine.model_config.vocab_size
-    low = min(4, vocab - 1)   # as _engine_request: clear of small vocabularies' special ids
     t0 = engine.clock.now()
     requests, follow_ups = [], []
     pending: list[tuple[float, int, object]] = []   # (arrival time, tie-break, request) of follow-ups
-    turn_of: dict[str, tuple[WorkloadItem, int, np.random.Generator]] = {}
+    turn_of: dict[str, tuple[WorkloadItem, int, _SyntheticTokens]] = {}
     total = sum(len(w.entry.segments) for w in workload)
 
-    def segment_request(item: WorkloadItem, k: int, ids: list[int], at: float, rng: np.random.Generator):
+    def segment_request(item: WorkloadItem, k: int, ids: list[int], at: float, synthetic: _SyntheticTokens):
         tokens = item.entry.segments[k].num_tokens
         _check_fits(engine, item, len(ids) + tokens)
         request = engine.make_request(f"{item.request_id}/{k}", prompt_token_ids=ids, parse_tool_calls=False,
                                       sampling_params=SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                      ignore_eos=True),
                                       arrival_time=at, predictions=dict(item.entry.predictions) or None)
-        turn_of[request.request_id] = (item, k, rng)
+        turn_of[request.request_id] = (item, k, synthetic)
         requests.append(request)
         return request
 
     first = []
     for w in workload:
-        rng = np.random.default_rng([seed, zlib.crc32(w.request_id.encode())])
-        ids = rng.integers(low, vocab, size=w.entry.prompt_len).tolist()
-        first.append(segment_request(w, 0, ids, t0 + w.arrival_time, rng))
+        synthetic = _SyntheticTokens(w, vocab, seed)
+        first.append(segment_request(w, 0, synthetic.draw(w.entry.prompt_len), t0 + w.arrival_time, synthetic))
     order = itertools.count()
 
     def on_outputs(touched) -> None:
         done = _finished(touched)
         bar.update(len(done))
         for r in done:
-            item, k, rng = turn_of.pop(r.request_id)
+            item, k, synthetic = turn_of.pop(r.request_id)
             if k + 1 >= len(item.entry.segments):
                 continue
             seg = item.entry.segments[k]
-            returned = rng.integers(low, vocab, size=seg.num_returned_tokens).tolist() if seg.has_api_call else []
+            returned = synthetic.draw(seg.num_returned_tokens) if seg.has_api_call else []
             nxt = segment_request(item, k + 1, list(r.token_ids) + returned,
-                                  r.finish_time + (seg.api_duration_s or 0.0), rng)
+                                  r.finish_time + (seg.api_duration_s or 0.0), synthetic)
             follow_ups.append((nxt, r))
             heapq.heappush(pending, (nxt.arrival_time, next(order), nxt))
 
