@@ -103,9 +103,21 @@ class KVManager:
             request.device_pages.extend(self._take(request.request_id, num_new_pages))
         return True
 
+    def add_page_each(self, requests: list[Request]) -> None:
+        """Append one device page to each of ``requests`` (distinct; the caller
+        checked ``num_free_device``): the decoders whose next token starts a page."""
+        self._make_free(len(requests))
+        for request, page in zip(requests, self.device_pool.allocate_each([r.request_id for r in requests])):
+            request.device_pages.append(page)
+
     def _take(self, owner: str, n: int) -> list[int]:
         """``n`` device pages for ``owner``, evicting cached pages as the free list
         runs short (to the host tier when it is on and the step's copy budget lasts)."""
+        self._make_free(n)
+        return self.device_pool.allocate(owner, n)
+
+    def _make_free(self, n: int) -> None:
+        """Evict cached pages until ``n`` device pages are free (or nothing is evictable)."""
         pool, cache = self.device_pool, self.cache
         short = n - pool.num_free
         if short > 0 and cache is not None:
@@ -113,7 +125,6 @@ class KVManager:
             if self.host_tier:
                 self._keep_on_host(evicted)
             pool.free(CACHE_OWNER, [page for page, _ in evicted])
-        return pool.allocate(owner, n)
 
     def _keep_on_host(self, evicted: list[tuple[int, bytes]]) -> None:
         """Device pages ``(page, hash)`` are being evicted, in this order: make sure the

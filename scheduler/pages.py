@@ -53,6 +53,16 @@ class PageAllocator:
             owners[p] = owner
         return pages
 
+    def allocate_each(self, owners: list[str]) -> list[int]:
+        """One free page for each of ``owners``, in order; raises ``OutOfPagesError`` if too few."""
+        if len(owners) > len(self._free):
+            raise OutOfPagesError(f"{self.name} pool: asked for {len(owners)} pages, {len(self._free)} free")
+        pop, owner_of = self._free.popleft, self._owner
+        pages = [pop() for _ in owners]
+        for p, owner in zip(pages, owners):
+            owner_of[p] = owner
+        return pages
+
     def free(self, owner: str, pages: list[int]) -> None:
         """Return ``pages`` (all owned by ``owner``) to the free list."""
         self._hand_over(pages, owner, None, "freed")

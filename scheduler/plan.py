@@ -52,6 +52,32 @@ class ScheduledChunk(NamedTuple):
     samples: bool
 
 
+class DecodeChunk:
+    """The chunk of a decoding request: one query token at ``start`` (its
+    ``num_computed_tokens``), sampling. Read like a ``ScheduledChunk``.
+
+    The scheduler keeps one per decoding request and puts the same object in
+    every plan while the request decodes, so a step of N decoders builds no
+    per-request record; ``start`` is read from the request, so it is the
+    chunk's start from ``schedule()`` until ``update()`` advances the request
+    (read a plan before its ``update``, as executors do).
+    """
+
+    __slots__ = ("request",)
+    num_tokens = 1
+    samples = True
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return f"DecodeChunk({self.request.request_id!r}, start={self.start})"
+
+
 CACHE_OWNER = "<prefix-cache>"   # the pools' owner of every cached page (device tier and host tier)
 
 
@@ -76,11 +102,12 @@ class SwapOp:
 
 @dataclass(slots=True)
 class StepPlan:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    chunks: list[ScheduledChunk | DecodeChunk] = field(default_factory=list)
     swap_out: list[SwapOp] = field(default_factory=list)   # apply before the forward
     swap_in: list[SwapOp] = field(default_factory=list)    # apply before the forward
     preempted: list[Request] = field(default_factory=list)
     token_budget: int = 0
+    time: float = 0.0   # when ``schedule()`` planned it (s, the scheduler's clock)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -23,7 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
 from scheduler.kv_manager import KVManager
 from scheduler.pages import PageAllocator
-from scheduler.plan import EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult
+from scheduler.plan import DecodeChunk, EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult
 from scheduler.policies.base import Policy, PolicyContext
 from scheduler.prefix_cache import PrefixCache
 from scheduler.queues import RankedQueue, RequestQueue
@@ -52,6 +52,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()          # WAITING, or SWAPPED after the API returned
         self.running = RequestQueue()          # in admission order
+        # ``running`` split in two (see _schedule_running): the decoding requests (next chunk: one
+        # sampled token) with their reusable chunk, and the others (prompt or returned tokens left).
+        self._decoding: dict[Request, DecodeChunk] = {}
+        self._filling: dict[Request, None] = {}
+        # Decoding requests whose next token starts a new page (from ``update``; stale entries,
+        # no longer decoding or already given the page, are skipped).
+        self._page_due: dict[Request, None] = {}
+        self._running_tokens = 0   # context tokens of the running batch (kept as it changes)
+        # Whether the policy orders the running batch itself (else: decode-first, admission order).
+        self._reorders_running = type(policy).order_running is not Policy.order_running
         self.paused: dict[str, Request] = {}   # inside an API call (PAUSED, SWAPPING_OUT, SWAPPED)
         self.swapping_out: list[Request] = []
         self.swapping_in: list[Request] = []
@@ -100,7 +110,7 @@ class Scheduler:
     def view(self, running_tokens: int | None = None) -> MemoryView:
         """Memory now; ``running_tokens`` defaults to the running batch's context tokens."""
         if running_tokens is None:
-            running_tokens = sum(map(_tokens_of, self.running))
+            running_tokens = self._running_tokens
         device, host = self.kv.device_pool, self.kv.host_pool
         return MemoryView(self.kv.num_free_device, device.num_pages, self.kv.num_free_host, host.num_pages,
                           self.page_size,
@@ -162,7 +172,7 @@ class Scheduler:
         in_call = self.paused.pop(request.request_id, None) is not None
         if request in self.waiting:
             self._dequeue(request)
-        self.running.discard(request)
+        self._stop_running(request)
         for q in (self.swapping_out, self.swapping_in):
             if request in q:
                 q.remove(request)
@@ -195,6 +205,21 @@ class Scheduler:
         self.kv.release(request)
         self.policy.on_dequeue(request, self.iteration)
 
+    def _start_running(self, request: Request) -> None:
+        request.state = RequestState.RUNNING
+        self.running.append(request)
+        self._filling[request] = None
+        self._running_tokens += request.num_tokens
+
+    def _stop_running(self, request: Request) -> None:
+        """Take ``request`` out of the running batch (if it is there)."""
+        if request not in self.running:
+            return
+        self.running.remove(request)
+        self._running_tokens -= request.num_tokens
+        if self._decoding.pop(request, None) is None:
+            del self._filling[request]
+
     def _drop_kv(self, request: Request, retain: bool = False) -> None:
         """Free the device KV; the context will be recomputed, except the full
         pages still in the prefix cache when it is admitted again (``retain``:
@@ -213,7 +238,7 @@ class Scheduler:
                                                context_tokens=request.num_computed_tokens))
         request.api_returned = False
         self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
-        self.running.remove(request)
+        self._stop_running(request)
         self.paused[request.request_id] = request
         if request.current_segment is not None and request.declared_call_due():
             request.segment_index += 1
@@ -281,8 +306,7 @@ class Scheduler:
         if (self.policy.resume_preserved_to_running and request.handling == Handling.PRESERVE
                 and request.device_pages and len(self.running) < self.config.max_num_seqs):
             # Seed 004 Algorithm 1: a Preserve call resumes straight into the batch.
-            request.state = RequestState.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             self._resume_pending[request.request_id] = request
             return
         if request.state != RequestState.SWAPPED:
@@ -304,7 +328,7 @@ class Scheduler:
         kv.copies_done()
         self._policy_step(now)
         view = self.view()
-        plan = StepPlan(token_budget=max(1, self._token_budget(view)))
+        plan = StepPlan(token_budget=max(1, self._token_budget(view)), time=now)
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
         kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
         budget = self._schedule_running(plan, plan.token_budget, now, view)
@@ -366,22 +390,73 @@ class Scheduler:
                 self._requeue_returned(request)
         elif done:
             self.swapping_in.remove(request)
-            request.state = RequestState.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             if request.api_returned:
                 self._resume_pending[request.request_id] = request
         return swap_pages - n
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
-        # The hot loop of every step (one pass over the running batch), so the
-        # common case (pages on hand) is inlined; running out of pages takes
-        # the slow path (evict an idle holder, else preempt the lowest priority).
+        """Give the running batch its tokens, decode-first: every decoding request
+        its one token, then the others (prompts or returned tokens being
+        computed, in admission order) what the budget leaves, as Sarathi-Serve's
+        stall-free batching does; a policy that orders the batch itself
+        (``order_running``) overrides this. Returns the budget left."""
+        if not self._reorders_running and len(self._decoding) <= budget:
+            left = self._schedule_on_hand(plan, budget, now)
+            if left is not None:
+                return left
+        return self._schedule_in_order(plan, budget, now, view)
+
+    def _schedule_on_hand(self, plan: StepPlan, budget: int, now: float) -> int | None:
+        """The common step, when the pages it takes are on hand: O(non-decoding
+        requests + decoders starting a page), not O(running), because each
+        decoding request's chunk is reused. Returns the budget left, or None,
+        planning nothing, when pages are short (then who is served before whom
+        decides who is preempted: ``_schedule_in_order``)."""
+        kv, decoding = self.kv, self._decoding
+        page_size = kv.page_size
+        due = [r for r in self._page_due
+               if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size]
+        left = budget - len(decoding)
+        others: list[tuple[Request, int, int, int]] = []   # (request, start, tokens, pages it lacks)
+        pages = len(due)
+        for request in self._filling:
+            if left <= 0:
+                break
+            start = request.num_computed_tokens
+            n = min(request.num_tokens - start, left)
+            if n <= 0:
+                continue
+            need = max(0, -(-(start + n) // page_size) - len(request.device_pages))
+            others.append((request, start, n, need))
+            pages += need
+            left -= n
+        if pages > kv.num_free_device:
+            return None
+        self._page_due.clear()
+        if due:
+            kv.add_page_each(due)
+        chunks, resuming = plan.chunks, self._resume_pending
+        for request, start, n, need in others:
+            kv.allocate_slots(request, need)
+            chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
+            if request.request_id in resuming:
+                self._mark_scheduled(request, now)
+        chunks.extend(decoding.values())
+        return left
+
+    def _schedule_in_order(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
+        """One pass over the running batch in the policy's order, preempting
+        when pages run out (evict an idle holder first, else the lowest priority
+        not yet served)."""
         kv = self.kv
         page_size = kv.page_size
         append_chunk = plan.chunks.append
         new_chunk = tuple.__new__   # ScheduledChunk(...) without its Python-level __new__ frame
         running_state = RequestState.RUNNING
-        for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
+        decoding, resuming = self._decoding, self._resume_pending
+        order = [*decoding, *self._filling]
+        for request in self.policy.order_running(order, now, view, budget, self.iteration):
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
@@ -406,17 +481,15 @@ class Scheduler:
                         break
                 if request.state is not running_state or not kv.allocate_slots(request, need):
                     continue
-            append_chunk(new_chunk(ScheduledChunk, (request, start, n, start + n == end)))
-            request.last_scheduled_time = now
+            chunk = decoding.get(request)
+            append_chunk(chunk if chunk is not None else new_chunk(ScheduledChunk, (request, start, n, start + n == end)))
+            if resuming and request.request_id in resuming:
+                self._mark_scheduled(request, now)
             budget -= n
             if budget <= 0:
                 break
-        # Every running request was given its first chunk at admission; only a call's resume
-        # may be unmarked (entered ``running`` from Preserve or a swap-in): a few, not the batch.
-        if self._resume_pending:
-            for request in list(self._resume_pending.values()):
-                if request.last_scheduled_time == now and request.state is running_state:
-                    self._mark_scheduled(request, now)
+        self._page_due = {r: None for r in self._page_due
+                          if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size}
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
@@ -466,8 +539,7 @@ class Scheduler:
                 kv.link(request, hits)
                 if request.first_scheduled_time is None:
                     request.num_cached_tokens = min(request.num_computed_tokens, request.prompt_len)
-            request.state = RequestState.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             kv.allocate_slots(request, need)
             self._add_chunk(plan, request, n, now)
             budget -= n
@@ -476,7 +548,6 @@ class Scheduler:
         start = request.num_computed_tokens
         plan.chunks.append(ScheduledChunk(request, start, n, samples=start + n == request.num_tokens))
         self._mark_scheduled(request, now)
-        request.last_scheduled_time = now
 
     def _mark_scheduled(self, request: Request, now: float) -> None:
         """``request`` was given a chunk at ``now``: its first scheduling, or its call's resume."""
@@ -496,7 +567,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Preempt by recompute: free its pages and put it back in the waiting queue."""
-        self.running.remove(request)
+        self._stop_running(request)
         self._drop_kv(request)
         request.state = RequestState.WAITING
         request.num_preemptions += 1
@@ -548,16 +619,24 @@ class Scheduler:
         running_state = RequestState.RUNNING
         commit = self.kv.commit if self.kv.cache is not None else None
         page_size = self.kv.page_size
+        planned_at = plan.time
+        decoding, filling, page_due = self._decoding, self._filling, self._page_due
         produced: list[tuple[Request, int | None]] = []
         for i, chunk in enumerate(plan.chunks):
             request = chunk.request
             if request.state is not running_state:
                 continue
             request.num_computed_tokens += chunk.num_tokens
+            request.last_scheduled_time = planned_at
             if commit is not None and request.num_computed_tokens >= (request.num_shared_pages + 1) * page_size:
                 commit(request)
             if not chunk.samples:
                 continue
+            if request not in decoding:   # its context is computed: from now on it decodes
+                del filling[request]
+                decoding[request] = DecodeChunk(request)
+            if request.num_computed_tokens >= len(request.device_pages) * page_size:
+                page_due[request] = None   # its next token starts a page
             request.num_tokens += 1
             request.num_generated += 1
             request.segment_generated += 1
@@ -569,6 +648,7 @@ class Scheduler:
                 request.token_ids.append(token)
                 request.output_token_ids.append(token)
             produced.append((request, token))
+        self._running_tokens += len(produced)
         events = []
         limit = self.context_limit
         for request, token in produced:
@@ -608,3 +688,11 @@ class Scheduler:
         assert set(queued) == set(self.requests), "queues and live requests disagree"
         assert len(self._ranked) == len(self.waiting) and all(r in self._ranked for r in self.waiting), \
             "ranked waiting queue out of step"
+        assert not (self._decoding.keys() & self._filling.keys()), "a request both decoding and filling"
+        assert set(self._decoding) | set(self._filling) == set(self.running), "running split out of step"
+        assert self._running_tokens == sum(map(_tokens_of, self.running)), "running token count out of step"
+        for r, chunk in self._decoding.items():
+            assert chunk.request is r and r.num_tokens - r.num_computed_tokens == 1, \
+                f"{r.request_id}: decoding with {r.num_uncomputed_tokens} tokens to compute"
+            assert r in self._page_due or len(r.device_pages) * self.page_size > r.num_computed_tokens, \
+                f"{r.request_id}: its next token needs a page and it is not due one"
