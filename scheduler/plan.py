@@ -144,9 +144,9 @@ class EventKind(enum.Enum):
     FINISHED = "finished"    # ended (``request.finish_reason`` says why)
 
 
-@dataclass(slots=True)
-class RequestEvent:
-    """What ``Scheduler.update`` did to one request that produced a token."""
+class RequestEvent(NamedTuple):
+    """What ``Scheduler.update`` did to one request that produced a token (a
+    named tuple: one per running request per step)."""
 
     request: Request
     kind: EventKind

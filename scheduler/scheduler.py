@@ -497,12 +497,14 @@ class Scheduler:
             return
         kv = self.kv
         page_size = kv.page_size
+        running, swapping_in, max_seqs = self.running, self.swapping_in, self.config.max_num_seqs
+        may_admit, swapped = self.policy.may_admit, RequestState.SWAPPED
         for request in self._ranked:
-            if budget <= 0 or len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
+            if budget <= 0 or len(running) + len(swapping_in) >= max_seqs:
                 break
-            if not self.policy.may_admit(request, plan):
+            if not may_admit(request, plan):
                 break
-            if request.state == RequestState.SWAPPED:
+            if request.state is swapped:
                 while not kv.start_swap_in(request) and self._evict_idle_holder(request, now):
                     pass
                 if not request.device_pages:
@@ -546,7 +548,7 @@ class Scheduler:
 
     def _add_chunk(self, plan: StepPlan, request: Request, n: int, now: float) -> None:
         start = request.num_computed_tokens
-        plan.chunks.append(ScheduledChunk(request, start, n, samples=start + n == request.num_tokens))
+        plan.chunks.append(tuple.__new__(ScheduledChunk, (request, start, n, start + n == request.num_tokens)))
         self._mark_scheduled(request, now)
 
     def _mark_scheduled(self, request: Request, now: float) -> None:
@@ -616,6 +618,8 @@ class Scheduler:
         ``TOKEN`` events.)"""
         self.kv.copies_done()
         ids = result.token_ids
+        if ids is not None and not isinstance(ids, list):
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(map(int, ids))   # Python ints, in one call
         running_state = RequestState.RUNNING
         commit = self.kv.commit if self.kv.cache is not None else None
         page_size = self.kv.page_size
@@ -644,27 +648,39 @@ class Scheduler:
                 request.first_token_time = now
             token = None
             if ids is not None:
-                token = int(ids[i])
+                token = ids[i]
                 request.token_ids.append(token)
                 request.output_token_ids.append(token)
             produced.append((request, token))
         self._running_tokens += len(produced)
         events = []
         limit = self.context_limit
+        if limit is None:
+            limit = float("inf")
+        new_event = tuple.__new__   # RequestEvent(...) without its Python-level __new__ frame
+        token_kind, finished_kind = EventKind.TOKEN, EventKind.FINISHED
         for request, token in produced:
+            segments = request.segments
             if token is not None and token in request.stop_token_ids:
                 self.finish(request, "stop", now)
-            elif request.declared_call_due():
-                seg = request.current_segment
-                self.pause(request, now, seg.api_type, seg.api_duration_s)
-                events.append(RequestEvent(request, EventKind.API_CALL, seg))
+                events.append(new_event(RequestEvent, (request, finished_kind, None)))
                 continue
-            elif (request.num_generated >= request.max_tokens
-                  or (request.segments and request.segment_index == len(request.segments) - 1
-                      and request.segment_generated >= request.segments[-1].num_tokens)
-                  or (limit is not None and request.num_tokens >= limit)):
+            if segments:   # declared segments (replay): the current one may end in a call, or be the last
+                index, done = request.segment_index, request.segment_generated
+                if index < len(segments) and segments[index].api_type is not None \
+                        and done >= segments[index].num_tokens:
+                    seg = segments[index]
+                    self.pause(request, now, seg.api_type, seg.api_duration_s)
+                    events.append(new_event(RequestEvent, (request, EventKind.API_CALL, seg)))
+                    continue
+                last_done = index == len(segments) - 1 and done >= segments[-1].num_tokens
+            else:
+                last_done = False
+            if last_done or request.num_generated >= request.max_tokens or request.num_tokens >= limit:
                 self.finish(request, "length", now)
-            events.append(RequestEvent(request, EventKind.FINISHED if request.is_finished else EventKind.TOKEN))
+                events.append(new_event(RequestEvent, (request, finished_kind, None)))
+            else:
+                events.append(new_event(RequestEvent, (request, token_kind, None)))
         return events
 
     # ------------------------------------------------------------ invariants
