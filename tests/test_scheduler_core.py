@@ -179,3 +179,47 @@ def test_a_returned_call_is_marked_resumed_by_the_first_step_that_runs_it_again(
         sched.check_invariants()
     [call] = r.api_calls
     assert ran_after_return is not None and call.resume_time == ran_after_return
+
+
+def test_decoders_keep_their_chunk_and_a_long_prompt_gets_what_they_leave():
+    """Decode-first: a prompt chunked over several steps takes what the budget
+    leaves after every decoder's token; each decoder's chunk object is reused
+    from step to step, its ``start`` the request's computed tokens, and a
+    decoder crossing into a new page gets the page."""
+    sched = make_scheduler(num_pages=256, page_size=4, budget=16)
+    decoders = [Request(f"d{i}", 0.0, prompt_len=3, max_tokens=40) for i in range(4)]
+    for r in decoders:
+        sched.add_request(r, 0.0)
+    plan = sched.schedule(0.0)
+    sched.update(plan, StepResult(), 0.01)                       # the four prompts: decoding from now on
+    long = Request("long", 0.02, prompt_len=200, max_tokens=2)
+    sched.add_request(long, 0.02)
+    previous = None
+    for step in range(12):
+        plan = sched.schedule(0.02 + 0.01 * step)
+        by_id = {c.request.request_id: c for c in plan.chunks}
+        assert all(f"d{i}" in by_id for i in range(4)), f"step {step}: a decoder was stalled"
+        assert plan.num_batched_tokens <= 16
+        if long.num_computed_tokens < long.num_tokens:
+            assert by_id["long"].num_tokens == 16 - 4               # the prompt gets what the decoders leave
+        for r in decoders:
+            chunk = by_id[r.request_id]
+            assert (chunk.start, chunk.num_tokens, chunk.samples) == (r.num_computed_tokens, 1, True)
+            assert len(r.device_pages) * 4 > r.num_computed_tokens   # the page its token writes is held
+            if previous is not None:
+                assert chunk is previous[r.request_id]              # the same record, not a new one per step
+        previous = by_id
+        sched.update(plan, StepResult(), 0.03 + 0.01 * step)
+        sched.check_invariants()
+
+
+def test_pages_short_takes_the_ordered_pass_and_preempts_like_before():
+    """When a step's pages are not all on hand the ordered pass runs: the
+    lowest-priority request is preempted, and the rest finish exactly."""
+    sched = make_scheduler(num_pages=12, page_size=4, budget=32)
+    reqs = [Request(f"r{i}", float(i) * 1e-3, prompt_len=6, max_tokens=14) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r, r.arrival_time)
+    drive(sched, now=0.01)
+    assert sched.num_preemptions > 0
+    assert all(r.finish_reason == "length" and r.num_generated == 14 for r in reqs)
