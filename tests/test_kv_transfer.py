@@ -16,7 +16,11 @@ PROMPT = [(7 * i + 3) % 200 + 5 for i in range(70)]   # 4 full pages of 16 cache
 
 
 def _run(engine: LLMEngine, rid: str, max_tokens: int) -> list[int]:
-    engine.add_request(rid, prompt_token_ids=PROMPT, sampling_params=SamplingParams(max_tokens=max_tokens,
+    return _run_prompt(engine, rid, PROMPT, max_tokens)
+
+
+def _run_prompt(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    engine.add_request(rid, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens,
                                                                                    temperature=0.0))
     while True:
         for out in engine.step():
@@ -49,6 +53,25 @@ def test_moved_pages_are_used_and_give_the_same_tokens(engines):
     hits_before = decode.scheduler.kv.cache.hit_tokens
     assert _run(decode, "d", 12) == expected
     assert decode.scheduler.kv.cache.hit_tokens - hits_before == 64       # the moved pages, not recomputed
+
+
+def test_only_the_pages_the_receiver_lacks_move(engines):
+    """A decode engine holding a prompt's first pages (an earlier turn) gets only the rest."""
+    prefill, decode, reference = engines
+    prompt = [(11 * i + 5) % 190 + 7 for i in range(70)]
+    turn1 = prompt[:40]                                                   # 2 full pages of the same prefix
+    expected = _run_prompt(reference, "ref2", prompt, 8)
+    _run_prompt(decode, "d-turn1", turn1, 1)
+    _run_prompt(prefill, "p2", prompt, 1)
+    assert cached_pages(decode, prompt) == (2, 4)
+    hashes, kv = export_pages(prefill, prompt, skip=2)
+    assert hashes == context_hashes(decode, prompt)[2:] and kv.shape[2] == 2   # pages 2 and 3 only
+    assert import_pages(decode, hashes, kv) == 2
+    assert cached_pages(decode, prompt) == (4, 4)
+    hits_before = decode.scheduler.kv.cache.hit_tokens
+    assert _run_prompt(decode, "d2", prompt, 8) == expected
+    assert decode.scheduler.kv.cache.hit_tokens - hits_before == 64
+    assert export_pages(prefill, prompt, skip=4) == ([], None)            # the receiver holds them all
 
 
 def test_import_stops_when_the_pool_is_full(engines):

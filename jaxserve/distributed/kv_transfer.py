@@ -15,7 +15,10 @@ swap scatter (``ModelExecutor.write_pages``). The request then enters the
 decode engine (``--decode-policy``, MLFQ by default) and finds all but the
 last partial page cached: at most ``page_size - 1`` prompt tokens (and at
 least one, for the logits) are computed there. API pauses happen on the
-decode replica, which keeps the context.
+decode replica, which keeps the context. A decode replica first looks in its
+own cache: it asks for nothing when it holds every full page, and otherwise
+only for the pages after those it holds (a conversation's next turn moves
+only its new pages).
 
 The page hashes are the engines' own (``scheduler.prefix_cache.chain_hashes``
 chained from the cache root of model, dtype, format and seed), so both sides
@@ -59,19 +62,21 @@ def cached_pages(engine, token_ids: list[int]) -> tuple[int, int]:
     return (len(engine.scheduler.kv.cache.match(hashes)) if hashes else 0), len(hashes)
 
 
-def export_pages(engine, token_ids: list[int]) -> tuple[list[bytes], np.ndarray | None]:
+def export_pages(engine, token_ids: list[int], skip: int = 0) -> tuple[list[bytes], np.ndarray | None]:
     """On the engine thread: the hashes and KV (``[L, 2, n, page_size, Hkv, D]``) of the
-    longest cached run of the prompt's full pages."""
+    longest cached run of the prompt's full pages, less its first ``skip`` pages (those
+    the receiver holds already)."""
     hashes = context_hashes(engine, token_ids)
-    pages = engine.scheduler.kv.cache.match(hashes) if hashes else []
+    pages = engine.scheduler.kv.cache.match(hashes)[skip:] if hashes else []
     if not pages:
         return [], None
-    return hashes[:len(pages)], engine.executor.read_pages(pages)
+    return hashes[skip:skip + len(pages)], engine.executor.read_pages(pages)
 
 
 def import_pages(engine, hashes: list[bytes], data: np.ndarray) -> int:
-    """On the engine thread: cache the pages ``hashes`` name, writing the KV of those
-    not cached yet from ``data``; returns how many were written."""
+    """On the engine thread: cache the pages ``hashes`` name (a run of a context's
+    chained page hashes: all of them, or those after the pages this engine holds),
+    writing the KV of those not cached yet from ``data``; returns how many were written."""
     adopted = engine.scheduler.kv.adopt(hashes)
     if adopted:
         engine.executor.write_pages([page for _, page in adopted], data[:, :, [i for i, _ in adopted]])
@@ -117,7 +122,7 @@ class DisaggregatedEngine(AsyncEngine):
             return
         start = time.perf_counter()
         try:
-            reply = await self.prefill.prefill.remote(token_ids)
+            reply = await self.prefill.prefill.remote(token_ids, cached)   # only the pages it lacks come back
         except Exception as e:  # noqa: BLE001 - a failed prefill replica costs speed, not the request
             log.warning("remote prefill failed (%s: %s); computing the prompt here", type(e).__name__, e)
             self.metrics.fallbacks.inc()
@@ -144,15 +149,17 @@ class PrefillReplica:
         config = EngineConfig.from_cli(argparse.Namespace(**settings), policy=PREFILL_POLICY)
         self.engine = AsyncEngine(config=config)
 
-    async def prefill(self, token_ids: list[int]) -> dict:
-        """Compute ``token_ids``' KV; ``{"hashes", "kv" (numpy or None), "prefill_s", "export_s"}``."""
+    async def prefill(self, token_ids: list[int], skip_pages: int = 0) -> dict:
+        """Compute ``token_ids``' KV; ``{"hashes", "kv" (numpy or None), "prefill_s", "export_s"}``
+        for its full pages after the first ``skip_pages`` (the caller holds those)."""
         start = time.perf_counter()
         params = SamplingParams(max_tokens=1, temperature=0.0)
         async for _ in self.engine.generate(prompt_token_ids=token_ids, sampling_params=params,
                                             parse_tool_calls=False):
             pass
         computed = time.perf_counter()
-        hashes, kv = await self.engine.call_on_engine(lambda: export_pages(self.engine.engine, token_ids))
+        hashes, kv = await self.engine.call_on_engine(lambda: export_pages(self.engine.engine, token_ids,
+                                                                            skip_pages))
         return {"hashes": hashes, "kv": kv, "prefill_s": computed - start, "export_s": time.perf_counter() - computed}
 
     async def health(self) -> dict:
