@@ -177,6 +177,42 @@ class EngineCore:
         """When something could next happen while nothing can run (API timers, tool deadlines)."""
         return self.api.next_due()
 
+    # ----------------------------------------------------------- fast-forward
+    def fast_forward(self, until: float) -> int:
+        """Simulator only (the executor has ``execute_decode``): run the coming
+        decode-only steps that start before ``until`` (s) and before the next API
+        return in bulk (``Scheduler.fast_forward``), with the same clock, counters
+        and per-request marks as that many ``step()`` calls; returns how many ran."""
+        due = self.api.next_due()
+        if due is not None:
+            until = min(until, due)
+        start = time.perf_counter()
+        stats, execute_decode = self.stats, self.executor.execute_decode
+
+        def run_step(num_tokens: int, context_tokens: int, copy_out) -> float:
+            pages = len(copy_out.device_pages) if copy_out is not None else 0
+            dt = execute_decode(num_tokens, context_tokens, pages)
+            stats.swapped_out_pages += pages
+            stats.batched_tokens += num_tokens
+            stats.generation_tokens += num_tokens
+            stats.steps += 1
+            stats.busy_time_s += dt
+            stats.steps_by_bucket.add(num_tokens, dt)
+            return dt
+
+        steps, decoders = self.scheduler.fast_forward(self.clock.now(), until, run_step)
+        if steps:
+            for request in decoders:   # recompute accounting, as _account does chunk by chunk
+                end = request.num_computed_tokens
+                if end - steps < request.max_computed_tokens:
+                    stats.recomputed_tokens += min(end, request.max_computed_tokens) - (end - steps)
+                if end > request.max_computed_tokens:
+                    request.max_computed_tokens = end
+            if self.check_invariants:
+                self.scheduler.check_invariants()
+            stats.step_time_s += time.perf_counter() - start
+        return steps
+
     # ------------------------------------------------------------------- step
     def deliver_api_results(self, now: float) -> list[Request]:
         """Hand every returned call to its request; returns the requests touched."""
@@ -264,7 +300,8 @@ class EngineCore:
     def run(self, *, done: Callable[[], bool], arrivals: Iterable[Request] = (),
             on_outputs: Callable[[list[Request]], None] | None = None,
             observe: Callable[[float], None] | None = None,
-            idle: Callable[[float | None], None] | None = None) -> None:
+            idle: Callable[[float | None], None] | None = None,
+            fast_forward_until: Callable[[], float] | None = None) -> None:
         """The engine loop: until ``done()``, add the ``arrivals`` that are due
         (by ``arrival_time`` on this core's clock), deliver returned calls,
         step while there is work, else ``idle(t)`` until ``t`` — the next
@@ -274,7 +311,11 @@ class EngineCore:
         delivered (sampling, progress, commands from other threads);
         ``on_outputs(requests)`` with the requests each pass touched;
         ``idle`` defaults to sleeping on the clock (a jump on a simulated one;
-        ``None`` there sleeps 1 ms).
+        ``None`` there sleeps 1 ms). ``fast_forward_until()`` (simulator): after
+        each step, the decode-only steps that start before it (s), the next
+        arrival and the next API return run in bulk (``fast_forward``); it must
+        bound the passes whose ``observe``/``done`` would act (a sample time,
+        the horizon).
         """
         pending = deque(sorted(arrivals, key=lambda r: r.arrival_time))
         clock = self.clock
@@ -295,6 +336,9 @@ class EngineCore:
             if self.scheduler.has_work():
                 touched += self._run_plan()   # returned calls were delivered above, at this pass's time
                 ran = self.last_step_ran
+                if ran and fast_forward_until is not None:
+                    until = fast_forward_until()
+                    self.fast_forward(min(until, pending[0].arrival_time) if pending else until)
             if touched and on_outputs is not None:
                 on_outputs(touched)
             if ran or self.api.poll_ready(clock.now()):

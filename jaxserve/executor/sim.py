@@ -73,15 +73,19 @@ class SimExecutor:
 
     def step_time(self, plan: StepPlan) -> tuple[float, float, int]:
         """(step seconds, un-hidden swap seconds, tokens swapped) for ``plan``."""
-        cost = self.cost
-        fwd = self.forward_time(plan)
-        swapped = 0
+        pages = 0
         if plan.swap_out or plan.swap_in:
             pages = sum(len(op.device_pages) for op in plan.swap_out)
             pages += sum(len(op.device_pages) for op in plan.swap_in)
-            swapped = pages * self.page_size
+        return self._with_copies(self.forward_time(plan), pages)
+
+    def _with_copies(self, fwd: float, pages: int) -> tuple[float, float, int]:
+        """(step seconds, un-hidden swap seconds, tokens swapped) of a forward of
+        ``fwd`` seconds in a step that copies ``pages`` KV pages."""
+        swapped = pages * self.page_size
         if not swapped:
             return fwd, 0.0, 0
+        cost = self.cost
         copy = cost.t_swap(swapped)
         if not cost.swap_overlaps_forward:
             return fwd + copy, copy, swapped
@@ -89,15 +93,29 @@ class SimExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.swap_out or plan.swap_in:
-            dt, stall, swapped = self.step_time(plan)
+            dt = self._advance(*self.step_time(plan))
+        else:
+            dt = self._advance(self.forward_time(plan), 0.0, 0)
+        return StepResult(elapsed_s=dt)
+
+    def execute_decode(self, num_tokens: int, context_tokens: int, copied_pages: int) -> float:
+        """Run a decode-only step without a plan (``Scheduler.fast_forward``):
+        ``num_tokens`` one-token chunks whose attention reads ``context_tokens``,
+        copying ``copied_pages`` pages to the host tier; the same time as
+        ``execute`` gives such a plan. Returns the step's seconds."""
+        assert not self.prefill_decode_split, "fast-forward runs on a colocated executor"
+        fwd = self.cost.t_step(num_tokens, context_tokens)
+        return self._advance(*self._with_copies(fwd, copied_pages))
+
+    def _advance(self, dt: float, stall: float, swapped: int) -> float:
+        """Count a step of ``dt`` seconds (``stall`` of them un-hidden copying ``swapped``
+        tokens) and move the clock on; returns ``dt``."""
+        if swapped:
             self.swap_stall_s += stall
             self.swapped_tokens += swapped
-            self.forward_time_s += dt - stall
-        else:
-            dt = self.forward_time(plan)
-            self.forward_time_s += dt
+        self.forward_time_s += dt - stall
         self.clock.advance(dt)
-        return StepResult(elapsed_s=dt)
+        return dt
 
     def release(self, request: Request) -> None:
         """Nothing is held outside the scheduler's page accounting."""

@@ -132,7 +132,8 @@ def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
                    horizon_s: float | None = None, progress: Callable[[int, float], None] | None = None,
                    sample_interval_s: float = 1.0, check_invariants: bool = False,
                    prefill_decode_split: bool = False,
-                   page_names: Callable[[Request], list] | None = None) -> SimResult:
+                   page_names: Callable[[Request], list] | None = None,
+                   fast_forward: bool = True) -> SimResult:
     """Simulate ``requests`` (fresh, never scheduled; ``arrival_time`` says when
     each enters) until every one ends, or the clock passes ``horizon_s``. Steps
     are timed by ``scheduler.cost``, the cost model its policy prices with.
@@ -140,7 +141,8 @@ def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
     and at the end. With a prefix cache, each request without token ids or
     names gets ``page_names(request)`` (default: names of its own,
     ``PageNamer.fresh``) when it arrives, so a long trace never holds every
-    request's names at once."""
+    request's names at once. ``fast_forward``: run stretches of decode-only
+    steps in bulk (``EngineCore.fast_forward``; the same result, step for step)."""
     naming = sorted(requests, key=lambda r: r.arrival_time) if scheduler.kv.cache is not None else []
     name_pages = page_names or PageNamer(scheduler.page_size).fresh
     clock = SimClock()
@@ -186,7 +188,13 @@ def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
                 f"(device pool {device_pool.num_pages} pages of {scheduler.page_size} tokens)")
         clock.sleep_until(until)
 
-    core.run(done=done, arrivals=requests, observe=observe, idle=idle)
+    def fast_forward_until() -> float:
+        # Passes that sample occupancy or stop at the horizon run as steps (steps every 500: progress only).
+        until = marks["next_sample"]
+        return until if horizon_s is None else min(until, horizon_s)
+
+    core.run(done=done, arrivals=requests, observe=observe, idle=idle,
+             fast_forward_until=fast_forward_until if fast_forward and not prefill_decode_split else None)
     if progress is not None:
         progress(finished() - marks["reported_finished"], clock.now())
     return SimResult(requests=sorted(requests, key=lambda r: r.arrival_time), end_time_s=clock.now(),
