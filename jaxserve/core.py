@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from jaxserve.api_calls import ApiCalls, ApiResult
-from scheduler import EventKind, Request, RequestEvent, Scheduler, StepPlan, StepResult
+from scheduler import EventKind, Request, RequestEvent, Scheduler, StepPlan, StepResult, SwapOp
+from scheduler.fast_forward import DecodeRun
 
 
 class Clock(Protocol):
@@ -178,40 +179,58 @@ class EngineCore:
         return self.api.next_due()
 
     # ----------------------------------------------------------- fast-forward
+    def decode_run(self) -> DecodeRun | None:
+        """Simulator only (the executor has ``execute_decode``): the coming
+        decode-only steps as a ``DecodeRun`` (None: the next step is not one),
+        each ``step(t)`` timed by the executor and counted as ``step()`` counts;
+        end it with ``end_decode_run`` before anything else touches the core."""
+        return self.scheduler.decode_run(self._decode_step)
+
+    def _decode_step(self, num_tokens: int, context_tokens: int, copy_out: SwapOp | None) -> float:
+        start = time.perf_counter()
+        pages = len(copy_out.device_pages) if copy_out is not None else 0
+        dt = self.executor.execute_decode(num_tokens, context_tokens, pages)
+        stats = self.stats
+        stats.swapped_out_pages += pages
+        stats.batched_tokens += num_tokens
+        stats.generation_tokens += num_tokens
+        stats.steps += 1
+        stats.busy_time_s += dt
+        stats.steps_by_bucket.add(num_tokens, dt)
+        stats.step_time_s += time.perf_counter() - start
+        return dt
+
+    def end_decode_run(self, run: DecodeRun) -> None:
+        """Close ``run``: the requests' counters, and the recompute accounting that
+        ``_account`` does chunk by chunk."""
+        run.close()
+        if not run.steps:
+            return
+        stats, steps = self.stats, run.steps
+        for request in run.decoders:
+            end = request.num_computed_tokens
+            if end - steps < request.max_computed_tokens:
+                stats.recomputed_tokens += min(end, request.max_computed_tokens) - (end - steps)
+            if end > request.max_computed_tokens:
+                request.max_computed_tokens = end
+        self.last_step_ran = True
+        if self.check_invariants:
+            self.scheduler.check_invariants()
+
     def fast_forward(self, until: float) -> int:
-        """Simulator only (the executor has ``execute_decode``): run the coming
-        decode-only steps that start before ``until`` (s) and before the next API
-        return in bulk (``Scheduler.fast_forward``), with the same clock, counters
-        and per-request marks as that many ``step()`` calls; returns how many ran."""
+        """Run the coming decode-only steps that start before ``until`` (s) and the
+        next API return (``decode_run``); returns how many ran."""
+        run = self.decode_run()
+        if run is None:
+            return 0
         due = self.api.next_due()
         if due is not None:
             until = min(until, due)
-        start = time.perf_counter()
-        stats, execute_decode = self.stats, self.executor.execute_decode
-
-        def run_step(num_tokens: int, context_tokens: int, copy_out) -> float:
-            pages = len(copy_out.device_pages) if copy_out is not None else 0
-            dt = execute_decode(num_tokens, context_tokens, pages)
-            stats.swapped_out_pages += pages
-            stats.batched_tokens += num_tokens
-            stats.generation_tokens += num_tokens
-            stats.steps += 1
-            stats.busy_time_s += dt
-            stats.steps_by_bucket.add(num_tokens, dt)
-            return dt
-
-        steps, decoders = self.scheduler.fast_forward(self.clock.now(), until, run_step)
-        if steps:
-            for request in decoders:   # recompute accounting, as _account does chunk by chunk
-                end = request.num_computed_tokens
-                if end - steps < request.max_computed_tokens:
-                    stats.recomputed_tokens += min(end, request.max_computed_tokens) - (end - steps)
-                if end > request.max_computed_tokens:
-                    request.max_computed_tokens = end
-            if self.check_invariants:
-                self.scheduler.check_invariants()
-            stats.step_time_s += time.perf_counter() - start
-        return steps
+        clock = self.clock
+        while clock.now() < until and run.step(clock.now()) is not None:
+            pass
+        self.end_decode_run(run)
+        return run.steps
 
     # ------------------------------------------------------------------- step
     def deliver_api_results(self, now: float) -> list[Request]:

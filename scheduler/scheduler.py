@@ -16,13 +16,13 @@ them only through the scheduler's methods.
 
 from __future__ import annotations
 
-import heapq
 from operator import attrgetter
 from types import MappingProxyType
 from typing import Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
+from scheduler.fast_forward import DecodeRun
 from scheduler.kv_manager import KVManager
 from scheduler.pages import PageAllocator
 from scheduler.plan import (DecodeChunk, EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult,
@@ -35,27 +35,6 @@ from scheduler.token_budget import DynamicBudget
 
 
 _tokens_of = attrgetter("num_tokens")
-
-
-def _decode_headroom(request: Request, limit: float) -> int:
-    """Tokens ``request`` can decode before one of ``update()``'s stop rules may
-    fire on it (max_tokens, the context limit, the end of its declared segment)."""
-    room = min(request.max_tokens - request.num_generated, limit - request.num_tokens)
-    segments = request.segments
-    if segments and request.segment_index < len(segments):
-        room = min(room, segments[request.segment_index].num_tokens - request.segment_generated)
-    return int(room) - 1
-
-
-def _advance(request: Request, steps: int, last_start: float) -> None:
-    """Add ``steps`` decode steps (one token each) to ``request``'s counters; the
-    last of them was planned at ``last_start`` (s)."""
-    if steps:
-        request.num_computed_tokens += steps
-        request.num_tokens += steps
-        request.num_generated += steps
-        request.segment_generated += steps
-        request.last_scheduled_time = last_start
 
 
 class Scheduler:
@@ -628,90 +607,14 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------ fast-forward
-    def fast_forward(self, now: float, until: float,
-                     run_step: Callable[[int, int, SwapOp | None], float]) -> tuple[int, list[Request]]:
-        """Run, in bulk, the decode-only steps that would come next and start
-        before ``until`` (s): what ``schedule()`` + executor + ``update()`` would
-        do step by step, for a simulator (no token ids) with nothing else due.
-
-        Applies while every running request decodes, nothing can be admitted
-        (empty queue, or ``max_num_seqs`` running), nothing swaps or resumes,
-        and the policy neither orders the batch, nor watches plans
-        (``on_plan``), nor re-decides held calls; each step then gives every
-        decoder one token. It stops before a step that would end or pause a
-        request (stop rules), lack a page, exceed the token budget, or start at
-        or after ``until``. Per step it does what such a step does: the
-        policy's per-step work, the page allocations of decoders that start a
-        page (evicting cached pages, planning host-tier copies as
-        ``schedule()`` would), ``run_step(num_tokens, context_tokens,
-        copy_out)`` (the executor's time for it, in seconds; it moves the
-        clock) and the prefix-cache commits of pages that fill; the requests'
-        counters are advanced when they are next needed, so a step costs
-        O(decoders that start or fill a page), not O(batch). ``now``: the
-        first step's start (s). Returns the steps run (0: none applies) and the
-        requests that decoded in them."""
+    def decode_run(self, run_step: Callable[[int, int, SwapOp | None], float]) -> DecodeRun | None:
+        """A ``DecodeRun`` over the coming decode-only steps (simulators), or None
+        when the next step is not one (see ``scheduler.fast_forward``)."""
         decoders = self._quiet_decoders()
         if not decoders:
-            return 0, []
-        kv, n = self.kv, len(decoders)
-        ps = kv.page_size
-        limit = self.context_limit
-        limit = float("inf") if limit is None else limit
-        headroom = min(_decode_headroom(r, limit) for r in decoders)
-        dynamic_budget = self.config.token_budget == "dynamic" or (
-            self.config.token_budget == "policy" and self.policy.dynamic_budget is not None)
-        if headroom <= 0 or (not dynamic_budget and max(1, self._token_budget(self.view())) < n):
-            return 0, []
-        # Page events by step: (step, 0: allocate before it | 1: commit after it, position, request).
-        events: list[tuple[int, int, int, Request]] = []
-        for pos, r in enumerate(decoders):
-            events.append((len(r.device_pages) * ps - r.num_computed_tokens, 0, pos, r))
-            if kv.cache is not None:
-                events.append(((ps - (r.num_computed_tokens + 1) % ps) % ps, 1, pos, r))
-        heapq.heapify(events)
-        synced = dict.fromkeys(decoders, 0)   # steps already added to each request's counters
-        swap_pages = max(1, self.config.swap_budget_tokens // ps)
-        context = sum(r.num_computed_tokens for r in decoders) + n   # read by the first step's attention
-        step, t, last_start = 0, now, now
-        while step < headroom and t < until:
-            if dynamic_budget and max(1, self._token_budget(self.view())) < n:
-                break
-            due = []   # (position, request): decoders whose token this step starts a page
-            while events and events[0][0] == step and events[0][1] == 0:
-                due.append(heapq.heappop(events)[2:])
-            if len(due) > kv.num_free_device:
-                break   # the ordered pass preempts here
-            self.iteration += 1
-            self.now = t
-            kv.copies_done()
-            self._policy_step(t)
-            copy_out = None
-            if due:
-                kv.copy_budget = swap_pages
-                kv.add_page_each([r for _, r in due])
-                if kv.host_tier:
-                    copy_out = kv.take_copies()[0]
-                kv.copy_budget = 0
-                for pos, r in due:
-                    heapq.heappush(events, (step + ps, 0, pos, r))
-            dt = run_step(n, context + n * step, copy_out)
-            self._running_tokens += n
-            last_start, t, step = t, t + dt, step + 1
-            kv.copies_done()
-            while events and events[0][0] == step - 1:   # pages filled by this step: into the cache
-                _, _, pos, r = heapq.heappop(events)
-                _advance(r, step - synced[r], last_start)
-                synced[r] = step
-                kv.commit(r)
-                heapq.heappush(events, (step - 1 + ps, 1, pos, r))
-        if step:
-            for r in decoders:
-                _advance(r, step - synced[r], last_start)
-            page_due = self._page_due
-            for r in decoders:
-                if r.num_computed_tokens >= len(r.device_pages) * ps:
-                    page_due[r] = None
-        return step, decoders
+            return None
+        run = DecodeRun(self, decoders, run_step)
+        return run if run.headroom > 0 else None
 
     def _quiet_decoders(self) -> list[Request]:
         """The decoding requests, when the coming steps are decode-only and nothing

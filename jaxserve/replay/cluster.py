@@ -42,6 +42,7 @@ from jaxserve.replay.page_keys import PageNamer
 from jaxserve.replay.simulate import SimulationStalled
 from jaxserve.replay.workload import WorkloadItem
 from scheduler import Request, Scheduler, Segment
+from scheduler.fast_forward import DecodeRun
 
 ROUTERS = ("round_robin", "least_loaded", "affinity")
 
@@ -162,11 +163,13 @@ class ClusterResult:
 
 def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem],
                router: str = "round_robin", *, horizon_s: float | None = None, check_invariants: bool = False,
-               progress: Callable[[int, float], None] | None = None) -> ClusterResult:
+               progress: Callable[[int, float], None] | None = None, fast_forward: bool = True) -> ClusterResult:
     """Replay ``workload`` in re-send mode on one replica per scheduler (see module doc).
 
     Each replica's steps are timed by its scheduler's ``cost`` (the model its policy prices with).
     ``progress(num_requests_finished_since_last_call, now)`` every 2,000 passes and at the end.
+    ``fast_forward``: a replica's decode-only steps run as ``DecodeRun`` steps (the same
+    result; each still one pass in time order, as routing reads every replica's state).
     """
     if not schedulers:
         raise ValueError("need at least one replica")
@@ -192,6 +195,12 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
     same_replica = 0
     finished = passes = 0
     reported = 0
+    runs: list[DecodeRun | None] = [None] * len(replicas)   # open decode-only runs, by replica
+
+    def end_run(i: int) -> None:
+        if runs[i] is not None:
+            replicas[i].core.end_decode_run(runs[i])
+            runs[i] = None
 
     def wake_at(i: int, at: float) -> None:
         """Replica ``i``'s next pass is at ``at`` (s), or earlier if one was due sooner."""
@@ -220,6 +229,7 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
             conversation_of[request.request_id] = conv
             sent.append(request)
             replica = replicas[i]
+            end_run(i)
             replica.core.add(request, t_arrival)
             wake_at(i, t_arrival)
             continue
@@ -230,8 +240,14 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
         replica = replicas[i]
         core, clock = replica.core, replica.clock
         clock.sleep_until(t)
-        touched = core.step()
         passes += 1
+        run = runs[i]
+        if run is not None:
+            if not core.api.poll_ready(t) and run.step(t) is not None:
+                wake_at(i, clock.now())
+                continue
+            end_run(i)
+        touched = core.step()
         for r in touched:
             if r.is_finished and r.request_id in conversation_of:
                 conv = conversation_of.pop(r.request_id)
@@ -243,6 +259,8 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
             progress(finished - reported, clock.now())
             reported = finished
         if core.last_step_ran or core.api.poll_ready(clock.now()):
+            if fast_forward and core.last_step_ran:
+                runs[i] = core.decode_run()
             wake_at(i, clock.now())
             continue
         wake = core.next_wakeup()
@@ -252,6 +270,8 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
             raise SimulationStalled(
                 f"replica {i}: {len(core.scheduler.requests)} request(s) left but nothing can run at "
                 f"t={clock.now():.3f}s (device pool {core.scheduler.device_pool.num_pages} pages)")
+    for i in range(len(replicas)):
+        end_run(i)
     if progress is not None:
         progress(finished - reported, max(r.clock.now() for r in replicas))
     return _result(replicas, sent, follow_ups, same_replica)
