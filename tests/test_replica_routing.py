@@ -113,3 +113,21 @@ def test_single_engine_path_imports_no_ray():
             "from jaxserve.cli import build_parser; build_parser(); "
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_prefixes_are_held_to_what_the_replica_reports_it_caches():
+    """A replica whose cache holds fewer pages than the front remembers routing to it
+    stops attracting the oldest prefixes; what was routed since its last report stays."""
+    router = ReplicaRouter(["r0", "r1"], max_imbalance=100)
+    old, new = _hints("an old conversation, long enough for pages"), _hints("a new conversation, also long")
+    router.routed("r0", old)
+    router.finished("r0")
+    router.set_capacity("r0", len(old.page_hashes))   # the report after ``old`` was cached
+    router.routed("r0", new)                          # routed since: kept whatever the next report says
+    router.finished("r0")
+    assert router.choose(old) == ("r0", "prefix") and router.choose(new) == ("r0", "prefix")
+    router.set_capacity("r0", len(new.page_hashes))   # evicted under load: room for one conversation
+    assert router.choose(new) == ("r0", "prefix")
+    assert router.choose(old)[1] == "least_loaded"    # forgotten: no longer routed by its prefix
+    router.set_capacity("r0", 0)                      # emptied (restarted): nothing left to follow
+    assert router.choose(new)[1] == "least_loaded"

@@ -87,15 +87,26 @@ class Frontend:
 
     # --------------------------------------------------------------- health
     @staticmethod
-    async def _alive(handle) -> bool:
+    async def _status(handle) -> dict | None:
+        """The deployment's ``health()`` reply; None when it is down (dead actor,
+        restarting, timed out)."""
         try:
-            status = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
-            return bool(status["alive"])
-        except Exception:  # noqa: BLE001 - dead actor, restarting, timed out: down
-            return False
+            return await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure to answer is down
+            return None
+
+    @classmethod
+    async def _alive(cls, handle) -> bool:
+        status = await cls._status(handle)
+        return status is not None and bool(status["alive"])
 
     async def _check(self, name: str) -> bool:
-        return await self._alive(self.handles[name])
+        status = await self._status(self.handles[name])
+        if status is None or not status["alive"]:
+            return False
+        if "cached_pages" in status:
+            self.router.set_capacity(name, status["cached_pages"])
+        return True
 
     async def check_all(self) -> dict[str, bool]:
         """Ask every replica; update the router's view. ``{name: up}``."""

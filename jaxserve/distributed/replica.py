@@ -65,8 +65,12 @@ class EngineReplica:
             yield item
 
     async def health(self) -> dict:
-        """``{"name", "alive"}``: whether this replica's engine loop runs."""
-        return {"name": self.name, "alive": self.engine.is_alive}
+        """``{"name", "alive", "cached_pages"}``: whether this replica's engine loop
+        runs, and the pages its prefix cache holds (device and host tiers: the
+        front keeps as many of its routed prefixes)."""
+        usage = self.engine.usage_snapshot   # refreshed by the engine thread
+        return {"name": self.name, "alive": self.engine.is_alive,
+                "cached_pages": usage["prefix_cached_pages"] + usage["prefix_cached_host_pages"]}
 
     async def metrics(self) -> str:
         """This replica's Prometheus text (the single server's ``/metrics``)."""

@@ -19,7 +19,13 @@ and headers, and tells the router what happened (``routed``, ``finished``,
    request's hashed pages and the replica has fewer than ``max_imbalance``
    more requests in flight than the least loaded one (as SGLang's
    cache-aware router: a shared system prompt alone must not pin all new
-   conversations on one replica);
+   conversations on one replica). Each set is held to what its replica can
+   hold: the front polls every replica's count of cached pages (device and
+   host tiers, ``set_capacity``) and forgets its least recently routed
+   hashes beyond it, so a replica whose cache evicts under load stops
+   attracting prefixes it no longer has (the front's hashes are of its own
+   rendering of the messages, not the engine's pages, so this follows the
+   replica's capacity and recency, not each eviction);
 4. **least loaded**: fewest requests in flight from this front.
 
 ``least_loaded`` and ``round_robin`` skip 1-3 (baselines for the benchmark).
@@ -139,6 +145,8 @@ class ReplicaRouter:
         self.hashes_per_replica = hashes_per_replica
         self.max_keys = max_keys
         self.alive = {name: True for name in replicas}
+        self.capacity = {name: hashes_per_replica for name in replicas}   # page hashes kept per replica now
+        self._added = {name: 0 for name in replicas}   # hashes routed to each since its last capacity report
         self.in_flight = {name: 0 for name in replicas}
         self.prefixes: dict[str, OrderedDict[bytes, None]] = {name: OrderedDict() for name in replicas}
         self.sessions: OrderedDict[str, str] = OrderedDict()
@@ -191,9 +199,11 @@ class ReplicaRouter:
         self.in_flight[replica] += 1
         if hints.session_key is not None:
             _remember(self.sessions, hints.session_key, replica, self.max_keys)
+        self._added[replica] += len(hints.page_hashes)
         known = self.prefixes[replica]
+        limit = min(self.capacity[replica] + self._added[replica], self.hashes_per_replica)
         for h in hints.page_hashes:
-            _remember(known, h, None, self.hashes_per_replica)
+            _remember(known, h, None, limit)
 
     def finished(self, replica: str) -> None:
         self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
@@ -202,6 +212,18 @@ class ReplicaRouter:
         """``replica`` answered with these client-side tool calls (their contexts are parked there)."""
         for call_id in tool_call_ids:
             _remember(self.parked_calls, call_id, replica, self.max_keys)
+
+    def set_capacity(self, replica: str, cached_pages: int) -> None:
+        """``replica`` reports ``cached_pages`` pages in its prefix cache (both tiers):
+        keep at most that many of its hashes, plus those routed to it since its
+        previous report (their pages may not be computed yet), and never more than
+        ``hashes_per_replica``; the most recently routed stay."""
+        self.capacity[replica] = max(0, cached_pages)
+        limit = min(self.capacity[replica] + self._added[replica], self.hashes_per_replica)
+        self._added[replica] = 0
+        known = self.prefixes[replica]
+        while len(known) > limit:
+            known.popitem(last=False)
 
     def set_alive(self, replica: str, alive: bool) -> None:
         """Mark a replica up or down; going down forgets what it held (it restarts empty)."""
