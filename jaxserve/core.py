@@ -90,12 +90,18 @@ class StepTally:
         self._table: dict[int, list] = {}
 
     def add(self, num_tokens: int, seconds: float) -> None:
+        entry = self.entry(num_tokens)
+        entry[0] += 1
+        entry[1] += seconds
+
+    def entry(self, num_tokens: int) -> list:
+        """``[steps, seconds]`` of the bucket of ``num_tokens`` (a caller that adds
+        many steps of one size may update it in place)."""
         bucket = 0 if num_tokens <= 0 else 1 << (num_tokens - 1).bit_length()
         entry = self._table.get(bucket)
         if entry is None:
             entry = self._table[bucket] = [0, 0.0]
-        entry[0] += 1
-        entry[1] += seconds
+        return entry
 
     def as_row(self) -> dict[str, dict]:
         """``{"<bucket>": {"steps": count, "mean_s": seconds per step}}``, buckets ascending."""
@@ -115,7 +121,7 @@ class EngineStats:
     swapped_in_pages: int = 0
     finished: dict = field(default_factory=dict)   # finish reason -> count
     steps: int = 0                 # steps that ran a non-empty plan
-    step_time_s: float = 0.0       # wall seconds inside step()
+    step_time_s: float = 0.0       # wall seconds inside step() (decode runs, simulated, are not timed)
     busy_time_s: float = 0.0       # clock seconds of the steps that ran (simulated seconds in the simulator)
     steps_by_bucket: StepTally = field(default_factory=lambda: StepTally())
 
@@ -180,25 +186,30 @@ class EngineCore:
 
     # ----------------------------------------------------------- fast-forward
     def decode_run(self) -> DecodeRun | None:
-        """Simulator only (the executor has ``execute_decode``): the coming
+        """Simulator only (the executor has ``decode_stepper``): the coming
         decode-only steps as a ``DecodeRun`` (None: the next step is not one),
         each ``step(t)`` timed by the executor and counted as ``step()`` counts;
         end it with ``end_decode_run`` before anything else touches the core."""
-        return self.scheduler.decode_run(self._decode_step)
+        return self.scheduler.decode_run(self._decode_steps)
 
-    def _decode_step(self, num_tokens: int, context_tokens: int, copy_out: SwapOp | None) -> float:
-        start = time.perf_counter()
-        pages = len(copy_out.device_pages) if copy_out is not None else 0
-        dt = self.executor.execute_decode(num_tokens, context_tokens, pages)
-        stats = self.stats
-        stats.swapped_out_pages += pages
-        stats.batched_tokens += num_tokens
-        stats.generation_tokens += num_tokens
-        stats.steps += 1
-        stats.busy_time_s += dt
-        stats.steps_by_bucket.add(num_tokens, dt)
-        stats.step_time_s += time.perf_counter() - start
-        return dt
+    def _decode_steps(self, num_tokens: int) -> Callable[[int, SwapOp | None], float]:
+        """Steps of ``num_tokens`` decoders: ``(context_tokens, copy_out) -> seconds``,
+        counted in ``stats`` as ``step()`` and ``_account`` count them."""
+        stats, execute = self.stats, self.executor.decode_stepper(num_tokens)
+        by_bucket = stats.steps_by_bucket.entry(num_tokens)
+
+        def step(context_tokens: int, copy_out: SwapOp | None) -> float:
+            pages = len(copy_out.device_pages) if copy_out is not None else 0
+            dt = execute(context_tokens, pages)
+            stats.swapped_out_pages += pages
+            stats.batched_tokens += num_tokens
+            stats.generation_tokens += num_tokens
+            stats.steps += 1
+            stats.busy_time_s += dt
+            by_bucket[0] += 1
+            by_bucket[1] += dt
+            return dt
+        return step
 
     def end_decode_run(self, run: DecodeRun) -> None:
         """Close ``run``: the requests' counters, and the recompute accounting that

@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 
 STEP_MODELS = ("linear", "buckets", "auto")
@@ -105,6 +106,13 @@ class CostModel:
         if num_tokens <= 0:
             return 0.0
         return self.t_fwd(num_tokens, context_tokens) + self.step_time_scale * self.step_overhead_s
+
+    def t_step_of_context(self, num_tokens: int) -> Callable[[float], float]:
+        """``t_step(num_tokens, c)`` as a function of ``c`` alone (``num_tokens`` > 0), the
+        token part computed once: the same arithmetic, so the same floats (decode runs)."""
+        scale, per_context = self.step_time_scale, self.fwd_per_context_token_s
+        forward, overhead = self._forward(max(0.0, num_tokens)), self.step_time_scale * self.step_overhead_s
+        return lambda context_tokens: scale * (forward + per_context * max(0.0, context_tokens)) + overhead
 
     def t_swap(self, num_tokens: float) -> float:
         """Seconds of a one-way copy of ``num_tokens`` tokens' KV over the host link."""

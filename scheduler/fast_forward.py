@@ -17,9 +17,10 @@ step per ``step(t)`` call, at a cost that does not grow with the batch:
 - per step it does what such a step does: the policy's per-step work
   (``Scheduler._policy_step``), the page allocations of the decoders whose
   token starts a page (evicting cached pages and planning host-tier copies
-  as ``schedule()`` would), ``run_step(num_tokens, context_tokens,
-  copy_out)`` (the executor's time for the step, in seconds; it moves the
-  clock and the counters) and the prefix-cache commits of pages that fill;
+  as ``schedule()`` would), the executor's step (``steps_of(num_tokens)``
+  gives the function ``(context_tokens, copy_out) -> seconds`` that runs one;
+  it moves the clock and the counters) and the prefix-cache commits of
+  pages that fill;
 - the requests' own counters (computed tokens, generated tokens, ...) are
   added when they are next needed (a commit, ``close``), so the scheduler is
   exactly as after that many steps once the run is closed.
@@ -56,10 +57,10 @@ class DecodeRun:
     """Decode-only steps of ``scheduler``'s running batch ``decoders`` (see module doc)."""
 
     def __init__(self, scheduler: Scheduler, decoders: list[Request],
-                 run_step: Callable[[int, int, SwapOp | None], float]) -> None:
+                 steps_of: Callable[[int], Callable[[int, SwapOp | None], float]]) -> None:
         self.scheduler = scheduler
         self.decoders = decoders
-        self.run_step = run_step
+        self.run_step = steps_of(len(decoders))
         self.steps = 0
         kv, config = scheduler.kv, scheduler.config
         self._page_size = ps = kv.page_size
@@ -112,7 +113,7 @@ class DecodeRun:
             kv.copy_budget = 0
             for pos, r in due:
                 heapq.heappush(events, (k + self._page_size, _ALLOCATE, pos, r))
-        dt = self.run_step(n, self._context + n * k, copy_out)
+        dt = self.run_step(self._context + n * k, copy_out)
         if due:
             kv.copies_done()
         sched._running_tokens += n

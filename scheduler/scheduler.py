@@ -607,13 +607,13 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------ fast-forward
-    def decode_run(self, run_step: Callable[[int, int, SwapOp | None], float]) -> DecodeRun | None:
+    def decode_run(self, steps_of: Callable[[int], Callable[[int, SwapOp | None], float]]) -> DecodeRun | None:
         """A ``DecodeRun`` over the coming decode-only steps (simulators), or None
         when the next step is not one (see ``scheduler.fast_forward``)."""
         decoders = self._quiet_decoders()
         if not decoders:
             return None
-        run = DecodeRun(self, decoders, run_step)
+        run = DecodeRun(self, decoders, steps_of)
         return run if run.headroom > 0 else None
 
     def _quiet_decoders(self) -> list[Request]:

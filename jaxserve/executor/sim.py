@@ -33,6 +33,8 @@ The cost model (see ``docs/replay.md``):
 
 from __future__ import annotations
 
+from typing import Callable
+
 from jaxserve.core import SimClock
 from scheduler import CostModel, Request, StepPlan, StepResult
 
@@ -98,14 +100,23 @@ class SimExecutor:
             dt = self._advance(self.forward_time(plan), 0.0, 0)
         return StepResult(elapsed_s=dt)
 
-    def execute_decode(self, num_tokens: int, context_tokens: int, copied_pages: int) -> float:
-        """Run a decode-only step without a plan (``Scheduler.fast_forward``):
-        ``num_tokens`` one-token chunks whose attention reads ``context_tokens``,
-        copying ``copied_pages`` pages to the host tier; the same time as
-        ``execute`` gives such a plan. Returns the step's seconds."""
-        assert not self.prefill_decode_split, "fast-forward runs on a colocated executor"
-        fwd = self.cost.t_step(num_tokens, context_tokens)
-        return self._advance(*self._with_copies(fwd, copied_pages))
+    def decode_stepper(self, num_tokens: int) -> Callable[[int, int], float]:
+        """Decode-only steps of ``num_tokens`` one-token chunks without a plan
+        (``DecodeRun``): ``(context_tokens, copied_pages) -> seconds``, the same
+        time and totals as ``execute`` gives such a plan (the attention reads
+        ``context_tokens``; ``copied_pages`` go to the host tier)."""
+        assert not self.prefill_decode_split, "decode runs need a colocated executor"
+        t_step = self.cost.t_step_of_context(num_tokens)
+        clock = self.clock
+
+        def step(context_tokens: int, copied_pages: int) -> float:
+            if copied_pages:
+                return self._advance(*self._with_copies(t_step(context_tokens), copied_pages))
+            dt = t_step(context_tokens)
+            self.forward_time_s += dt
+            clock.advance(dt)
+            return dt
+        return step
 
     def _advance(self, dt: float, stall: float, swapped: int) -> float:
         """Count a step of ``dt`` seconds (``stall`` of them un-hidden copying ``swapped``
