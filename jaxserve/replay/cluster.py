@@ -56,6 +56,7 @@ class Conversation:
     names: list | None = None            # page names of the whole conversation (prefix cache on)
     previous: Request | None = None      # the last segment request sent
     replica: int | None = None           # where it went
+    visited: set = field(default_factory=set)   # every replica a segment request of it went to
 
     @property
     def num_segments(self) -> int:
@@ -130,11 +131,13 @@ class Router:
         if self.name == "least_loaded" or conversation.names is None:
             return self._least_loaded(replicas)
         limit = (request.num_tokens - 1) // replicas[0].core.scheduler.page_size
-        hits = [r.cached_prefix_pages(conversation.names, limit) for r in replicas]
-        best = max(hits)
+        # A conversation's page names are its own (``PageNamer.conversation``): only a replica that
+        # served it can hold any of them, so the others (0 pages) need not be asked.
+        hits = {i: replicas[i].cached_prefix_pages(conversation.names, limit) for i in sorted(conversation.visited)}
+        best = max(hits.values(), default=0)
         if best == 0:
             return self._least_loaded(replicas)
-        tied = [i for i, h in enumerate(hits) if h == best]
+        tied = [i for i, h in hits.items() if h == best]
         if conversation.replica in tied:
             return conversation.replica
         return self._least_loaded(replicas, tied)
@@ -226,6 +229,7 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
                 follow_ups.append((request, conv.previous))
                 same_replica += i == conv.replica
             conv.previous, conv.replica = request, i
+            conv.visited.add(i)
             conversation_of[request.request_id] = conv
             sent.append(request)
             replica = replicas[i]
