@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Protocol
 
 from jaxserve.api_calls import ApiCalls, ApiResult
 from scheduler import EventKind, Request, RequestEvent, Scheduler, StepPlan, StepResult, SwapOp
-from scheduler.fast_forward import DecodeRun
+from scheduler.fast_forward import DecodeRun, open_decode_run
 
 
 class Clock(Protocol):
@@ -190,7 +190,7 @@ class EngineCore:
         decode-only steps as a ``DecodeRun`` (None: the next step is not one),
         each ``step(t)`` timed by the executor and counted as ``step()`` counts;
         end it with ``end_decode_run`` before anything else touches the core."""
-        return self.scheduler.decode_run(self._decode_steps)
+        return open_decode_run(self.scheduler, self._decode_steps)
 
     def _decode_steps(self, num_tokens: int) -> Callable[[int, SwapOp | None], float]:
         """Steps of ``num_tokens`` decoders: ``(context_tokens, copy_out) -> seconds``,

@@ -1,4 +1,4 @@
-"""Decode-only steps in bulk, for simulators (``Scheduler.decode_run``).
+"""Decode-only steps in bulk, for simulators (``open_decode_run``).
 
 Most steps of a simulated run only give each running request its next token:
 no admission, no swap, no stop rule, nothing returning. A ``DecodeRun`` does
@@ -31,15 +31,26 @@ Pure Python, like the rest of ``scheduler``.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from scheduler.plan import SwapOp
 from scheduler.request import Request
+from scheduler.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+StepsOf = Callable[[int], Callable[[int, SwapOp | None], float]]
 
 _ALLOCATE, _COMMIT = 0, 1   # page events: a page before the step, a filled page into the cache after it
+
+
+def open_decode_run(scheduler: Scheduler, steps_of: StepsOf) -> DecodeRun | None:
+    """A ``DecodeRun`` over ``scheduler``'s coming decode-only steps, or None when
+    the next step is not one. ``steps_of(num_tokens)``: the executor's step for
+    that many one-token chunks, ``(context_tokens, copy_out) -> seconds``."""
+    decoders = scheduler.quiet_decoders()
+    if not decoders:
+        return None
+    run = DecodeRun(scheduler, decoders, steps_of)
+    return run if run.headroom > 0 else None
 
 
 def decode_headroom(request: Request, limit: float) -> int:
@@ -56,8 +67,7 @@ def decode_headroom(request: Request, limit: float) -> int:
 class DecodeRun:
     """Decode-only steps of ``scheduler``'s running batch ``decoders`` (see module doc)."""
 
-    def __init__(self, scheduler: Scheduler, decoders: list[Request],
-                 steps_of: Callable[[int], Callable[[int, SwapOp | None], float]]) -> None:
+    def __init__(self, scheduler: Scheduler, decoders: list[Request], steps_of: StepsOf) -> None:
         self.scheduler = scheduler
         self.decoders = decoders
         self.run_step = steps_of(len(decoders))

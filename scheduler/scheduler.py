@@ -18,15 +18,12 @@ from __future__ import annotations
 
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
-from scheduler.fast_forward import DecodeRun
 from scheduler.kv_manager import KVManager
 from scheduler.pages import PageAllocator
-from scheduler.plan import (DecodeChunk, EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult,
-                            SwapOp)
+from scheduler.plan import DecodeChunk, EventKind, MemoryView, RequestEvent, ScheduledChunk, StepPlan, StepResult
 from scheduler.policies.base import Policy, PolicyContext
 from scheduler.prefix_cache import PrefixCache
 from scheduler.queues import RankedQueue, RequestQueue
@@ -606,19 +603,10 @@ class Scheduler:
             self._ranked.add(victim, self.policy.priority(victim, now, None))
         return True
 
-    # ------------------------------------------------------------ fast-forward
-    def decode_run(self, steps_of: Callable[[int], Callable[[int, SwapOp | None], float]]) -> DecodeRun | None:
-        """A ``DecodeRun`` over the coming decode-only steps (simulators), or None
-        when the next step is not one (see ``scheduler.fast_forward``)."""
-        decoders = self._quiet_decoders()
-        if not decoders:
-            return None
-        run = DecodeRun(self, decoders, steps_of)
-        return run if run.headroom > 0 else None
-
-    def _quiet_decoders(self) -> list[Request]:
+    # ------------------------------------------------------------ decode runs
+    def quiet_decoders(self) -> list[Request]:
         """The decoding requests, when the coming steps are decode-only and nothing
-        but them can change (see ``fast_forward``); else an empty list."""
+        but them can change (``scheduler.fast_forward``); else an empty list."""
         policy = type(self.policy)
         if (self._filling or not self._decoding or self.swapping_out or self.swapping_in
                 or self._resume_pending or self._reorders_running or policy.on_plan is not Policy.on_plan
