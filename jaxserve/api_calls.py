@@ -230,7 +230,7 @@ class ApiCalls:
         """True when ``poll(now)`` would return something (cheap check, no side effects)."""
         if self._ready or (self._timers and self._timers[0][0] <= now):
             return True
-        return any(all(c.output is not None or c.future.done() or now >= c.deadline for c in running)
+        return bool(self._pending) and any(all(c.output is not None or c.future.done() or now >= c.deadline for c in running)
                    for running in self._pending.values())
 
     def next_due(self) -> float | None:
