@@ -72,7 +72,10 @@ class PrefixCache:
         self.hash_of: dict[int, bytes] = {}     # device page -> hash
         self.refs: dict[int, int] = {}          # device page -> live requests listing it
         self._score: dict[int, tuple[float, int]] = {}   # evictable page -> (score, seq) in the heap
-        self._heap: list[tuple[float, int, int]] = []    # (score, seq, page); stale entries skipped
+        # (score, seq of its first page, pages): the pages one release made evictable, in eviction
+        # order, with consecutive seqs (one entry per release, not per page); stale pages skipped.
+        self._heap: list[tuple[float, int, list[int]]] = []
+        self._queued = 0   # pages in heap entries, stale ones included
         self._seq = 0
         self.query_tokens = 0    # tokens looked up at admissions (cumulative)
         self.hit_tokens = 0      # of those, tokens whose KV came from the cache
@@ -155,14 +158,19 @@ class PrefixCache:
         tail first, so a context is evicted from its end and its head stays
         matchable)."""
         refs = self.refs
-        score = now + bonus_s
+        freed = []
         for p in reversed(pages):
-            refs[p] -= 1
-            if refs[p] == 0:
-                self._released[p] = now
-                self._seq += 1
-                self._score[p] = (score, self._seq)
-                heapq.heappush(self._heap, (score, self._seq, p))
+            n = refs[p] - 1
+            refs[p] = n
+            if not n:
+                freed.append(p)
+        if freed:
+            score, first = now + bonus_s, self._seq + 1
+            self._seq += len(freed)
+            self._released.update(dict.fromkeys(freed, now))
+            self._score.update(zip(freed, [(score, seq) for seq in range(first, first + len(freed))]))
+            heapq.heappush(self._heap, (score, first, freed))
+            self._queued += len(freed)
 
     def evict(self, now: float | None = None) -> int:
         """Forget the evictable page with the lowest score; returns its page id.
@@ -175,32 +183,39 @@ class PrefixCache:
 
     def evict_entries(self, count: int, now: float | None = None) -> list[tuple[int, bytes]]:
         """``evict`` ``count`` times in one pass (fewer when fewer pages are
-        evictable): ``[(page, its hash)]`` in eviction order. Heap entries are unique
-        ``(score, seq)`` keys, so the order is the one-at-a-time order exactly."""
+        evictable): ``[(page, its hash)]`` in eviction order. Every page has a unique
+        ``(score, seq)`` key and an entry's pages have consecutive seqs, so walking
+        the lowest entry's pages is the one-at-a-time order exactly."""
         heap, score, released_at = self._heap, self._score, self._released
         hash_of, page_of, refs = self.hash_of, self.page_of, self.refs
         pop, inf = heapq.heappop, float("inf")
         residence = self.residence_s
         evicted: list[tuple[int, bytes]] = []
         while heap and len(evicted) < count:
-            s, seq, p = pop(heap)
-            if score.get(p) != (s, seq):
-                continue   # stale: re-scored or re-referenced since it was pushed
-            del score[p]
-            released = released_at.pop(p)
-            if now is not None:
-                age = max(0.0, now - released)
-                residence = age if residence == inf else 0.9 * residence + 0.1 * age
-            h = hash_of.pop(p)
-            del page_of[h]
-            del refs[p]
-            evicted.append((p, h))
+            s, first, run = pop(heap)
+            for j, p in enumerate(run):
+                if len(evicted) >= count:
+                    heapq.heappush(heap, (s, first + j, run[j:]))   # the rest, still next in order
+                    break
+                self._queued -= 1
+                if score.get(p) != (s, first + j):
+                    continue   # stale: re-scored or re-referenced since it was released
+                del score[p]
+                released = released_at.pop(p)
+                if now is not None:
+                    age = max(0.0, now - released)
+                    residence = age if residence == inf else 0.9 * residence + 0.1 * age
+                h = hash_of.pop(p)
+                del page_of[h]
+                del refs[p]
+                evicted.append((p, h))
         self.residence_s = residence
         self.evicted_pages += len(evicted)
         self.epoch += len(evicted)
-        if len(heap) > 4 * len(score) + 64:   # drop stale entries now and then
-            self._heap = [(e[0], e[1], q) for q, e in score.items()]
+        if self._queued > 4 * len(score) + 64:   # drop stale entries now and then
+            self._heap = [(e[0], e[1], [q]) for q, e in score.items()]
             heapq.heapify(self._heap)
+            self._queued = len(score)
         return evicted
 
     # ------------------------------------------------------------ host tier
