@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 from jaxserve.core import EngineCore, SimClock
 from jaxserve.executor.sim import SimExecutor
 from jaxserve.replay.page_keys import PageNamer
-from jaxserve.replay.simulate import SimulationStalled
+from jaxserve.replay.simulate import SimulationStalled, cyclic_gc_paused
 from jaxserve.replay.workload import WorkloadItem
 from scheduler import Request, Scheduler, Segment
 from scheduler.fast_forward import DecodeRun
@@ -173,7 +173,16 @@ def run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem]
     ``progress(num_requests_finished_since_last_call, now)`` every 2,000 passes and at the end.
     ``fast_forward``: a replica's decode-only steps run as ``DecodeRun`` steps (the same
     result; each still one pass in time order, as routing reads every replica's state).
+    Runs with the cyclic garbage collector paused (``cyclic_gc_paused``).
     """
+    with cyclic_gc_paused():
+        return _run_resend(schedulers, workload, router, horizon_s, check_invariants, progress, fast_forward)
+
+
+def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem], router: str,
+                horizon_s: float | None, check_invariants: bool, progress: Callable[[int, float], None] | None,
+                fast_forward: bool) -> ClusterResult:
+    """``run_resend``'s event loop."""
     if not schedulers:
         raise ValueError("need at least one replica")
     page_size = schedulers[0].page_size

@@ -15,8 +15,10 @@ Scheduling itself costs no simulated time beyond the profile's
 from __future__ import annotations
 
 import dataclasses
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from jaxserve.core import EngineCore, SimClock, StepTally
 from jaxserve.executor.sim import SimExecutor
@@ -123,6 +125,25 @@ class SimResult:
         return self.busy_time_s / self.num_steps if self.num_steps else 0.0
 
 
+@contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Run a simulation without Python's cyclic garbage collector, then collect once.
+
+    A long replay keeps millions of live objects (requests, page names), and
+    every collection walks them: at 64 replicas the collector took a quarter
+    of the run, while the hot path makes almost no reference cycles (25
+    objects over a 64-replica minute). Reference counting frees everything
+    else as usual."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
 class SimulationStalled(RuntimeError):
     """Requests remain but no step can run and no event is pending (e.g. a prompt
     larger than the whole device pool)."""
@@ -193,8 +214,9 @@ def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
         until = marks["next_sample"]
         return until if horizon_s is None else min(until, horizon_s)
 
-    core.run(done=done, arrivals=requests, observe=observe, idle=idle,
-             fast_forward_until=fast_forward_until if fast_forward and not prefill_decode_split else None)
+    with cyclic_gc_paused():
+        core.run(done=done, arrivals=requests, observe=observe, idle=idle,
+                 fast_forward_until=fast_forward_until if fast_forward and not prefill_decode_split else None)
     if progress is not None:
         progress(finished() - marks["reported_finished"], clock.now())
     return SimResult(requests=sorted(requests, key=lambda r: r.arrival_time), end_time_s=clock.now(),
