@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from jaxserve.profiles import load_profile
@@ -80,3 +82,4 @@ def test_replicas_are_the_same_step_for_step(monkeypatch):
     forwarded = run(True)
     assert forwarded == stepped and stepped[1][6] > 0
     assert counted[0] > stepped[1][1] // 2
+    assert gc.isenabled()   # the collector paused for the run is back on
