@@ -12,9 +12,9 @@ from scheduler.cost_model import CostModel, expected_cached_tokens
 from scheduler.request import Request, Segment
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryView:
-    """A snapshot of memory for policies. Pages are ``page_size`` tokens each."""
+class MemoryView(NamedTuple):
+    """A snapshot of memory for policies. Pages are ``page_size`` tokens each.
+    (A named tuple: the scheduler makes one per step.)"""
 
     free_device_pages: int
     total_device_pages: int
