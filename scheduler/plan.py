@@ -63,12 +63,13 @@ class DecodeChunk:
     (read a plan before its ``update``, as executors do).
     """
 
-    __slots__ = ("request",)
+    __slots__ = ("request", "place")
     num_tokens = 1
     samples = True
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, place: int = 0) -> None:
         self.request = request
+        self.place = place   # the scheduler's sequence number of the request's entry into the batch
 
     @property
     def start(self) -> int:

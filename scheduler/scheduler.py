@@ -16,7 +16,9 @@ them only through the scheduler's methods.
 
 from __future__ import annotations
 
-from operator import attrgetter
+import heapq
+import itertools
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
 from scheduler.config import SchedulerConfig
@@ -27,11 +29,12 @@ from scheduler.plan import DecodeChunk, EventKind, MemoryView, RequestEvent, Sch
 from scheduler.policies.base import Policy, PolicyContext
 from scheduler.prefix_cache import PrefixCache
 from scheduler.queues import RankedQueue, RequestQueue
-from scheduler.request import ApiCallRecord, Handling, Request, RequestState
+from scheduler.request import ApiCallRecord, Handling, Request, RequestState, Segment
 from scheduler.token_budget import DynamicBudget
 
 
 _tokens_of = attrgetter("num_tokens")
+_place_of = itemgetter(0)
 
 
 class Scheduler:
@@ -53,14 +56,17 @@ class Scheduler:
         self.waiting = RequestQueue()          # WAITING, or SWAPPED after the API returned
         self.running = RequestQueue()          # in admission order
         # ``running`` split in two (see _schedule_running): the decoding requests (next chunk: one
-        # sampled token) with their reusable chunk, and the others (prompt or returned tokens left).
+        # sampled token) with their reusable chunk, and the others (prompt or returned tokens left),
+        # each with its place in ``running`` (a sequence number, rising with each entry).
         self._decoding: dict[Request, DecodeChunk] = {}
-        self._filling: dict[Request, None] = {}
+        self._filling: dict[Request, int] = {}
+        self._entries = itertools.count()
+        self._decoder_places: list[tuple[int, Request]] = []   # (-place, decoder): a max-heap, stale skipped
         # Decoding requests whose next token starts a new page (from ``update``; stale entries,
         # no longer decoding or already given the page, are skipped).
         self._page_due: dict[Request, None] = {}
         self._running_tokens = 0   # context tokens of the running batch (kept as it changes)
-        # Whether the policy orders the running batch itself (else: decode-first, admission order).
+        # Whether the policy orders the running batch itself (else: the order requests entered it).
         self._reorders_running = type(policy).order_running is not Policy.order_running
         self.paused: dict[str, Request] = {}   # inside an API call (PAUSED, SWAPPING_OUT, SWAPPED)
         self.swapping_out: list[Request] = []
@@ -208,7 +214,7 @@ class Scheduler:
     def _start_running(self, request: Request) -> None:
         request.state = RequestState.RUNNING
         self.running.append(request)
-        self._filling[request] = None
+        self._filling[request] = next(self._entries)
         self._running_tokens += request.num_tokens
 
     def _stop_running(self, request: Request) -> None:
@@ -314,7 +320,10 @@ class Scheduler:
         self._enqueue(request, self.now)
 
     def _redecide_paused(self, now: float) -> None:
-        """Apply the policy's switches of calls paused under Preserve (``Policy.redecide``)."""
+        """Apply the policy's switches of calls paused under Preserve (``Policy.redecide``),
+        if any call is held so."""
+        if not self.kv.paused_holders:
+            return
         for request, handling in self.policy.redecide(now, self._preserved, self.view):
             if handling != Handling.PRESERVE and request.request_id in self.kv.paused_holders:
                 self.kv.release(request)
@@ -396,11 +405,9 @@ class Scheduler:
         return swap_pages - n
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
-        """Give the running batch its tokens, decode-first: every decoding request
-        its one token, then the others (prompts or returned tokens being
-        computed, in admission order) what the budget leaves, as Sarathi-Serve's
-        stall-free batching does; a policy that orders the batch itself
-        (``order_running``) overrides this. Returns the budget left."""
+        """Give the running batch its tokens in the policy's order (``order_running``;
+        by default the order the requests entered the batch), each what the
+        budget leaves. Returns the budget left."""
         if not self._reorders_running and len(self._decoding) <= budget:
             left = self._schedule_on_hand(plan, budget, now)
             if left is not None:
@@ -408,11 +415,14 @@ class Scheduler:
         return self._schedule_in_order(plan, budget, now, view)
 
     def _schedule_on_hand(self, plan: StepPlan, budget: int, now: float) -> int | None:
-        """The common step, when the pages it takes are on hand: O(non-decoding
-        requests + decoders starting a page), not O(running), because each
-        decoding request's chunk is reused. Returns the budget left, or None,
-        planning nothing, when pages are short (then who is served before whom
-        decides who is preempted: ``_schedule_in_order``)."""
+        """The common step, planned as the ordered pass would plan it but in
+        O(non-decoding requests + decoders starting a page), not O(running):
+        each decoding request's chunk is reused. It applies when the pages the
+        step takes are on hand and serving the decoders first gives what the
+        batch order gives (the whole batch fits the budget, or no decoder
+        entered the batch after a request still computing its context).
+        Returns the budget left, or None, planning nothing, when it does not
+        apply (then ``_schedule_in_order``)."""
         kv, decoding = self.kv, self._decoding
         page_size = kv.page_size
         due = [r for r in self._page_due
@@ -420,18 +430,22 @@ class Scheduler:
         left = budget - len(decoding)
         others: list[tuple[Request, int, int, int]] = []   # (request, start, tokens, pages it lacks)
         pages = len(due)
+        short = False   # the budget did not cover every request's whole chunk
         for request in self._filling:
             if left <= 0:
+                short = True
                 break
             start = request.num_computed_tokens
-            n = min(request.num_tokens - start, left)
-            if n <= 0:
+            n = request.num_tokens - start
+            if n > left:
+                n, short = left, True
+            elif n <= 0:
                 continue
             need = max(0, -(-(start + n) // page_size) - len(request.device_pages))
             others.append((request, start, n, need))
             pages += need
             left -= n
-        if pages > kv.num_free_device:
+        if pages > kv.num_free_device or (short and self._decoder_after(next(iter(self._filling.values())))):
             return None
         self._page_due.clear()
         if due:
@@ -445,6 +459,17 @@ class Scheduler:
         chunks.extend(decoding.values())
         return left
 
+    def _decoder_after(self, place: int) -> bool:
+        """Whether a decoding request entered the batch after place ``place``."""
+        heap, decoding = self._decoder_places, self._decoding
+        while heap:
+            top, request = heap[0]
+            chunk = decoding.get(request)
+            if chunk is not None and chunk.place == -top:
+                return -top > place
+            heapq.heappop(heap)   # stale: no longer decoding, or decoding from a later entry
+        return False
+
     def _schedule_in_order(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
         """One pass over the running batch in the policy's order, preempting
         when pages run out (evict an idle holder first, else the lowest priority
@@ -455,8 +480,7 @@ class Scheduler:
         new_chunk = tuple.__new__   # ScheduledChunk(...) without its Python-level __new__ frame
         running_state = RequestState.RUNNING
         decoding, resuming = self._decoding, self._resume_pending
-        order = [*decoding, *self._filling]
-        for request in self.policy.order_running(order, now, view, budget, self.iteration):
+        for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
@@ -649,8 +673,9 @@ class Scheduler:
             if not chunk.samples:
                 continue
             if request not in decoding:   # its context is computed: from now on it decodes
-                del filling[request]
-                decoding[request] = DecodeChunk(request)
+                place = filling.pop(request)
+                decoding[request] = DecodeChunk(request, place)
+                heapq.heappush(self._decoder_places, (-place, request))
             if request.num_computed_tokens >= len(request.device_pages) * page_size:
                 page_due[request] = None   # its next token starts a page
             request.num_tokens += 1
@@ -670,29 +695,38 @@ class Scheduler:
         if limit is None:
             limit = float("inf")
         new_event = tuple.__new__   # RequestEvent(...) without its Python-level __new__ frame
-        token_kind, finished_kind = EventKind.TOKEN, EventKind.FINISHED
+        token_kind = EventKind.TOKEN
+        acting: list[tuple[int, Request, str, Segment | None]] = []   # (place, request, "stop"|"call"|"length", seg)
         for request, token in produced:
             segments = request.segments
             if token is not None and token in request.stop_token_ids:
-                self.finish(request, "stop", now)
-                events.append(new_event(RequestEvent, (request, finished_kind, None)))
+                acting.append((decoding[request].place, request, "stop", None))
                 continue
             if segments:   # declared segments (replay): the current one may end in a call, or be the last
                 index, done = request.segment_index, request.segment_generated
                 if index < len(segments) and segments[index].api_type is not None \
                         and done >= segments[index].num_tokens:
-                    seg = segments[index]
-                    self.pause(request, now, seg.api_type, seg.api_duration_s)
-                    events.append(new_event(RequestEvent, (request, EventKind.API_CALL, seg)))
+                    acting.append((decoding[request].place, request, "call", segments[index]))
                     continue
                 last_done = index == len(segments) - 1 and done >= segments[-1].num_tokens
             else:
                 last_done = False
             if last_done or request.num_generated >= request.max_tokens or request.num_tokens >= limit:
-                self.finish(request, "length", now)
-                events.append(new_event(RequestEvent, (request, finished_kind, None)))
+                acting.append((decoding[request].place, request, "length", None))
             else:
                 events.append(new_event(RequestEvent, (request, token_kind, None)))
+        if acting:
+            # Ends and pauses change memory (the next call's handling sees it): apply them in the
+            # batch's order, entry order unless the policy ordered the batch (then the chunks' order).
+            if not self._reorders_running:
+                acting.sort(key=_place_of)
+            for _, request, rule, seg in acting:
+                if rule == "call":
+                    self.pause(request, now, seg.api_type, seg.api_duration_s)
+                    events.append(new_event(RequestEvent, (request, EventKind.API_CALL, seg)))
+                else:
+                    self.finish(request, rule, now)
+                    events.append(new_event(RequestEvent, (request, EventKind.FINISHED, None)))
         return events
 
     # ------------------------------------------------------------ invariants

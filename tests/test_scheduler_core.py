@@ -182,10 +182,10 @@ def test_a_returned_call_is_marked_resumed_by_the_first_step_that_runs_it_again(
 
 
 def test_decoders_keep_their_chunk_and_a_long_prompt_gets_what_they_leave():
-    """Decode-first: a prompt chunked over several steps takes what the budget
-    leaves after every decoder's token; each decoder's chunk object is reused
-    from step to step, its ``start`` the request's computed tokens, and a
-    decoder crossing into a new page gets the page."""
+    """A prompt admitted after the decoders, chunked over several steps, takes
+    what the budget leaves after their tokens; each decoder's chunk object is
+    reused from step to step, its ``start`` the request's computed tokens, and
+    a decoder crossing into a new page gets the page."""
     sched = make_scheduler(num_pages=256, page_size=4, budget=16)
     decoders = [Request(f"d{i}", 0.0, prompt_len=3, max_tokens=40) for i in range(4)]
     for r in decoders:
@@ -223,3 +223,85 @@ def test_pages_short_takes_the_ordered_pass_and_preempts_like_before():
     drive(sched, now=0.01)
     assert sched.num_preemptions > 0
     assert all(r.finish_reason == "length" and r.num_generated == 14 for r in reqs)
+
+
+
+
+def _swap_mix(seed: int) -> list[Request]:
+    """Short requests, half of them calling an API that returns 10-40 tokens,
+    arriving over 50 ms: with Swap and a small pool, a swapped request's
+    swap-in can finish during admission without pages for its returned tokens,
+    so requests admitted after it decode while it still has them to compute."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(rng.randint(4, 10)):
+        segs = [Segment(rng.randint(1, 4), "math", 0.0, rng.randint(10, 40))] if rng.random() < 0.5 else []
+        segs.append(Segment(rng.randint(1, 8)))
+        out.append(Request(f"r{i}", arrival_time=rng.choice([0.0, 0.02, 0.05]), prompt_len=rng.randint(1, 12),
+                           max_tokens=sum(s.num_tokens for s in segs), segments=segs))
+    return sorted(out, key=lambda r: r.arrival_time)
+
+
+@pytest.mark.parametrize("handling,requests,pages,budget", [
+    (Handling.PRESERVE, random_requests(30, seed=11), 48, 12),
+    (Handling.SWAP, random_requests(30, seed=11), 48, 12),
+    (Handling.SWAP, _swap_mix(483), 16, 12),
+])
+def test_the_decode_set_plans_what_the_ordered_pass_plans(handling, requests, pages, budget):
+    """Whenever the decode-set step applies, it plans the same chunks, preempts
+    the same requests and leaves the same pages free as walking the batch in
+    order: checked at every step, against a copy of the scheduler that takes
+    the ordered pass. The last case has a request still computing returned
+    tokens ahead of decoders that entered the batch after it."""
+    import copy
+    from types import MappingProxyType
+
+    sched = make_scheduler(num_pages=pages, host_pages=64, page_size=4, handling=handling, budget=budget)
+    todo = list(requests)
+    now, pending, compared = 0.0, [], 0
+    while todo or sched.has_unfinished():
+        while todo and todo[0].arrival_time <= now:
+            sched.add_request(todo.pop(0), now)
+        for t, r in list(pending):
+            if t <= now:
+                pending.remove((t, r))
+                sched.api_return(r, r.policy_state["ret"], now)
+        preserved, sched._preserved = sched._preserved, None   # a read-only view: rebuilt for the copy
+        ordered = copy.deepcopy(sched)
+        sched._preserved, ordered._preserved = preserved, MappingProxyType(ordered.kv.paused_holders)
+        ordered._schedule_on_hand = lambda *args: None
+        plan, expected = sched.schedule(now), ordered.schedule(now)
+        assert sorted((c.request.request_id, c.start, c.num_tokens) for c in plan.chunks) == \
+            sorted((c.request.request_id, c.start, c.num_tokens) for c in expected.chunks), f"t={now:.2f}"
+        assert [r.request_id for r in plan.preempted] == [r.request_id for r in expected.preempted]
+        assert sched.device_pool.num_free == ordered.device_pool.num_free
+        compared += bool(plan.chunks)
+        now += 0.01
+        for event in sched.update(plan, StepResult(), now):
+            if event.kind is EventKind.API_CALL:
+                r = event.request
+                seg = r.segments[r.segment_index - 1]
+                r.policy_state["ret"] = seg.num_returned_tokens
+                pending.append((now + seg.api_duration_s, r))
+        sched.check_invariants()
+        assert compared < 5000, "no progress"
+    assert compared > 10
+
+
+def test_a_step_ends_and_pauses_requests_in_the_batch_order():
+    """Two requests call an API in the same step: the one that entered the batch
+    first pauses first (its handling is decided before the other's frees memory),
+    although the decode-set step puts the chunk of the one still computing its
+    prompt first."""
+    sched = make_scheduler(num_pages=64, page_size=4, budget=16)
+    early = Request("early", 0.0, prompt_len=2, max_tokens=5, segments=[Segment(3, "math", 0.1, 0), Segment(2)])
+    late = Request("late", 0.01, prompt_len=20, max_tokens=3, segments=[Segment(1, "math", 0.1, 0), Segment(2)])
+    sched.add_request(early, 0.0)
+    sched.update(sched.schedule(0.0), StepResult(), 0.01)       # early's prompt: its first token
+    sched.add_request(late, 0.01)
+    sched.update(sched.schedule(0.01), StepResult(), 0.02)      # early's 2nd token; 15 of late's 20
+    plan = sched.schedule(0.02)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("late", 5), ("early", 1)]
+    events = sched.update(plan, StepResult(), 0.03)
+    assert [(e.request.request_id, e.kind) for e in events] == [("early", EventKind.API_CALL),
+                                                                 ("late", EventKind.API_CALL)]

@@ -178,7 +178,8 @@ class Policy:
 
     def redecide(self, now: float, preserved: Mapping[str, Request],
                  view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
-        """Hook, at the start of every step: switch calls paused under Preserve.
+        """Hook, at the start of every step in which some call is paused under
+        Preserve with its KV on device: switch such calls.
         ``preserved`` (read-only) holds those requests by id, call still out
         and KV on device. Yield ``(request, handling)`` one at a time; the
         scheduler applies each (Discard frees the pages, Swap starts a
