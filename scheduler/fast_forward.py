@@ -70,7 +70,6 @@ class DecodeRun:
     def __init__(self, scheduler: Scheduler, decoders: list[Request], steps_of: StepsOf) -> None:
         self.scheduler = scheduler
         self.decoders = decoders
-        self.run_step = steps_of(len(decoders))
         self.steps = 0
         kv, config = scheduler.kv, scheduler.config
         self._page_size = ps = kv.page_size
@@ -80,6 +79,8 @@ class DecodeRun:
             config.token_budget == "policy" and scheduler.policy.dynamic_budget is not None)
         if not self._dynamic_budget and max(1, scheduler._token_budget(scheduler.view())) < len(decoders):
             self.headroom = 0
+        if self.headroom <= 0:
+            return   # not a run: the caller drops it (the rest is built only for a run)
         # (step, _ALLOCATE | _COMMIT, position, request): a heap, so a step touches only its events.
         events = [(len(r.device_pages) * ps - r.num_computed_tokens, _ALLOCATE, i, r)
                   for i, r in enumerate(decoders)]
@@ -87,6 +88,7 @@ class DecodeRun:
             events += [((ps - (r.num_computed_tokens + 1) % ps) % ps, _COMMIT, i, r) for i, r in enumerate(decoders)]
         heapq.heapify(events)
         self._events = events
+        self.run_step = steps_of(len(decoders))
         self._swap_pages = max(1, config.swap_budget_tokens // ps)
         self._context = sum(r.num_computed_tokens for r in decoders) + len(decoders)   # step 0's attention reads
         self._synced = dict.fromkeys(decoders, 0)   # steps already added to each request's counters
