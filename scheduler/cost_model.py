@@ -98,8 +98,11 @@ class CostModel:
 
     def t_fwd(self, num_tokens: float, context_tokens: float = 0.0) -> float:
         """Seconds of the forward over ``num_tokens`` query tokens reading ``context_tokens``."""
-        return self.step_time_scale * (self._forward(max(0.0, num_tokens))
-                                       + self.fwd_per_context_token_s * max(0.0, context_tokens))
+        return self._with_context(self._forward(max(0.0, num_tokens)), context_tokens)
+
+    def _with_context(self, forward: float, context_tokens: float) -> float:
+        """Scaled seconds of a forward whose token part is ``forward`` (s) reading ``context_tokens``."""
+        return self.step_time_scale * (forward + self.fwd_per_context_token_s * max(0.0, context_tokens))
 
     def t_step(self, num_tokens: float, context_tokens: float = 0.0) -> float:
         """Seconds of a whole step: ``T_fwd(n, c) + scale · step_overhead_s`` (0 for an empty step)."""
@@ -110,9 +113,9 @@ class CostModel:
     def t_step_of_context(self, num_tokens: int) -> Callable[[float], float]:
         """``t_step(num_tokens, c)`` as a function of ``c`` alone (``num_tokens`` > 0), the
         token part computed once: the same arithmetic, so the same floats (decode runs)."""
-        scale, per_context = self.step_time_scale, self.fwd_per_context_token_s
         forward, overhead = self._forward(max(0.0, num_tokens)), self.step_time_scale * self.step_overhead_s
-        return lambda context_tokens: scale * (forward + per_context * max(0.0, context_tokens)) + overhead
+        with_context = self._with_context
+        return lambda context_tokens: with_context(forward, context_tokens) + overhead
 
     def t_swap(self, num_tokens: float) -> float:
         """Seconds of a one-way copy of ``num_tokens`` tokens' KV over the host link."""

@@ -156,7 +156,7 @@ class DecodeRun:
         for r in self.decoders:
             self._sync(r)
         sched = self.scheduler
-        ps, page_due = self._page_size, sched._page_due
+        kv, page_due = sched.kv, sched._page_due
         for r in self.decoders:
-            if r.num_computed_tokens >= len(r.device_pages) * ps:
+            if kv.pages_needed(r, 1):   # its next token starts a page
                 page_due[r] = None

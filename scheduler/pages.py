@@ -45,13 +45,7 @@ class PageAllocator:
 
     def allocate(self, owner: str, n: int) -> list[int]:
         """Take ``n`` free pages for ``owner``; raises ``OutOfPagesError`` if too few."""
-        if n > len(self._free):
-            raise OutOfPagesError(f"{self.name} pool: asked for {n} pages, {len(self._free)} free")
-        pop, owners = self._free.popleft, self._owner
-        pages = [pop() for _ in range(n)]
-        for p in pages:
-            owners[p] = owner
-        return pages
+        return self.allocate_each([owner] * n)
 
     def allocate_each(self, owners: list[str]) -> list[int]:
         """One free page for each of ``owners``, in order; raises ``OutOfPagesError`` if too few."""

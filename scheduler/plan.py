@@ -67,7 +67,7 @@ class DecodeChunk:
     num_tokens = 1
     samples = True
 
-    def __init__(self, request: Request, place: int = 0) -> None:
+    def __init__(self, request: Request, place: int) -> None:
         self.request = request
         self.place = place   # the scheduler's sequence number of the request's entry into the batch
 

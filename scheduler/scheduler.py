@@ -425,8 +425,7 @@ class Scheduler:
         apply (then ``_schedule_in_order``)."""
         kv, decoding = self.kv, self._decoding
         page_size = kv.page_size
-        due = [r for r in self._page_due
-               if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size]
+        due = [r for r in self._page_due if r in decoding and kv.pages_needed(r, 1)]
         left = budget - len(decoding)
         others: list[tuple[Request, int, int, int]] = []   # (request, start, tokens, pages it lacks)
         pages = len(due)
@@ -512,8 +511,7 @@ class Scheduler:
             budget -= n
             if budget <= 0:
                 break
-        self._page_due = {r: None for r in self._page_due
-                          if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size}
+        self._page_due = {r: None for r in self._page_due if r in decoding and kv.pages_needed(r, 1)}
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
@@ -676,7 +674,7 @@ class Scheduler:
                 place = filling.pop(request)
                 decoding[request] = DecodeChunk(request, place)
                 heapq.heappush(self._decoder_places, (-place, request))
-            if request.num_computed_tokens >= len(request.device_pages) * page_size:
+            if request.num_computed_tokens >= len(request.device_pages) * page_size:   # kv.pages_needed(r, 1)
                 page_due[request] = None   # its next token starts a page
             request.num_tokens += 1
             request.num_generated += 1
@@ -756,5 +754,5 @@ class Scheduler:
         for r, chunk in self._decoding.items():
             assert chunk.request is r and r.num_tokens - r.num_computed_tokens == 1, \
                 f"{r.request_id}: decoding with {r.num_uncomputed_tokens} tokens to compute"
-            assert r in self._page_due or len(r.device_pages) * self.page_size > r.num_computed_tokens, \
+            assert r in self._page_due or not self.kv.pages_needed(r, 1), \
                 f"{r.request_id}: its next token needs a page and it is not due one"
