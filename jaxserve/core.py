@@ -185,12 +185,14 @@ class EngineCore:
         return self.api.next_due()
 
     # ----------------------------------------------------------- fast-forward
-    def decode_run(self) -> DecodeRun | None:
+    def decode_run(self, finishes: bool = False) -> DecodeRun | None:
         """Simulator only (the executor has ``decode_stepper``): the coming
         decode-only steps as a ``DecodeRun`` (None: the next step is not one),
         each ``step(t)`` timed by the executor and counted as ``step()`` counts;
-        end it with ``end_decode_run`` before anything else touches the core."""
-        return open_decode_run(self.scheduler, self._decode_steps)
+        end it with ``end_decode_run`` before anything else touches the core.
+        ``finishes``: the run also runs steps in which requests finish, and
+        lists them in ``run.finished`` (the caller takes them from there)."""
+        return open_decode_run(self.scheduler, self._decode_steps, self._decoded_finish if finishes else None)
 
     def _decode_steps(self, num_tokens: int) -> Callable[[int, SwapOp | None], float]:
         """Steps of ``num_tokens`` decoders: ``(context_tokens, copy_out) -> seconds``,
@@ -211,19 +213,27 @@ class EngineCore:
             return dt
         return step
 
+    def _decoded_finish(self, request: Request, steps: int) -> None:
+        """A decode run ended ``request`` after its ``steps`` steps in the run."""
+        self._account_decoded(request, steps)
+        self._released(request)
+
+    def _account_decoded(self, request: Request, steps: int) -> None:
+        """``_account`` for the ``steps`` one-token chunks ``request`` ran in a decode run."""
+        end = request.num_computed_tokens
+        if end - steps < request.max_computed_tokens:
+            self.stats.recomputed_tokens += min(end, request.max_computed_tokens) - (end - steps)
+        if end > request.max_computed_tokens:
+            request.max_computed_tokens = end
+
     def end_decode_run(self, run: DecodeRun) -> None:
         """Close ``run``: the requests' counters, and the recompute accounting that
         ``_account`` does chunk by chunk."""
         run.close()
         if not run.steps:
             return
-        stats, steps = self.stats, run.steps
-        for request in run.decoders:
-            end = request.num_computed_tokens
-            if end - steps < request.max_computed_tokens:
-                stats.recomputed_tokens += min(end, request.max_computed_tokens) - (end - steps)
-            if end > request.max_computed_tokens:
-                request.max_computed_tokens = end
+        for request in run.live:
+            self._account_decoded(request, run.steps_taken(request))
         self.last_step_ran = True
         if self.check_invariants:
             self.scheduler.check_invariants()

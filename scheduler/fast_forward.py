@@ -39,68 +39,93 @@ from scheduler.scheduler import Scheduler
 
 StepsOf = Callable[[int], Callable[[int, SwapOp | None], float]]
 
-_ALLOCATE, _COMMIT = 0, 1   # page events: a page before the step, a filled page into the cache after it
+_ALLOCATE, _COMMIT, _END = 0, 1, 2   # page events: a page before the step, a filled page into the cache after it; a request ending after it
 
 
-def open_decode_run(scheduler: Scheduler, steps_of: StepsOf) -> DecodeRun | None:
+def open_decode_run(scheduler: Scheduler, steps_of: StepsOf,
+                    on_finish: Callable[[Request, int], None] | None = None) -> DecodeRun | None:
     """A ``DecodeRun`` over ``scheduler``'s coming decode-only steps, or None when
     the next step is not one. ``steps_of(num_tokens)``: the executor's step for
-    that many one-token chunks, ``(context_tokens, copy_out) -> seconds``."""
+    that many one-token chunks, ``(context_tokens, copy_out) -> seconds``.
+    ``on_finish(request, steps)``: the run also runs steps in which requests
+    finish (see ``DecodeRun``) and reports each after ``Scheduler.finish``, with
+    the run's steps it took part in; None: the run ends before such a step."""
     decoders = scheduler.quiet_decoders()
     if not decoders:
         return None
-    run = DecodeRun(scheduler, decoders, steps_of)
+    run = DecodeRun(scheduler, decoders, steps_of, on_finish)
     return run if run.headroom > 0 else None
 
 
-def decode_headroom(request: Request, limit: float) -> int:
-    """Steps ``request`` can decode (one token each) before one of ``update()``'s
-    stop rules may fire on it: max_tokens, the context ``limit``, the end of its
-    declared segment."""
+def decode_stop(request: Request, limit: float) -> tuple[int, bool]:
+    """``(steps, ends)``: the steps ``request`` can decode (one token each) before
+    one of ``update()``'s stop rules may fire on it (max_tokens, the context
+    ``limit``, the end of its declared segment), and whether the rule that fires
+    in the step after them ends it ("length"; False: a call, or a segment end
+    that does nothing)."""
     room = min(request.max_tokens - request.num_generated, limit - request.num_tokens)
     segments = request.segments
+    ends = True
     if segments and request.segment_index < len(segments):
-        room = min(room, segments[request.segment_index].num_tokens - request.segment_generated)
-    return int(room) - 1
+        segment = segments[request.segment_index]
+        left = segment.num_tokens - request.segment_generated
+        if left < room or (left == room and segment.api_type is not None):
+            room, ends = left, segment.api_type is None and request.segment_index == len(segments) - 1
+    return int(room) - 1, ends
 
 
 class DecodeRun:
     """Decode-only steps of ``scheduler``'s running batch ``decoders`` (see module doc)."""
 
-    def __init__(self, scheduler: Scheduler, decoders: list[Request], steps_of: StepsOf) -> None:
+    def __init__(self, scheduler: Scheduler, decoders: list[Request], steps_of: StepsOf,
+                 on_finish: Callable[[Request, int], None] | None = None) -> None:
         self.scheduler = scheduler
         self.decoders = decoders
         self.steps = 0
+        self.finished: list[Request] = []   # requests the run ended (``on_finish``), for the caller to take
         kv, config = scheduler.kv, scheduler.config
         self._page_size = ps = kv.page_size
         limit = scheduler.context_limit
-        self.headroom = min(decode_headroom(r, float("inf") if limit is None else limit) for r in decoders)
+        limit = float("inf") if limit is None else limit
+        # (step, _ALLOCATE | _COMMIT | _END, position, request): a heap, so a step touches only its events.
+        events = []
+        headroom = float("inf")
+        for i, r in enumerate(decoders):
+            last, ends = decode_stop(r, limit)
+            if ends and on_finish is not None:
+                events.append((last, _END, i, r))
+            elif last < headroom:
+                headroom = last
+        self.headroom = headroom   # steps before the run must end (lowered when it must end sooner)
         self._dynamic_budget = config.token_budget == "dynamic" or (
             config.token_budget == "policy" and scheduler.policy.dynamic_budget is not None)
         if not self._dynamic_budget and max(1, scheduler._token_budget(scheduler.view())) < len(decoders):
             self.headroom = 0
         if self.headroom <= 0:
             return   # not a run: the caller drops it (the rest is built only for a run)
-        # (step, _ALLOCATE | _COMMIT, position, request): a heap, so a step touches only its events.
-        events = [(len(r.device_pages) * ps - r.num_computed_tokens, _ALLOCATE, i, r)
-                  for i, r in enumerate(decoders)]
+        events += [(len(r.device_pages) * ps - r.num_computed_tokens, _ALLOCATE, i, r)
+                   for i, r in enumerate(decoders)]
         if kv.cache is not None:
             events += [((ps - (r.num_computed_tokens + 1) % ps) % ps, _COMMIT, i, r) for i, r in enumerate(decoders)]
         heapq.heapify(events)
         self._events = events
+        self._steps_of, self._on_finish = steps_of, on_finish
         self.run_step = steps_of(len(decoders))
         self._swap_pages = max(1, config.swap_budget_tokens // ps)
-        self._context = sum(r.num_computed_tokens for r in decoders) + len(decoders)   # step 0's attention reads
+        self._reads = sum(r.num_computed_tokens for r in decoders) + len(decoders)   # the next step's attention reads
         self._synced = dict.fromkeys(decoders, 0)   # steps already added to each request's counters
+        self._live = set(decoders)                  # not finished
         self._last_start = 0.0
 
     def step(self, t: float) -> float | None:
         """Run the next step, starting at ``t`` (s); its seconds, or None (nothing
-        run) when it is not a plain decode step."""
+        run) when it is not a plain decode step. Requests it ended are appended to
+        ``finished``."""
         k = self.steps
         if k >= self.headroom:
             return None
-        sched, n, events = self.scheduler, len(self.decoders), self._events
+        sched, live, events = self.scheduler, self._live, self._events
+        n = len(live)
         kv = sched.kv
         if self._dynamic_budget and max(1, sched._token_budget(sched.view())) < n:
             return None
@@ -108,7 +133,9 @@ class DecodeRun:
         if events[0][0] == k and events[0][1] == _ALLOCATE:
             due = []   # (position, request) whose token this step starts a page
             while events and events[0][0] == k and events[0][1] == _ALLOCATE:
-                due.append(heapq.heappop(events)[2:])
+                event = heapq.heappop(events)
+                if event[3] in live:
+                    due.append(event[2:])
             if len(due) > kv.num_free_device:
                 for pos, r in due:
                     heapq.heappush(events, (k, _ALLOCATE, pos, r))
@@ -125,18 +152,45 @@ class DecodeRun:
             kv.copy_budget = 0
             for pos, r in due:
                 heapq.heappush(events, (k + self._page_size, _ALLOCATE, pos, r))
-        dt = self.run_step(self._context + n * k, copy_out)
+        dt = self.run_step(self._reads, copy_out)
         if due:
             kv.copies_done()
         sched._running_tokens += n
+        self._reads += n
         self.steps = k + 1
         self._last_start = t
-        while events and events[0][0] == k:   # pages this step filled: into the prefix cache
-            _, _, pos, r = heapq.heappop(events)
+        ending = None
+        while events and events[0][0] == k:   # pages this step filled: into the prefix cache; then ends
+            _, kind, pos, r = heapq.heappop(events)
+            if r not in live:
+                continue
             self._sync(r)
-            kv.commit(r)
-            heapq.heappush(events, (k + self._page_size, _COMMIT, pos, r))
+            if kind == _COMMIT:
+                kv.commit(r)
+                heapq.heappush(events, (k + self._page_size, _COMMIT, pos, r))
+            else:
+                ending = [r] if ending is None else ending + [r]
+        if ending:
+            self._finish(ending, t + dt)
         return dt
+
+    def _finish(self, ending: list[Request], now: float) -> None:
+        """End ``ending`` (their last token just ran) as ``update()`` would: in batch
+        order, at ``now`` (s); the run goes on with the others while nothing can
+        be admitted."""
+        sched, live = self.scheduler, self._live
+        decoding = sched._decoding
+        ending.sort(key=lambda r: decoding[r].place)
+        for r in ending:
+            live.discard(r)
+            self._reads -= r.num_computed_tokens + 1
+            sched.finish(r, "length", now)
+            self._on_finish(r, self._synced[r])
+            self.finished.append(r)
+        if not live or (sched.waiting and len(sched.running) < sched.config.max_num_seqs):
+            self.headroom = self.steps
+        else:
+            self.run_step = self._steps_of(len(live))
 
     def _sync(self, request: Request) -> None:
         """Add the steps run since the last sync to ``request``'s counters."""
@@ -149,14 +203,24 @@ class DecodeRun:
             request.last_scheduled_time = self._last_start
             self._synced[request] = self.steps
 
+    def steps_taken(self, request: Request) -> int:
+        """The steps of this run ``request`` took part in (up to date after ``close``)."""
+        return self._synced[request]
+
+    @property
+    def live(self) -> list[Request]:
+        """The decoders the run has not ended, in ``decoders`` order."""
+        return [r for r in self.decoders if r in self._live]
+
     def close(self) -> None:
         """Bring every request up to date (the scheduler is then as after ``steps`` steps)."""
         if not self.steps:
             return
-        for r in self.decoders:
+        live = self.live
+        for r in live:
             self._sync(r)
         sched = self.scheduler
         kv, page_due = sched.kv, sched._page_due
-        for r in self.decoders:
+        for r in live:
             if kv.pages_needed(r, 1):   # its next token starts a page
                 page_due[r] = None

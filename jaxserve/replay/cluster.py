@@ -214,6 +214,17 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
             replicas[i].core.end_decode_run(runs[i])
             runs[i] = None
 
+    def follow_up(request: Request) -> None:
+        """``request`` finished: its conversation's next segment arrives after the API call."""
+        nonlocal finished
+        conv = conversation_of.pop(request.request_id, None)
+        if conv is None:
+            return
+        finished += 1
+        if conv.index < conv.num_segments:
+            api_s = conv.item.entry.segments[conv.index - 1].api_duration_s or 0.0
+            heapq.heappush(arrivals, (request.finish_time + api_s, next(seq), conv))
+
     def wake_at(i: int, at: float) -> None:
         """Replica ``i``'s next pass is at ``at`` (s), or earlier if one was due sooner."""
         at = max(at, replicas[i].clock.now())
@@ -257,24 +268,23 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
         run = runs[i]
         if run is not None:
             if not core.api.poll_ready(t) and run.step(t) is not None:
+                if run.finished:
+                    for r in run.finished:
+                        follow_up(r)
+                    run.finished.clear()
                 next_pass[i] = at = clock.now()   # wake_at(i, clock.now()), inlined: the hot path
                 heapq.heappush(active, (at, i))
                 continue
             end_run(i)
-        touched = core.step()
-        for r in touched:
-            if r.is_finished and r.request_id in conversation_of:
-                conv = conversation_of.pop(r.request_id)
-                finished += 1
-                if conv.index < conv.num_segments:
-                    api_s = conv.item.entry.segments[conv.index - 1].api_duration_s or 0.0
-                    heapq.heappush(arrivals, (r.finish_time + api_s, next(seq), conv))
+        for r in core.step():
+            if r.is_finished:
+                follow_up(r)
         if progress is not None and passes % 2000 == 0:
             progress(finished - reported, clock.now())
             reported = finished
         if core.last_step_ran or core.api.poll_ready(clock.now()):
             if fast_forward and core.last_step_ran:
-                runs[i] = core.decode_run()
+                runs[i] = core.decode_run(finishes=True)
             wake_at(i, clock.now())
             continue
         wake = core.next_wakeup()
