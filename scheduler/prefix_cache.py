@@ -14,6 +14,10 @@ configured bonus for the context of a request inside an API call). So a
 parked context outranks fresher plain pages for ``bonus`` seconds, its lead
 shrinks as time passes, a hit refreshes it, and when the pool needs pages the
 lowest score goes regardless: retention is a priority, never a lock.
+Ties go by release order. Most releases carry no bonus and come in time
+order, so their pages sit in an LRU (O(1) to take out on a hit, no stale
+entries left behind); the rest sit in a heap; eviction merges the two in
+(score, release order).
 
 The host tier (optional, run by the ``KVManager``) keeps copies of cached
 pages in host memory: a page evicted from the device is copied to a host
@@ -71,9 +75,15 @@ class PrefixCache:
         self.page_of: dict[bytes, int] = {}     # hash -> device page
         self.hash_of: dict[int, bytes] = {}     # device page -> hash
         self.refs: dict[int, int] = {}          # device page -> live requests listing it
-        self._score: dict[int, tuple[float, int]] = {}   # evictable page -> (score, seq) in the heap
-        # (score, seq of its first page, pages): the pages one release made evictable, in eviction
-        # order, with consecutive seqs (one entry per release, not per page); stale pages skipped.
+        # The evictable pages, each keyed (score, seq) by its release (``seq`` counts releases' pages),
+        # in two parts. Pages released without a bonus at a time no earlier than the last such
+        # release: an LRU, page -> (score = release time, seq), whose order is its keys' order.
+        self._lru: OrderedDict[int, tuple[float, int]] = OrderedDict()
+        self._lru_last = float("-inf")   # the newest LRU entry's release time
+        # The others (a retention bonus): page -> (seq, release time, score), and a heap of
+        # (score, seq of its first page, pages) with one entry per release, its pages in eviction
+        # order with consecutive seqs; pages re-referenced since (stale) are skipped.
+        self._score: dict[int, tuple[int, float, float]] = {}
         self._heap: list[tuple[float, int, list[int]]] = []
         self._queued = 0   # pages in heap entries, stale ones included
         self._seq = 0
@@ -87,7 +97,6 @@ class PrefixCache:
         self.host_hash_of: dict[int, bytes] = {}
         self.host_hit_tokens = 0      # of ``hit_tokens``, tokens copied back from the host tier
         self.host_evicted_pages = 0
-        self._released: dict[int, float] = {}   # evictable page -> when it was released (s)
         self.residence_s = float("inf")          # EMA of release-to-eviction time; inf until one is evicted
 
     # ----------------------------------------------------------------- views
@@ -99,14 +108,15 @@ class PrefixCache:
     @property
     def num_evictable(self) -> int:
         """Cached pages no live request lists (reusable by the pool)."""
-        return len(self._score)
+        return len(self._lru) + len(self._score)
 
     def is_evictable(self, page: int) -> bool:
-        return page in self._score
+        return page in self._lru or page in self._score
 
     def num_evictable_among(self, pages: Sequence[int]) -> int:
-        """How many of ``pages`` (distinct) are evictable (one C-level set intersection)."""
-        return len(self._score.keys() & pages)
+        """How many of ``pages`` (distinct) are evictable (C-level set intersections)."""
+        n = len(self._lru.keys() & pages)
+        return n + len(self._score.keys() & pages) if self._score else n
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Device pages of the longest cached run of ``hashes`` from the first."""
@@ -145,15 +155,16 @@ class PrefixCache:
         self.refs[page] = 1
 
     def acquire(self, pages: Sequence[int]) -> None:
-        """One more request lists each of ``pages`` (takes them out of the evictable set)."""
-        refs, score = self.refs, self._score
+        """One more request lists each of ``pages`` (distinct; takes them out of the evictable set)."""
+        refs, lru_pop, score = self.refs, self._lru.pop, self._score
         for p in pages:
-            refs[p] += 1
-            if score.pop(p, None) is not None:
-                del self._released[p]
+            n = refs[p]
+            refs[p] = n + 1
+            if not n and lru_pop(p, None) is None and score:
+                score.pop(p, None)
 
     def release(self, pages: Sequence[int], now: float, bonus_s: float = 0.0) -> None:
-        """One request fewer lists each of ``pages`` (in context order); those no
+        """One request fewer lists each of ``pages`` (distinct, in context order); those no
         one lists become evictable with score ``now + bonus_s`` (ties go
         tail first, so a context is evicted from its end and its head stays
         matchable)."""
@@ -164,13 +175,20 @@ class PrefixCache:
             refs[p] = n
             if not n:
                 freed.append(p)
-        if freed:
-            score, first = now + bonus_s, self._seq + 1
-            self._seq += len(freed)
-            self._released.update(dict.fromkeys(freed, now))
-            self._score.update(zip(freed, [(score, seq) for seq in range(first, first + len(freed))]))
-            heapq.heappush(self._heap, (score, first, freed))
-            self._queued += len(freed)
+        if not freed:
+            return
+        first = self._seq + 1
+        self._seq += len(freed)
+        if not bonus_s and now >= self._lru_last:
+            lru = self._lru
+            for seq, p in enumerate(freed, first):
+                lru[p] = (now, seq)
+            self._lru_last = now
+            return
+        score = now + bonus_s
+        self._score.update(zip(freed, [(seq, now, score) for seq in range(first, first + len(freed))]))
+        heapq.heappush(self._heap, (score, first, freed))
+        self._queued += len(freed)
 
     def evict(self, now: float | None = None) -> int:
         """Forget the evictable page with the lowest score; returns its page id.
@@ -183,40 +201,89 @@ class PrefixCache:
 
     def evict_entries(self, count: int, now: float | None = None) -> list[tuple[int, bytes]]:
         """``evict`` ``count`` times in one pass (fewer when fewer pages are
-        evictable): ``[(page, its hash)]`` in eviction order. Every page has a unique
-        ``(score, seq)`` key and an entry's pages have consecutive seqs, so walking
-        the lowest entry's pages is the one-at-a-time order exactly."""
-        heap, score, released_at = self._heap, self._score, self._released
-        hash_of, page_of, refs = self.hash_of, self.page_of, self.refs
-        pop, inf = heapq.heappop, float("inf")
-        residence = self.residence_s
+        evictable): ``[(page, its hash)]`` in eviction order, the lowest
+        ``(score, seq)`` first. The LRU is in key order and a heap entry's pages
+        have consecutive seqs, so taking the lower of the LRU's oldest page and
+        the top entry's next page is the one-at-a-time order exactly."""
+        lru, heap = self._lru, self._heap
         evicted: list[tuple[int, bytes]] = []
-        while heap and len(evicted) < count:
-            s, first, run = pop(heap)
-            for j, p in enumerate(run):
-                if len(evicted) >= count:
-                    heapq.heappush(heap, (s, first + j, run[j:]))   # the rest, still next in order
+        want = count
+        while want > 0:
+            if not heap:
+                self._evict_lru(want, None, now, evicted)
+                break
+            if lru:   # below the heap's lowest key (if that is stale, it is below its entry's next live one)
+                want -= self._evict_lru(want, heap[0][:2], now, evicted)
+                if want <= 0:
                     break
-                self._queued -= 1
-                if score.get(p) != (s, first + j):
-                    continue   # stale: re-scored or re-referenced since it was released
-                del score[p]
-                released = released_at.pop(p)
-                if now is not None:
-                    age = max(0.0, now - released)
-                    residence = age if residence == inf else 0.9 * residence + 0.1 * age
-                h = hash_of.pop(p)
-                del page_of[h]
-                del refs[p]
-                evicted.append((p, h))
-        self.residence_s = residence
+            want -= self._evict_heap_entry(want, next(iter(lru.values())) if lru else None, now, evicted)
         self.evicted_pages += len(evicted)
         self.epoch += len(evicted)
-        if self._queued > 4 * len(score) + 64:   # drop stale entries now and then
-            self._heap = [(e[0], e[1], [q]) for q, e in score.items()]
+        if self._queued > 4 * len(self._score) + 64:   # drop stale heap entries now and then
+            self._heap = [(e[2], e[0], [q]) for q, e in self._score.items()]
             heapq.heapify(self._heap)
-            self._queued = len(score)
+            self._queued = len(self._score)
         return evicted
+
+    def _evict_lru(self, want: int, bound: tuple[float, int] | None, now: float | None,
+                   evicted: list[tuple[int, bytes]]) -> int:
+        """Evict up to ``want`` of the LRU's oldest pages whose key is below ``bound``
+        (None: no bound) into ``evicted``; returns how many."""
+        lru, hash_of, page_of, refs = self._lru, self.hash_of, self.page_of, self.refs
+        residence, inf = self.residence_s, float("inf")
+        done = 0
+        while done < want and lru:
+            p, key = lru.popitem(last=False)
+            if bound is not None and key > bound:
+                lru[p] = key
+                lru.move_to_end(p, last=False)
+                break
+            if now is not None:   # ``_forget``, inlined: the simulator evicts millions of pages an hour
+                age = now - key[0]
+                if age <= 0.0:
+                    age = 0.0
+                residence = age if residence == inf else 0.9 * residence + 0.1 * age
+            h = hash_of.pop(p)
+            del page_of[h]
+            del refs[p]
+            evicted.append((p, h))
+            done += 1
+        self.residence_s = residence
+        return done
+
+    def _evict_heap_entry(self, want: int, bound: tuple[float, int] | None, now: float | None,
+                          evicted: list[tuple[int, bytes]]) -> int:
+        """Evict up to ``want`` pages of the heap's top entry into ``evicted``, while
+        their key is below ``bound`` (the LRU's oldest; None: no bound); returns how many."""
+        score = self._score
+        s, first, run = heapq.heappop(self._heap)
+        done = 0
+        for j, p in enumerate(run):
+            seq = first + j
+            if done >= want or (bound is not None and (s, seq) > bound):
+                heapq.heappush(self._heap, (s, seq, run[j:]))   # the rest, still next in order
+                break
+            self._queued -= 1
+            entry = score.get(p)
+            if entry is None or entry[0] != seq:
+                continue   # stale: re-referenced since it was released
+            del score[p]
+            self._forget(p, entry[1], now, evicted)
+            done += 1
+        return done
+
+    def _forget(self, page: int, released: float, now: float | None, evicted: list[tuple[int, bytes]]) -> None:
+        """Drop evictable ``page`` (released at ``released`` s) from the maps into
+        ``evicted``; ``now`` (s): update ``residence_s``."""
+        if now is not None:
+            age = now - released
+            if age <= 0.0:
+                age = 0.0
+            self.residence_s = age if self.residence_s == float("inf") else 0.9 * self.residence_s + 0.1 * age
+        h = self.hash_of.pop(page)
+        del self.page_of[h]
+        del self.refs[page]
+        evicted.append((page, h))
 
     # ------------------------------------------------------------ host tier
     @property
@@ -237,14 +304,24 @@ class PrefixCache:
     def host_evict(self, keep: set[int] | frozenset[int] = frozenset()) -> int | None:
         """Forget the least recently used host entry whose page is not in ``keep``
         (pages this step still reads); returns its host page, None if none."""
-        for h, hp in self.host_page_of.items():
+        lru = self.host_page_of
+        skipped = []   # entries in ``keep``, oldest first: they go back to the front
+        while lru:
+            h, hp = lru.popitem(last=False)
             if hp not in keep:
-                del self.host_page_of[h]
-                del self.host_hash_of[hp]
-                self.host_evicted_pages += 1
-                self.epoch += 1
-                return hp
-        return None
+                break
+            skipped.append((h, hp))
+        else:
+            hp = None
+        for h_kept, hp_kept in reversed(skipped):
+            lru[h_kept] = hp_kept
+            lru.move_to_end(h_kept, last=False)
+        if hp is None:
+            return None
+        del self.host_hash_of[hp]
+        self.host_evicted_pages += 1
+        self.epoch += 1
+        return hp
 
     def host_replace(self, h: bytes, keep: set[int] | frozenset[int] = frozenset()) -> int | None:
         """``host_evict``, then name the host page it freed ``h`` (not cached on host:
@@ -266,8 +343,10 @@ class PrefixCache:
         assert set(self.refs) == set(self.hash_of), "prefix cache: ref counts and pages differ"
         for p, n in self.refs.items():
             assert n == listed.get(p, 0), f"prefix cache: page {p} has {n} refs, {listed.get(p, 0)} requests list it"
-            assert (n == 0) == (p in self._score), f"prefix cache: page {p} evictable={p in self._score} with {n} refs"
-        assert set(self._released) == set(self._score), "prefix cache: release times out of step"
+            assert (n == 0) == self.is_evictable(p), f"prefix cache: page {p} evictable={self.is_evictable(p)} with {n} refs"
+        assert not (self._lru.keys() & self._score.keys()), "prefix cache: a page evictable twice"
+        keys = list(self._lru.values())
+        assert keys == sorted(keys), "prefix cache: LRU out of key order"
         assert set(listed) <= set(self.hash_of), "prefix cache: a request lists an uncached page as shared"
         assert len(self.host_page_of) == len(self.host_hash_of), "prefix cache: host maps differ in size"
         for h, hp in self.host_page_of.items():

@@ -43,6 +43,57 @@ def test_eviction_order_is_retention_score_and_a_hit_refreshes_it():
     assert cache.num_pages == 0 and cache.evicted_pages == 4
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_order_matches_one_at_a_time_under_mixed_releases(seed):
+    """Plain releases go to an LRU, bonus (or out-of-time-order) ones to a heap;
+    batched eviction across both, with re-referenced pages in between, evicts
+    exactly what evicting the lowest (score, seq) one page at a time would, and
+    keeps the residence average the same."""
+    rng = random.Random(seed)
+    cache = PrefixCache()
+    model: dict[int, tuple[float, int, float]] = {}   # evictable page -> (score, seq, released)
+    refs: dict[int, int] = {}
+    seq, now, residence, next_page = 0, 0.0, float("inf"), 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3 or not refs:   # a request computes a few new pages
+            pages = list(range(next_page, next_page + rng.randint(1, 5)))
+            next_page += len(pages)
+            for p in pages:
+                cache.insert(p, p.to_bytes(16, "little"))
+                refs[p] = 1
+        elif op < 0.6:   # a request lists some cached pages no more
+            listed = [p for p, n in refs.items() if n > 0]
+            pages = rng.sample(listed, min(len(listed), rng.randint(1, 6)))
+            now += rng.choice([0.0, 0.5, 1.0, -0.25])   # ties, and now and then an earlier time
+            bonus = rng.choice([0.0, 0.0, 0.0, 2.0])
+            cache.release(pages, now, bonus)
+            for p in reversed(pages):
+                refs[p] -= 1
+                if not refs[p]:
+                    seq += 1
+                    model[p] = (now + bonus, seq, now)
+        elif op < 0.75:   # a hit links some cached pages again
+            pages = rng.sample(sorted(refs), min(len(refs), rng.randint(1, 4)))
+            cache.acquire(pages)
+            for p in pages:
+                refs[p] += 1
+                model.pop(p, None)
+        else:   # the pool needs pages
+            count = rng.randint(1, 8)
+            at = now + 1.0
+            got = [p for p, _ in cache.evict_entries(count, at)]
+            want = sorted(model, key=lambda p: model[p][:2])[:count]
+            assert got == want
+            for p in want:
+                age = max(0.0, at - model.pop(p)[2])
+                residence = age if residence == float("inf") else 0.9 * residence + 0.1 * age
+                del refs[p]
+            assert cache.residence_s == pytest.approx(residence, rel=0, abs=0)
+        assert cache.num_evictable == len(model)
+        cache.check_invariants({p: n for p, n in refs.items() if n})
+
+
 def make_kv(device=8, host=8, page_size=4):
     return KVManager(PageAllocator(device, page_size), PageAllocator(host, page_size, "host"), PrefixCache("m"))
 
