@@ -133,6 +133,11 @@ class KVManager:
         cache = self.cache
         on_host = cache.host_page_of
         busy, copy_outs, host_pool = self._host_busy, self._copy_outs, self.host_pool
+        if not host_pool.num_free:   # a full host tier: the common case, in one call
+            copies = cache.host_keep(evicted, self.copy_budget, busy)
+            copy_outs += copies
+            self.copy_budget -= len(copies)
+            return
         for page, h in evicted:
             if h in on_host:
                 cache.host_touch(h)   # copied before: nothing to copy

@@ -333,6 +333,40 @@ class PrefixCache:
             self.host_hash_of[host_page] = h
         return host_page
 
+    def host_keep(self, evicted: list[tuple[int, bytes]], budget: int, keep: set[int]) -> list[tuple[int, int]]:
+        """Device pages ``evicted`` (``[(page, hash)]``, in eviction order) are
+        leaving the device and no host page is free: a hash the host tier holds
+        becomes its newest entry (``host_touch``); each other one, while
+        ``budget`` lasts, takes the least recently used host entry not in
+        ``keep`` (``host_replace``), and that host page joins ``keep``. Returns
+        the copies ``[(device page, host page)]`` to make."""
+        lru, host_hash_of = self.host_page_of, self.host_hash_of
+        copies: list[tuple[int, int]] = []
+        replaced = 0
+        for page, h in evicted:
+            if h in lru:
+                lru.move_to_end(h)
+                continue
+            if len(copies) >= budget or not lru:
+                continue
+            old, host_page = lru.popitem(last=False)   # ``host_replace``'s common case, inlined
+            if host_page in keep:
+                lru[old] = host_page
+                lru.move_to_end(old, last=False)
+                host_page = self.host_replace(h, keep)
+                if host_page is None:
+                    continue
+            else:
+                del host_hash_of[host_page]
+                replaced += 1
+                lru[h] = host_page
+                host_hash_of[host_page] = h
+            copies.append((page, host_page))
+            keep.add(host_page)
+        self.host_evicted_pages += replaced
+        self.epoch += replaced
+        return copies
+
     # ------------------------------------------------------------ invariants
     def check_invariants(self, listed: dict[int, int]) -> None:
         """``listed``: cached page -> how many live requests list it. Counts match,
