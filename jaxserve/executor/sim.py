@@ -106,9 +106,16 @@ class SimExecutor:
         time and totals as ``execute`` gives such a plan (the attention reads
         ``context_tokens``; ``copied_pages`` go to the host tier)."""
         assert not self.prefill_decode_split, "decode runs need a colocated executor"
-        t_step = self.cost.t_step_of_context(num_tokens)
-        return lambda context_tokens, copied_pages: self._advance(*self._with_copies(t_step(context_tokens),
-                                                                                     copied_pages))
+        t_step, clock = self.cost.t_step_of_context(num_tokens), self.clock
+
+        def step(context_tokens: int, copied_pages: int) -> float:
+            if copied_pages:
+                return self._advance(*self._with_copies(t_step(context_tokens), copied_pages))
+            dt = t_step(context_tokens)   # ``_advance(dt, 0.0, 0)``, inlined: most simulated steps come here
+            self.forward_time_s += dt - 0.0
+            clock.advance(dt)
+            return dt
+        return step
 
     def _advance(self, dt: float, stall: float, swapped: int) -> float:
         """Count a step of ``dt`` seconds (``stall`` of them un-hidden copying ``swapped``
