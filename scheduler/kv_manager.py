@@ -144,7 +144,9 @@ class KVManager:
                 continue
             if self.copy_budget <= 0:
                 continue
-            host_page = self._free_host_page() if host_pool.num_free else None
+            # A free host page no copy of this step reads (a swap-in that completed this step freed
+            # its pages, but the executor runs copy-outs first; FIFO: such pages sit at the tail).
+            host_page = host_pool.allocate_avoiding(CACHE_OWNER, busy) if host_pool.num_free else None
             if host_page is not None:
                 cache.host_insert(host_page, h)
             else:
@@ -154,19 +156,6 @@ class KVManager:
             busy.add(host_page)
             copy_outs.append((page, host_page))
             self.copy_budget -= 1
-
-    def _free_host_page(self) -> int | None:
-        """A free host page for the host tier that no copy of this step reads (a
-        swap-in that completed this step freed its pages, but the executor runs
-        copy-outs first); None if there is none. The free list is FIFO, so such
-        pages sit at its tail: at most one try per busy page."""
-        pool = self.host_pool
-        for _ in range(pool.num_free):
-            page = pool.allocate(CACHE_OWNER, 1)[0]
-            if page not in self._host_busy:
-                return page
-            pool.free(CACHE_OWNER, [page])
-        return None
 
     def copies_done(self) -> None:
         """The last plan ran (or none is pending): its host-tier copies are done, so

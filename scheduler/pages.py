@@ -57,6 +57,19 @@ class PageAllocator:
             owner_of[p] = owner
         return pages
 
+    def allocate_avoiding(self, owner: str, avoid: set[int]) -> int | None:
+        """One free page for ``owner`` that is not in ``avoid``, or None if every free
+        page is. Pages of ``avoid`` met on the way go to the back of the free list
+        (as taking and freeing them again would)."""
+        free = self._free
+        for _ in range(len(free)):
+            page = free.popleft()
+            if page not in avoid:
+                self._owner[page] = owner
+                return page
+            free.append(page)
+        return None
+
     def free(self, owner: str, pages: list[int]) -> None:
         """Return ``pages`` (all owned by ``owner``) to the free list."""
         self._hand_over(pages, owner, None, "freed")

@@ -120,9 +120,17 @@ def test_affinity_sends_a_follow_up_to_the_replica_holding_its_prefix():
 
 def test_least_loaded_router_spreads_and_rotates_ties():
     router = Router("least_loaded")
-    replicas = [type("R", (), {"load": n})() for n in (0, 0, 2)]
+    class FakeReplica:   # what the router reads of a replica
+        def __init__(self, n):
+            self.live = dict.fromkeys(range(n))
+
+        load = property(lambda self: len(self.live))
+    replicas = [FakeReplica(n) for n in (0, 0, 2)]
     picks = [router._least_loaded(replicas) for _ in range(4)]
-    assert set(picks) == {0, 1}
+    assert picks == [0, 1, 0, 0]   # ties in rotation: starting at 0, 1, 2, 0
+    replicas[0].live.update(a=1, b=2, c=3)   # a replica's load is read live, every time
+    assert [router._least_loaded(replicas) for _ in range(3)] == [1, 1, 1]
+    assert router._least_loaded(replicas, among=[0, 2]) == 2
     with pytest.raises(ValueError, match="router"):
         Router("random")
 

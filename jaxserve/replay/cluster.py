@@ -90,9 +90,14 @@ class Replica:
     executor: SimExecutor
 
     @property
+    def live(self) -> dict:
+        """Live requests (running, waiting, paused) by id: the scheduler's own map."""
+        return self.core.scheduler.requests
+
+    @property
     def load(self) -> int:
-        """Live requests (running, waiting, paused)."""
-        return len(self.core.scheduler.requests)
+        """How many requests are live."""
+        return len(self.live)
 
     def cached_prefix_pages(self, names: Sequence, limit: int) -> int:
         """Leading pages of ``names[:limit]`` this replica's prefix cache holds."""
@@ -116,7 +121,7 @@ class Router:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
         self.name = name
         self._turn = 0
-        self._requests: list[dict] | None = None
+        self._live: list[dict] | None = None   # each replica's ``live`` map
 
     def _least_loaded(self, replicas: Sequence[Replica], among: Sequence[int] | None = None) -> int:
         """The least loaded replica of ``among`` (default all), ties in rotation."""
@@ -126,15 +131,11 @@ class Router:
             return min(among, key=lambda i: (replicas[i].load, (i - start) % n))
         # All of them (64 and more in a simulated cluster: every arrival without a hit) in C-level
         # passes: the first minimum of the loads rotated to start at ``start``.
-        loads = list(map(len, self._live_requests(replicas)))
+        if self._live is None or len(self._live) != n:
+            self._live = [r.live for r in replicas]   # the maps themselves: gathered once, always current
+        loads = list(map(len, self._live))
         rotated = loads[start:] + loads[:start]
         return (start + rotated.index(min(rotated))) % n
-
-    def _live_requests(self, replicas: Sequence[Replica]) -> list[dict]:
-        """Each replica's live-request map (``Replica.load`` is its size), gathered once."""
-        if self._requests is None or len(self._requests) != len(replicas):
-            self._requests = [r.core.scheduler.requests for r in replicas]
-        return self._requests
 
     def route(self, request: Request, conversation: Conversation, replicas: Sequence[Replica]) -> int:
         if self.name == "round_robin":
