@@ -185,14 +185,31 @@ class EngineCore:
         return self.api.next_due()
 
     # ----------------------------------------------------------- fast-forward
-    def decode_run(self, finishes: bool = False) -> DecodeRun | None:
+    def decode_run(self, finishes: bool = False, admits: bool = False) -> DecodeRun | None:
         """Simulator only (the executor has ``decode_stepper``): the coming
         decode-only steps as a ``DecodeRun`` (None: the next step is not one),
         each ``step(t)`` timed by the executor and counted as ``step()`` counts;
-        end it with ``end_decode_run`` before anything else touches the core.
-        ``finishes``: the run also runs steps in which requests finish, and
-        lists them in ``run.finished`` (the caller takes them from there)."""
-        return open_decode_run(self.scheduler, self._decode_steps, self._decoded_finish if finishes else None)
+        end it with ``end_decode_run`` before anything else touches the core,
+        but for ``add`` when ``admits``. ``finishes``: the run also runs steps in
+        which requests finish, and lists them in ``run.finished`` (the caller
+        takes them from there). ``admits``: it also runs the steps that admit
+        requests added meanwhile (their calls must not start in that step)."""
+        return open_decode_run(self.scheduler, self._decode_steps, self._decoded_finish if finishes else None,
+                               self._admission_step if admits else None)
+
+    def _admission_step(self, plan: StepPlan, num_decoders: int, decoder_context: int) -> float:
+        """A decode run's step of the admitted chunks ``plan`` with ``num_decoders``
+        one-token chunks reading ``decoder_context`` tokens: executed and counted
+        as ``_run_plan`` counts the whole batch (``update`` is the run's)."""
+        dt = self.executor.execute_with_decoders(plan, num_decoders, decoder_context)
+        self._account(plan)
+        stats = self.stats
+        stats.batched_tokens += num_decoders
+        stats.generation_tokens += num_decoders + sum(c.samples for c in plan.chunks)
+        stats.steps += 1
+        stats.busy_time_s += dt
+        stats.steps_by_bucket.add(plan.num_batched_tokens + num_decoders, dt)
+        return dt
 
     def _decode_steps(self, num_tokens: int) -> Callable[[int, SwapOp | None], float]:
         """Steps of ``num_tokens`` decoders: ``(context_tokens, copy_out) -> seconds``,

@@ -9,11 +9,18 @@ step per ``step(t)`` call, at a cost that does not grow with the batch:
   (empty queue, or ``max_num_seqs`` running), nothing swaps or resumes, and
   the policy neither orders the batch (``order_running``), nor watches plans
   (``on_plan``), nor re-decides calls held under Preserve;
-- it ends (``step`` returns None) before a step that would end or pause a
-  request (max_tokens, the context limit, the end of a declared segment),
-  lack pages (the ordered pass would preempt), or exceed a dynamic token
-  budget; the caller also ends it before anything from outside (an arrival,
-  an API return) and then calls ``close``;
+- it ends (``step`` returns None) before a step that would pause a request
+  (the end of a declared segment that calls an API), lack pages (the ordered
+  pass would preempt), or exceed a dynamic token budget; before a step that
+  would end a request (max_tokens, the context limit, the last segment)
+  unless the caller takes ends (``on_finish``: the run ends them as
+  ``update()`` would, in batch order, and goes on with the others); and
+  before a step that would admit requests added meanwhile unless the caller
+  takes admissions (``admit``: the run plans them with ``schedule()``'s own
+  admission code, they come first in the batch, and those whose context is
+  then computed join the run; one still computing ends it). The caller ends
+  it before anything else from outside (an API return) and then calls
+  ``close``;
 - per step it does what such a step does: the policy's per-step work
   (``Scheduler._policy_step``), the page allocations of the decoders whose
   token starts a page (evicting cached pages and planning host-tier copies
@@ -33,27 +40,34 @@ from __future__ import annotations
 import heapq
 from typing import Callable
 
-from scheduler.plan import SwapOp
-from scheduler.request import Request
+from scheduler.plan import StepPlan, StepResult, SwapOp
+from scheduler.request import Request, RequestState
 from scheduler.scheduler import Scheduler
 
 StepsOf = Callable[[int], Callable[[int, SwapOp | None], float]]
+AdmitStep = Callable[[StepPlan, int, int], float]   # (plan of admitted chunks, decoders, their attention reads) -> s
 
 _ALLOCATE, _COMMIT, _END = 0, 1, 2   # page events: a page before the step, a filled page into the cache after it; a request ending after it
 
 
 def open_decode_run(scheduler: Scheduler, steps_of: StepsOf,
-                    on_finish: Callable[[Request, int], None] | None = None) -> DecodeRun | None:
+                    on_finish: Callable[[Request, int], None] | None = None,
+                    admit: AdmitStep | None = None) -> DecodeRun | None:
     """A ``DecodeRun`` over ``scheduler``'s coming decode-only steps, or None when
     the next step is not one. ``steps_of(num_tokens)``: the executor's step for
     that many one-token chunks, ``(context_tokens, copy_out) -> seconds``.
     ``on_finish(request, steps)``: the run also runs steps in which requests
-    finish (see ``DecodeRun``) and reports each after ``Scheduler.finish``, with
-    the run's steps it took part in; None: the run ends before such a step."""
+    finish and reports each after ``Scheduler.finish``, with the run's steps it
+    decoded in; None: the run ends before such a step. ``admit(plan,
+    num_decoders, decoder_context_tokens)``: the run also runs steps that admit
+    requests added meanwhile (``plan``: the admitted chunks, which come first in
+    the batch; the executor's step of it with the decoders, counted as
+    ``step()`` counts it; returns its seconds); None: the run ends before such
+    a step."""
     decoders = scheduler.quiet_decoders()
     if not decoders:
         return None
-    run = DecodeRun(scheduler, decoders, steps_of, on_finish)
+    run = DecodeRun(scheduler, decoders, steps_of, on_finish, admit)
     return run if run.headroom > 0 else None
 
 
@@ -78,49 +92,59 @@ class DecodeRun:
     """Decode-only steps of ``scheduler``'s running batch ``decoders`` (see module doc)."""
 
     def __init__(self, scheduler: Scheduler, decoders: list[Request], steps_of: StepsOf,
-                 on_finish: Callable[[Request, int], None] | None = None) -> None:
+                 on_finish: Callable[[Request, int], None] | None = None,
+                 admit: AdmitStep | None = None) -> None:
         self.scheduler = scheduler
         self.decoders = decoders
         self.steps = 0
         self.finished: list[Request] = []   # requests the run ended (``on_finish``), for the caller to take
         kv, config = scheduler.kv, scheduler.config
-        self._page_size = ps = kv.page_size
+        self._page_size = kv.page_size
         limit = scheduler.context_limit
-        limit = float("inf") if limit is None else limit
-        # (step, _ALLOCATE | _COMMIT | _END, position, request): a heap, so a step touches only its events.
-        events = []
-        headroom = float("inf")
-        for i, r in enumerate(decoders):
-            last, ends = decode_stop(r, limit)
-            if ends and on_finish is not None:
-                events.append((last, _END, i, r))
-            elif last < headroom:
-                headroom = last
-        self.headroom = headroom   # steps before the run must end (lowered when it must end sooner)
+        self._limit = float("inf") if limit is None else limit
+        self._on_finish, self._admit = on_finish, admit
+        stops = [decode_stop(r, self._limit) for r in decoders]
+        self.headroom = min((last for last, ends in stops if not (ends and on_finish)), default=float("inf"))
         self._dynamic_budget = config.token_budget == "dynamic" or (
             config.token_budget == "policy" and scheduler.policy.dynamic_budget is not None)
-        if not self._dynamic_budget and max(1, scheduler._token_budget(scheduler.view())) < len(decoders):
+        self._static_budget = None if self._dynamic_budget else max(1, scheduler._token_budget(scheduler.view()))
+        if self._static_budget is not None and self._static_budget < len(decoders):
             self.headroom = 0
         if self.headroom <= 0:
             return   # not a run: the caller drops it (the rest is built only for a run)
-        events += [(len(r.device_pages) * ps - r.num_computed_tokens, _ALLOCATE, i, r)
-                   for i, r in enumerate(decoders)]
-        if kv.cache is not None:
-            events += [((ps - (r.num_computed_tokens + 1) % ps) % ps, _COMMIT, i, r) for i, r in enumerate(decoders)]
-        heapq.heapify(events)
-        self._events = events
-        self._steps_of, self._on_finish = steps_of, on_finish
+        # (step, _ALLOCATE | _COMMIT | _END, position, request): a heap, so a step touches only its events.
+        self._events = [e for i, (r, stop) in enumerate(zip(decoders, stops)) for e in self._events_of(r, i, stop)]
+        heapq.heapify(self._events)
+        self._steps_of = steps_of
         self.run_step = steps_of(len(decoders))
-        self._swap_pages = max(1, config.swap_budget_tokens // ps)
+        self._swap_pages = max(1, config.swap_budget_tokens // self._page_size)
         self._reads = sum(r.num_computed_tokens for r in decoders) + len(decoders)   # the next step's attention reads
-        self._synced = dict.fromkeys(decoders, 0)   # steps already added to each request's counters
+        self._synced = dict.fromkeys(decoders, 0)   # run steps already added to each request's counters
+        self._joined = dict.fromkeys(decoders, 0)   # the run step each request's decoding in the run began at
         self._live = set(decoders)                  # not finished
         self._last_start = 0.0
 
+    def _events_of(self, request: Request, pos: int, stop: tuple[int, bool]) -> list[tuple]:
+        """The events of ``request`` (at ``pos`` in ``decoders``), decoding from run step
+        ``self.steps`` on: its next page, its next filled page, its end (``stop``:
+        ``decode_stop``; an end the run cannot run lowers ``headroom`` instead)."""
+        k, ps = self.steps, self._page_size
+        computed = request.num_computed_tokens
+        events = [(k + len(request.device_pages) * ps - computed, _ALLOCATE, pos, request)]
+        if self.scheduler.kv.cache is not None:
+            events.append((k + (ps - (computed + 1) % ps) % ps, _COMMIT, pos, request))
+        last, ends = stop
+        if ends and self._on_finish is not None:
+            events.append((k + last, _END, pos, request))
+        elif k + last < self.headroom:
+            self.headroom = k + last
+        return events
+
     def step(self, t: float) -> float | None:
         """Run the next step, starting at ``t`` (s); its seconds, or None (nothing
-        run) when it is not a plain decode step. Requests it ended are appended to
-        ``finished``."""
+        run) when it is not a decode step the run can run. Requests it ended are
+        appended to ``finished``. With ``admit``, a step that would admit waiting
+        requests runs too (``_admission_step``)."""
         k = self.steps
         if k >= self.headroom:
             return None
@@ -128,6 +152,9 @@ class DecodeRun:
         n = len(live)
         kv = sched.kv
         if self._dynamic_budget and max(1, sched._token_budget(sched.view())) < n:
+            return None
+        admitting = sched.waiting and len(sched.running) < sched.config.max_num_seqs
+        if admitting and not self._can_admit():
             return None
         due = None
         if events[0][0] == k and events[0][1] == _ALLOCATE:
@@ -142,23 +169,29 @@ class DecodeRun:
                 return None   # the ordered pass preempts here
         sched.iteration += 1
         sched.now = t
-        sched._policy_step(t)
-        copy_out = None
+        if admitting:
+            plan, dt = self._admission_step(t, n, due)
+        else:
+            sched._policy_step(t)
+            copy_out = None
+            if due:
+                kv.copy_budget = self._swap_pages
+                kv.add_page_each([r for _, r in due])
+                if kv.host_tier:
+                    copy_out = kv.take_copies()[0]
+                kv.copy_budget = 0
+            dt = self.run_step(self._reads, copy_out)
+            if due:
+                kv.copies_done()
         if due:
-            kv.copy_budget = self._swap_pages
-            kv.add_page_each([r for _, r in due])
-            if kv.host_tier:
-                copy_out = kv.take_copies()[0]
-            kv.copy_budget = 0
             for pos, r in due:
                 heapq.heappush(events, (k + self._page_size, _ALLOCATE, pos, r))
-        dt = self.run_step(self._reads, copy_out)
-        if due:
-            kv.copies_done()
         sched._running_tokens += n
         self._reads += n
         self.steps = k + 1
         self._last_start = t
+        if admitting:   # the admissions come first in the batch: their tokens and commits first
+            sched.update(plan, StepResult(elapsed_s=dt), t + dt)
         ending = None
         while events and events[0][0] == k:   # pages this step filled: into the prefix cache; then ends
             _, kind, pos, r = heapq.heappop(events)
@@ -172,7 +205,63 @@ class DecodeRun:
                 ending = [r] if ending is None else ending + [r]
         if ending:
             self._finish(ending, t + dt)
+        if admitting:
+            self._join_admitted(plan)
         return dt
+
+    def _can_admit(self) -> bool:
+        """Whether a step that admits can run here: ``admit`` is given, and no
+        waiting request would need what the run does not do at admission
+        (a swap-in; a stop rule firing on its first token)."""
+        if self._admit is None:
+            return False
+        limit, swapped = self._limit, RequestState.SWAPPED
+        return all(r.state is not swapped and decode_stop(r, limit)[0] >= 1 for r in self.scheduler.waiting)
+
+    def _admission_step(self, t: float, n: int, due: list | None) -> tuple[StepPlan, float]:
+        """``schedule()``'s work for a step whose batch is the run's ``n`` decoders
+        (with ``due`` starting a page) and what ``_admit_waiting`` admits from the
+        waiting queue, then the step itself (``admit``). Returns the plan of the
+        admitted chunks and the step's seconds."""
+        sched = self.scheduler
+        kv = sched.kv
+        kv.copies_done()
+        sched._policy_step(t)
+        budget = max(1, sched._token_budget(sched.view()))
+        plan = StepPlan(token_budget=budget, time=t)
+        kv.copy_budget = self._swap_pages
+        if due:
+            kv.add_page_each([r for _, r in due])
+        sched._admit_waiting(plan, budget - n, t)
+        if kv.host_tier:
+            copy_out, copy_in = kv.take_copies()
+            if copy_out is not None:
+                plan.swap_out.append(copy_out)
+            if copy_in is not None:
+                plan.swap_in.append(copy_in)
+            kv.copy_budget = 0
+        sched.policy.on_plan(plan, t, sched.iteration)
+        return plan, self._admit(plan, n, self._reads)
+
+    def _join_admitted(self, plan: StepPlan) -> None:
+        """The requests ``plan`` admitted join the run once they decode; one still
+        computing its context ends the run (the next step is the ordered pass's)."""
+        for chunk in plan.chunks:
+            r = chunk.request
+            if r not in self.scheduler._decoding:
+                self.headroom = self.steps
+                continue
+            pos = len(self.decoders)
+            self.decoders.append(r)
+            self._live.add(r)
+            self._synced[r] = self._joined[r] = self.steps
+            self._reads += r.num_computed_tokens + 1
+            for event in self._events_of(r, pos, decode_stop(r, self._limit)):
+                heapq.heappush(self._events, event)
+        if plan.chunks:
+            self.run_step = self._steps_of(len(self._live))
+            if self._static_budget is not None and self._static_budget < len(self._live):
+                self.headroom = self.steps   # the whole batch no longer fits the budget: the ordered pass's step
 
     def _finish(self, ending: list[Request], now: float) -> None:
         """End ``ending`` (their last token just ran) as ``update()`` would: in batch
@@ -185,9 +274,9 @@ class DecodeRun:
             live.discard(r)
             self._reads -= r.num_computed_tokens + 1
             sched.finish(r, "length", now)
-            self._on_finish(r, self._synced[r])
+            self._on_finish(r, self.steps_taken(r))
             self.finished.append(r)
-        if not live or (sched.waiting and len(sched.running) < sched.config.max_num_seqs):
+        if not live or (self._admit is None and sched.waiting and len(sched.running) < sched.config.max_num_seqs):
             self.headroom = self.steps
         else:
             self.run_step = self._steps_of(len(live))
@@ -204,8 +293,8 @@ class DecodeRun:
             self._synced[request] = self.steps
 
     def steps_taken(self, request: Request) -> int:
-        """The steps of this run ``request`` took part in (up to date after ``close``)."""
-        return self._synced[request]
+        """The steps of this run ``request`` decoded in (up to date after ``close``)."""
+        return self._synced[request] - self._joined[request]
 
     @property
     def live(self) -> list[Request]:

@@ -83,3 +83,53 @@ def test_replicas_are_the_same_step_for_step(monkeypatch):
     assert forwarded == stepped and stepped[1][6] > 0
     assert counted[0] > stepped[1][1] // 2
     assert gc.isenabled()   # the collector paused for the run is back on
+
+
+def test_runs_admit_refuse_and_end_exactly(monkeypatch):
+    """Re-send on 2 replicas with conversations built to hit every branch of a
+    run's admission step: admitted prompts that finish in the step and join the
+    run, prompts longer than the step's budget (still computing: the run ends),
+    and one-token segments (their stop rule fires on the first token: the run
+    refuses the step). Step for step the same as without decode runs."""
+    import random
+
+    from jaxserve.replay.trace import TraceEntry
+    from jaxserve.replay.workload import WorkloadItem
+    from scheduler import Segment
+
+    rng = random.Random(7)
+    items = []
+    for i in range(60):
+        segments = tuple(Segment(rng.choice([1, 1, 3, 20, 60]), api_type="t", api_duration_s=rng.choice([0.0, 0.05, 0.4]),
+                                 num_returned_tokens=rng.choice([5, 40, 700]))
+                         for _ in range(rng.randint(2, 5)))
+        entry = TraceEntry(f"c{i}", prompt_len=rng.choice([30, 200, 900]), segments=segments)
+        items.append(WorkloadItem(f"c{i}", 0.05 * i + rng.random() * 0.02, entry))
+    counts = {"admitted": 0, "still computing": 0, "refused": 0}
+    can_admit, join = DecodeRun._can_admit, DecodeRun._join_admitted
+
+    def counting_can_admit(self):
+        ok = can_admit(self)
+        counts["refused"] += not ok
+        return ok
+
+    def counting_join(self, plan):
+        for chunk in plan.chunks:
+            counts["admitted" if chunk.request in self.scheduler._decoding else "still computing"] += 1
+        return join(self, plan)
+
+    def run(fast_forward: bool):
+        schedulers = [build_scheduler(COST, make_policy("lamps", make_predictor("oracle", 0)),
+                                      SimConfig(enable_prefix_caching=True, num_device_pages=400, num_host_pages=200,
+                                                max_num_batched_tokens=256))
+                      for _ in range(2)]
+        result = run_resend(schedulers, items, "least_loaded", check_invariants=True, fast_forward=fast_forward)
+        return _marks(result.requests), (result.end_time_s, result.num_steps, result.busy_time_s,
+                                         result.batched_tokens, result.num_preemptions, result.recomputed_tokens,
+                                         result.follow_up_hits, result.requests_by_replica)
+    stepped = run(False)
+    monkeypatch.setattr(DecodeRun, "_can_admit", counting_can_admit)
+    monkeypatch.setattr(DecodeRun, "_join_admitted", counting_join)
+    forwarded = run(True)
+    assert forwarded == stepped
+    assert all(n > 0 for n in counts.values()), counts

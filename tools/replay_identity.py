@@ -9,8 +9,9 @@ exported from git and run in a subprocess), side by side.
 Cases: each policy on the bundled multi-API trace (Poisson, seed 0), with the
 prefix cache off and a roomy pool, and on with a 600-page pool (preemption and
 eviction); and re-send mode on ``--replicas`` replicas behind the affinity and
-least-loaded routers (infercept, prefix cache on). A change that is meant to
-be a pure speed-up must print ``same`` on every row.
+least-loaded routers (infercept, prefix cache on), and behind the affinity
+router with lamps and a 600-page pool. A change that is meant to be a pure
+speed-up must print ``same`` on every row.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def digests(args: argparse.Namespace) -> dict[str, str]:
             out[f"{policy} cache={'on' if cache else 'off'} pages={pages or 'profile'}"] = _digest(
                 res.requests, (res.end_time_s, res.num_steps, res.busy_time_s, res.recomputed_tokens,
                                res.num_preemptions))
-    for router in ("affinity", "least_loaded"):
+    for router, policy, pages in (("affinity", "infercept", None), ("least_loaded", "infercept", None),
+                                  ("affinity", "lamps", 600)):
         workload = make_workload(trace, WorkloadSpec("poisson", rate=2.0 * args.replicas,
                                                      duration_s=args.replica_duration, seed=0))
-        schedulers = [build_scheduler(cost, make_policy("infercept", make_predictor("oracle", 0)),
-                                      SimConfig(enable_prefix_caching=True)) for _ in range(args.replicas)]
+        schedulers = [build_scheduler(cost, make_policy(policy, make_predictor("oracle", 0)),
+                                      SimConfig(enable_prefix_caching=True, num_device_pages=pages))
+                      for _ in range(args.replicas)]
         res = run_resend(schedulers, workload, router)
-        out[f"{args.replicas} replicas {router}"] = _digest(
+        name = f"{args.replicas} replicas {router}" + ("" if policy == "infercept" else f" {policy} pages={pages}")
+        out[name] = _digest(
             res.requests, (res.end_time_s, res.num_steps, res.busy_time_s, res.batched_tokens,
                            res.recomputed_tokens, res.follow_up_hits, res.requests_by_replica))
     return out

@@ -100,6 +100,15 @@ class SimExecutor:
             dt = self._advance(self.forward_time(plan), 0.0, 0)
         return StepResult(elapsed_s=dt)
 
+    def execute_with_decoders(self, plan: StepPlan, num_decoders: int, decoder_context: int) -> float:
+        """``execute`` of ``plan`` plus ``num_decoders`` one-token chunks whose
+        attention reads ``decoder_context`` tokens (a ``DecodeRun``'s admission
+        step): the same time and totals; returns its seconds."""
+        assert not self.prefill_decode_split, "decode runs need a colocated executor"
+        pages = sum(len(op.device_pages) for op in plan.swap_out) + sum(len(op.device_pages) for op in plan.swap_in)
+        fwd = self.cost.t_step(plan.num_batched_tokens + num_decoders, plan.num_context_tokens + decoder_context)
+        return self._advance(*self._with_copies(fwd, pages))
+
     def decode_stepper(self, num_tokens: int) -> Callable[[int, int], float]:
         """Decode-only steps of ``num_tokens`` one-token chunks without a plan
         (``DecodeRun``): ``(context_tokens, copied_pages) -> seconds``, the same

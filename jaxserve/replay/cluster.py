@@ -266,8 +266,7 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
             conversation_of[request.request_id] = conv
             sent.append(request)
             replica = replicas[i]
-            end_run(i)
-            replica.core.add(request, t_arrival)
+            replica.core.add(request, t_arrival)   # an open run admits it at its next step (or ends there)
             wake_at(i, t_arrival)
             continue
         t, i = heapq.heappop(active)
@@ -297,7 +296,7 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
             reported = finished
         if core.last_step_ran or core.api.poll_ready(clock.now()):
             if fast_forward and core.last_step_ran:
-                runs[i] = core.decode_run(finishes=True)
+                runs[i] = core.decode_run(finishes=True, admits=True)
             wake_at(i, clock.now())
             continue
         wake = core.next_wakeup()
