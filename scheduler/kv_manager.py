@@ -324,9 +324,11 @@ class KVManager:
         full = request.num_computed_tokens // self.page_size
         if full <= shared:
             return
-        hashes = self.hashes(request, full)
+        hashes = request.block_hashes
+        if len(hashes) < full:
+            hashes = self.hashes(request, full)   # (no copy of preset hashes in the common case)
         pages, rid, pool = request.device_pages, request.request_id, self.device_pool
-        for i in range(shared, len(hashes)):
+        for i in range(shared, min(full, len(hashes))):
             h, page = hashes[i], pages[i]
             cached = cache.page_of.get(h)
             if cached is None:

@@ -57,6 +57,7 @@ class Conversation:
     previous: Request | None = None      # the last segment request sent
     replica: int | None = None           # where it went
     visited: set = field(default_factory=set)   # every replica a segment request of it went to
+    context: int = 0                     # the next segment request's prompt (tokens), once one was sent
 
     @property
     def num_segments(self) -> int:
@@ -65,11 +66,13 @@ class Conversation:
     def next_request(self, arrival_time: float) -> Request:
         """Segment ``index`` as a new request arriving at ``arrival_time`` (s)."""
         entry, k = self.item.entry, self.index
-        prompt = entry.prompt_len + sum(s.num_tokens + s.num_returned_tokens for s in entry.segments[:k])
-        tokens = entry.segments[k].num_tokens
+        prompt = self.context if k else entry.prompt_len
+        segment = entry.segments[k]
+        tokens = segment.num_tokens
         request = Request(f"{self.item.request_id}/{k}", arrival_time=arrival_time, prompt_len=prompt,
                           max_tokens=tokens, segments=[Segment(tokens)], ignore_eos=True,
                           predictions=dict(entry.predictions))
+        self.context = prompt + tokens + segment.num_returned_tokens
         self.index += 1
         return request
 
