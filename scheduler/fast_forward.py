@@ -167,11 +167,11 @@ class DecodeRun:
                 for pos, r in due:
                     heapq.heappush(events, (k, _ALLOCATE, pos, r))
                 return None   # the ordered pass preempts here
-        sched.iteration += 1
-        sched.now = t
         if admitting:
             plan, dt = self._admission_step(t, n, due)
         else:
+            sched.iteration += 1
+            sched.now = t
             sched._policy_step(t)
             copy_out = None
             if due:
@@ -224,24 +224,13 @@ class DecodeRun:
         waiting queue, then the step itself (``admit``). Returns the plan of the
         admitted chunks and the step's seconds."""
         sched = self.scheduler
+        plan, _ = sched._open_plan(t)
         kv = sched.kv
-        kv.copies_done()
-        sched._policy_step(t)
-        budget = max(1, sched._token_budget(sched.view()))
-        plan = StepPlan(token_budget=budget, time=t)
         kv.copy_budget = self._swap_pages
         if due:
             kv.add_page_each([r for _, r in due])
-        sched._admit_waiting(plan, budget - n, t)
-        if kv.host_tier:
-            copy_out, copy_in = kv.take_copies()
-            if copy_out is not None:
-                plan.swap_out.append(copy_out)
-            if copy_in is not None:
-                plan.swap_in.append(copy_in)
-            kv.copy_budget = 0
-        sched.policy.on_plan(plan, t, sched.iteration)
-        return plan, self._admit(plan, n, self._reads)
+        sched._admit_waiting(plan, plan.token_budget - n, t)
+        return sched._close_plan(plan, t), self._admit(plan, n, self._reads)
 
     def _join_admitted(self, plan: StepPlan) -> None:
         """The requests ``plan`` admitted join the run once they decode; one still

@@ -331,17 +331,27 @@ class Scheduler:
 
     # ------------------------------------------------------------- schedule
     def schedule(self, now: float) -> StepPlan:
-        self.iteration += 1
-        self.now = now
+        plan, view = self._open_plan(now)
         kv = self.kv
-        kv.copies_done()
-        self._policy_step(now)
-        view = self.view()
-        plan = StepPlan(token_budget=max(1, self._token_budget(view)), time=now)
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
         kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
         budget = self._schedule_running(plan, plan.token_budget, now, view)
         self._admit_waiting(plan, budget, now)
+        return self._close_plan(plan, now)
+
+    def _open_plan(self, now: float) -> tuple[StepPlan, MemoryView]:
+        """Start step ``iteration + 1`` at ``now``: the policy's per-step work, and an
+        empty plan with the step's token budget (with the memory view it saw)."""
+        self.iteration += 1
+        self.now = now
+        self.kv.copies_done()
+        self._policy_step(now)
+        view = self.view()
+        return StepPlan(token_budget=max(1, self._token_budget(view)), time=now), view
+
+    def _close_plan(self, plan: StepPlan, now: float) -> StepPlan:
+        """Add the step's host-tier copies to ``plan``, which is then fixed; the policy sees it."""
+        kv = self.kv
         if kv.host_tier:
             copy_out, copy_in = kv.take_copies()
             if copy_out is not None:
