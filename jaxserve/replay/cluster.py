@@ -124,7 +124,8 @@ class Router:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
         self.name = name
         self._turn = 0
-        self._live: list[dict] | None = None   # each replica's ``live`` map
+        self._live_of: Sequence[Replica] | None = None   # the replica list ``_live`` was gathered from
+        self._live: list[dict] = []                        # each replica's ``live`` map
 
     def _least_loaded(self, replicas: Sequence[Replica], among: Sequence[int] | None = None) -> int:
         """The least loaded replica of ``among`` (default all), ties in rotation."""
@@ -134,8 +135,8 @@ class Router:
             return min(among, key=lambda i: (replicas[i].load, (i - start) % n))
         # All of them (64 and more in a simulated cluster: every arrival without a hit) in C-level
         # passes: the first minimum of the loads rotated to start at ``start``.
-        if self._live is None or len(self._live) != n:
-            self._live = [r.live for r in replicas]   # the maps themselves: gathered once, always current
+        if self._live_of is not replicas:   # the maps themselves: gathered once per replica list, always current
+            self._live_of, self._live = replicas, [r.live for r in replicas]
         loads = list(map(len, self._live))
         rotated = loads[start:] + loads[:start]
         return (start + rotated.index(min(rotated))) % n
