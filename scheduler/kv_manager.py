@@ -310,6 +310,7 @@ class KVManager:
         request.device_pages = pages
         request.num_shared_pages = len(pages)
         request.num_computed_tokens = len(pages) * self.page_size
+        request.service_offset -= request.num_computed_tokens   # served by the cache, not computed
         cache.query_tokens += request.num_tokens
         cache.hit_tokens += request.num_computed_tokens
 

@@ -119,6 +119,10 @@ class Request:
     state: RequestState = RequestState.WAITING
     num_tokens: int = 0            # context: prompt + generated + API-returned
     num_computed_tokens: int = 0   # tokens whose KV is in the cache
+    # Query tokens computed for it so far (every chunk, recomputed ones too; Autellix's attained
+    # service) less ``num_computed_tokens``: + tokens dropped (recompute), - tokens linked from the
+    # prefix cache. Written where those happen, so the service costs nothing per step.
+    service_offset: int = 0
     num_generated: int = 0         # generated tokens (what max_tokens counts)
     device_pages: list[int] = field(default_factory=list)
     host_pages: list[int] = field(default_factory=list)
@@ -157,6 +161,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    @property
+    def attained_tokens(self) -> int:
+        """Query tokens computed for this request so far, every chunk counted (recomputes too)."""
+        return self.num_computed_tokens + self.service_offset
 
     @property
     def num_uncomputed_tokens(self) -> int:

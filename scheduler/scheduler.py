@@ -231,6 +231,7 @@ class Scheduler:
         pages still in the prefix cache when it is admitted again (``retain``:
         it is inside an API call, its pages get the retention bonus)."""
         self.kv.free_device(request, retain)
+        request.service_offset += request.num_computed_tokens
         request.num_computed_tokens = 0
 
     # ------------------------------------------------------------- API calls

@@ -242,8 +242,33 @@ def test_autellix_ranks_by_least_attained_service():
     sched.api_return(veteran, 2, 0.11)
     # the newcomer arrived later but has had no service: it goes first
     assert sched.admission_order()[0] is newcomer
-    assert veteran.policy_state["attained_tokens"] == 100
+    assert veteran.attained_tokens == 100
     sched.check_invariants()
+
+
+def test_attained_service_counts_every_chunk_through_discard_and_relink():
+    """``Request.attained_tokens`` (autellix's rank) is the sum of the request's
+    planned chunks: recomputed tokens count again, tokens linked from the prefix
+    cache do not, also when its context was dropped at a call and re-linked."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8, handling=Handling.DISCARD),
+                      make_policy("autellix"), PageAllocator(64, 16), PageAllocator(64, 16, "host"), COST)
+    r = Request("r", 0.0, prompt_len=70, max_tokens=8, token_ids=list(range(100, 170)),
+                segments=[Segment(1, "t", 0.1, 2, (7, 8)), Segment(3)])
+    sched.add_request(r, 0.0)
+    planned, now = 0, 0.0
+    while not r.is_finished:
+        if r.request_id in sched.paused and r.api_calls[-1].return_time is None:
+            assert r.handling == Handling.DISCARD and r.num_computed_tokens == 0
+            sched.api_return(r, 2, now, [7, 8])
+        plan = sched.schedule(now)
+        planned += sum(c.num_tokens for c in plan.chunks if c.request is r)
+        samples = [c for c in plan.chunks if c.samples]
+        now += 0.01
+        sched.update(plan, StepResult(token_ids=[5] * len(plan.chunks)) if samples else StepResult(), now)
+        assert r.attained_tokens == planned
+    # 70 prompt tokens; after the call the context is 73, of which 4 full pages (64 tokens) are
+    # re-linked and 9 recomputed; then 2 decode tokens
+    assert planned == 70 + 9 + 2 and r.num_preemptions == 0
 
 
 def test_prefill_decode_split_runs_the_two_phases_side_by_side():

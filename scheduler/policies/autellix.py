@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.plan import MemoryView, StepPlan
+from scheduler.plan import MemoryView
 from scheduler.policies.base import register_policy
 from scheduler.policies.infercept import InferceptPolicy
 from scheduler.request import Request
@@ -16,7 +16,7 @@ class AutellixPolicy(InferceptPolicy):
     not starved behind one long one, while a long program sinks as it is served.
 
     - Attained service: query tokens the request has had computed (prefill,
-      decode and recompute chunks, counted as each step is planned), the
+      decode and recompute chunks; ``Request.attained_tokens``), the
       token-count form of Autellix's cumulative execution time (steps cost
       about the same per token). One request is one program here.
     - The key is filed when the request enters the queue (its attained
@@ -28,9 +28,4 @@ class AutellixPolicy(InferceptPolicy):
     """
 
     def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
-        return (request.policy_state.get("attained_tokens", 0), request.arrival_time)
-
-    def on_plan(self, plan: StepPlan, now: float, iteration: int) -> None:
-        for chunk in plan.chunks:
-            state = chunk.request.policy_state
-            state["attained_tokens"] = state.get("attained_tokens", 0) + chunk.num_tokens
+        return (request.attained_tokens, request.arrival_time)
