@@ -95,7 +95,6 @@ class DecodeRun:
                  on_finish: Callable[[Request, int], None] | None = None,
                  admit: AdmitStep | None = None) -> None:
         self.scheduler = scheduler
-        self.decoders = decoders
         self.steps = 0
         self.finished: list[Request] = []   # requests the run ended (``on_finish``), for the caller to take
         kv, config = scheduler.kv, scheduler.config
@@ -121,11 +120,12 @@ class DecodeRun:
         self._reads = sum(r.num_computed_tokens for r in decoders) + len(decoders)   # the next step's attention reads
         self._synced = dict.fromkeys(decoders, 0)   # run steps already added to each request's counters
         self._joined = dict.fromkeys(decoders, 0)   # the run step each request's decoding in the run began at
-        self._live = set(decoders)                  # not finished
+        self._live = dict.fromkeys(decoders)        # not ended, in the order they joined
+        self._positions = len(decoders)             # the next joiner's position (event tie-break)
         self._last_start = 0.0
 
     def _events_of(self, request: Request, pos: int, stop: tuple[int, bool]) -> list[tuple]:
-        """The events of ``request`` (at ``pos`` in ``decoders``), decoding from run step
+        """The events of ``request`` (joined at position ``pos``), decoding from run step
         ``self.steps`` on: its next page, its next filled page, its end (``stop``:
         ``decode_stop``; an end the run cannot run lowers ``headroom`` instead)."""
         k, ps = self.steps, self._page_size
@@ -240,9 +240,9 @@ class DecodeRun:
             if r not in self.scheduler._decoding:
                 self.headroom = self.steps
                 continue
-            pos = len(self.decoders)
-            self.decoders.append(r)
-            self._live.add(r)
+            pos = self._positions
+            self._positions += 1
+            self._live[r] = None
             self._synced[r] = self._joined[r] = self.steps
             self._reads += r.num_computed_tokens + 1
             for event in self._events_of(r, pos, decode_stop(r, self._limit)):
@@ -260,10 +260,11 @@ class DecodeRun:
         decoding = sched._decoding
         ending.sort(key=lambda r: decoding[r].place)
         for r in ending:
-            live.discard(r)
+            del live[r]
             self._reads -= r.num_computed_tokens + 1
             sched.finish(r, "length", now)
             self._on_finish(r, self.steps_taken(r))
+            del self._synced[r], self._joined[r]
             self.finished.append(r)
         if not live or (self._admit is None and sched.waiting and len(sched.running) < sched.config.max_num_seqs):
             self.headroom = self.steps
@@ -287,8 +288,8 @@ class DecodeRun:
 
     @property
     def live(self) -> list[Request]:
-        """The decoders the run has not ended, in ``decoders`` order."""
-        return [r for r in self.decoders if r in self._live]
+        """The decoders the run has not ended, in the order they joined."""
+        return list(self._live)
 
     def close(self) -> None:
         """Bring every request up to date (the scheduler is then as after ``steps`` steps)."""
