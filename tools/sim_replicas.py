@@ -5,15 +5,21 @@ under 10 minutes).
 
     python tools/sim_replicas.py --replicas 8 --rate-per-replica 2 --duration 3600
     python tools/sim_replicas.py --replicas 64 --routers affinity --duration 3600
+    python tools/sim_replicas.py --replicas 64 --routers affinity --duration 120 --profile-top 25
 
 The bundled multi-API trace, Poisson conversations at ``replicas x
 rate-per-replica`` per second (``jaxserve.replay.cluster``). Round robin
 sends a follow-up to its predecessor's replica about 1/N of the time.
+``--profile-top N`` prints the N most expensive functions of each run
+(cProfile, cumulative; the profiler slows the run down, most for small
+functions).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -39,6 +45,7 @@ def main() -> int:
     ap.add_argument("--profile", default="gptj-6b-a100-40g")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--goal-s", type=float, default=600.0)
+    ap.add_argument("--profile-top", type=int, default=0, help="print the N most expensive functions per run")
     args = ap.parse_args()
     cost = load_profile(args.profile)
     rate = args.replicas * args.rate_per_replica
@@ -52,8 +59,13 @@ def main() -> int:
     for router in args.routers.split(","):
         schedulers = [build_scheduler(cost, make_policy(args.policy, make_predictor("oracle", args.seed)),
                                       SimConfig(enable_prefix_caching=True)) for _ in range(args.replicas)]
+        prof = cProfile.Profile() if args.profile_top else None
         wall, cpu = time.perf_counter(), time.process_time()
+        if prof is not None:
+            prof.enable()
         result = run_resend(schedulers, workload, router)
+        if prof is not None:
+            prof.disable()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         slowest = max(slowest, wall)
         agg = aggregate([request_metrics(r) for r in result.requests], result.end_time_s, Slo())
@@ -61,6 +73,8 @@ def main() -> int:
         print(f"{router:>13} {len(result.requests):>9} {result.affinity_hit_rate:>8.1%} {same:>8.1%} "
               f"{agg['mean_ttft_s']:>9.3f} {agg['p99_ttft_s']:>8.2f} {agg['mean_e2e_s']:>8.2f} "
               f"{agg['p99_e2e_s']:>8.2f} {result.recomputed_tokens:>11} {wall:>7.1f} {cpu:>7.1f}", flush=True)
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile_top)
     print(f"slowest: {slowest:.0f} s wall (goal < {args.goal_s:g} s)")
     return 0 if slowest < args.goal_s else 1
 
