@@ -79,14 +79,18 @@ class PrefixCache:
         self.refs: list[int] = []
         # The evictable pages, each keyed (score, seq) by its release (``seq`` counts releases' pages),
         # in two parts. Pages released without a bonus at a time no earlier than the last such
-        # release: an LRU, page -> (score = release time, seq), whose order is its keys' order.
+        # release: an LRU, page -> its release's ``(release time = score, first seq)``, shared by
+        # the release's pages, whose order is its keys' order. (A release's seqs are consecutive and
+        # no two releases' interleave, so ordering pages of different releases by (score, the
+        # release's first seq) is ordering them by (score, seq).)
         self._lru: OrderedDict[int, tuple[float, int]] = OrderedDict()
         self._lru_last = float("-inf")   # the newest LRU entry's release time
-        # The others (a retention bonus): page -> (seq, release time, score), and a heap of
-        # (score, seq of its first page, pages) with one entry per release, its pages in eviction
-        # order with consecutive seqs; pages re-referenced since (stale) are skipped.
-        self._score: dict[int, tuple[int, float, float]] = {}
-        self._heap: list[tuple[float, int, list[int]]] = []
+        # The others (a retention bonus): a heap of (score, seq of its first page, pages, release)
+        # with one entry per release, its pages in eviction order with consecutive seqs, and
+        # page -> its release, a record ``(release time, first seq)`` shared by the release's pages:
+        # a page whose record is no longer its entry's (re-referenced since: stale) is skipped.
+        self._score: dict[int, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, list[int], tuple[float, int]]] = []
         self._queued = 0   # pages in heap entries, stale ones included
         self._seq = 0
         self.query_tokens = 0    # tokens looked up at admissions (cumulative)
@@ -184,15 +188,17 @@ class PrefixCache:
             return
         first = self._seq + 1
         self._seq += len(freed)
+        release = (now, first)
         if not bonus_s and now >= self._lru_last:
             lru = self._lru
-            for seq, p in enumerate(freed, first):
-                lru[p] = (now, seq)
+            for p in freed:
+                lru[p] = release
             self._lru_last = now
             return
-        score = now + bonus_s
-        self._score.update(zip(freed, [(seq, now, score) for seq in range(first, first + len(freed))]))
-        heapq.heappush(self._heap, (score, first, freed))
+        score = self._score   # the record's identity tells a live page of a heap entry from a stale one
+        for p in freed:
+            score[p] = release
+        heapq.heappush(self._heap, (now + bonus_s, first, freed, release))
         self._queued += len(freed)
 
     def evict(self, now: float | None = None) -> int:
@@ -225,7 +231,9 @@ class PrefixCache:
         self.evicted_pages += len(evicted)
         self.epoch += len(evicted)
         if self._queued > 4 * len(self._score) + 64:   # drop stale heap entries now and then
-            self._heap = [(e[2], e[0], [q]) for q, e in self._score.items()]
+            score = self._score
+            self._heap = [(s, first + j, [p], release) for s, first, run, release in self._heap
+                          for j, p in enumerate(run) if score.get(p) is release]
             heapq.heapify(self._heap)
             self._queued = len(self._score)
         return evicted
@@ -261,19 +269,18 @@ class PrefixCache:
         """Evict up to ``want`` pages of the heap's top entry into ``evicted``, while
         their key is below ``bound`` (the LRU's oldest; None: no bound); returns how many."""
         score = self._score
-        s, first, run = heapq.heappop(self._heap)
+        s, first, run, release = heapq.heappop(self._heap)
         done = 0
         for j, p in enumerate(run):
             seq = first + j
             if done >= want or (bound is not None and (s, seq) > bound):
-                heapq.heappush(self._heap, (s, seq, run[j:]))   # the rest, still next in order
+                heapq.heappush(self._heap, (s, seq, run[j:], release))   # the rest, still next in order
                 break
             self._queued -= 1
-            entry = score.get(p)
-            if entry is None or entry[0] != seq:
+            if score.get(p) is not release:
                 continue   # stale: re-referenced since it was released
             del score[p]
-            self._forget(p, entry[1], now, evicted)
+            self._forget(p, release[0], now, evicted)
             done += 1
         return done
 
