@@ -8,6 +8,7 @@ request, never both" can be checked after every step.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 
 
 class OutOfPagesError(RuntimeError):
@@ -45,7 +46,14 @@ class PageAllocator:
 
     def allocate(self, owner: str, n: int) -> list[int]:
         """Take ``n`` free pages for ``owner``; raises ``OutOfPagesError`` if too few."""
-        return self.allocate_each([owner] * n)
+        free = self._free
+        if n > len(free):
+            raise OutOfPagesError(f"{self.name} pool: asked for {n} pages, {len(free)} free")
+        pop, owner_of = free.popleft, self._owner
+        pages = [pop() for _ in repeat(None, n)]
+        for p in pages:
+            owner_of[p] = owner
+        return pages
 
     def allocate_each(self, owners: list[str]) -> list[int]:
         """One free page for each of ``owners``, in order; raises ``OutOfPagesError`` if too few."""
@@ -80,12 +88,13 @@ class PageAllocator:
         self._hand_over(pages, owner, new_owner, "handed on")
 
     def _hand_over(self, pages: list[int], owner: str, new_owner: str | None, verb: str) -> None:
-        """Set ``pages``' owner to ``new_owner`` after checking ``owner`` holds every one of them."""
+        """Set ``pages``' owner to ``new_owner``, checking ``owner`` holds each of them (a
+        page that it does not is a bookkeeping bug: the error stops the step, and the
+        pages before it have changed hands already)."""
         owners = self._owner
         for p in pages:
             if owners[p] != owner:
                 raise RuntimeError(f"{self.name} page {p} {verb} by {owner!r} but owned by {owners[p]!r}")
-        for p in pages:
             owners[p] = new_owner
 
     def owned_by(self) -> dict[str, list[int]]:
