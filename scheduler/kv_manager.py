@@ -82,6 +82,9 @@ class KVManager:
         self.paused_holders: dict[str, Request] = {}
         self.waiting_holders: dict[str, Request] = {}
         self._lookups: dict[str, tuple[int, list[int]]] = {}   # request id -> (cache epoch, lookup pages)
+        # request id -> (cache epoch, its shared pages) at its swap-out: while the epoch holds, they
+        # are still cached and lead its swap-in's match
+        self._swapped_runs: dict[str, tuple[int, list[int]]] = {}
         self.host_tier = host_tier and prefix_cache is not None and host_pool.num_pages > 0
         self.copy_budget = 0                              # host-tier copies this step may still plan (pages)
         self._copy_outs: list[tuple[int, int]] = []       # (device page, host page) to copy before the forward
@@ -216,6 +219,7 @@ class KVManager:
     def free(self, request: Request, retain: bool = False) -> None:
         """Free every page of ``request``, device and host (it ended)."""
         self._lookups.pop(request.request_id, None)
+        self._swapped_runs.pop(request.request_id, None)
         self.free_device(request, retain)
         if request.host_pages:
             self.host_pool.free(request.request_id, request.host_pages)
@@ -272,6 +276,18 @@ class KVManager:
                         return pages[:i]
                     budget -= 1
         return list(pages)
+
+    def fits(self, num_new_pages: int, hits: list[int]) -> bool:
+        """Whether ``num_new_pages`` device pages can be allocated after linking
+        ``hits`` (from ``lookup``; empty: none): ``num_new_pages <= num_free_device
+        - num_evictable_in(hits)``. Linking takes at most ``len(hits)`` of what an
+        allocation could get, so when the free list alone covers both, nothing
+        is counted (the common case of a roomy pool)."""
+        free = self.device_pool.num_free
+        if num_new_pages + len(hits) <= free:
+            return True
+        taken = self.num_evictable_in(hits) if hits else 0
+        return num_new_pages <= free + (self.cache.num_evictable if self.cache is not None else 0) - taken
 
     def num_evictable_in(self, pages: list[int]) -> int:
         """How many pages linking ``pages`` (from ``lookup``) takes from what an
@@ -404,13 +420,22 @@ class KVManager:
         are free. Its leading full pages still in the prefix cache are re-linked, not copied."""
         n = len(request.host_pages)
         hits = []
-        if self.cache is not None:
+        cache = self.cache
+        if cache is not None:
             full = min(request.num_computed_tokens // self.page_size, n)
-            hits = self.cache.match(self.hashes(request, full))
-        if n - len(hits) > self.num_free_device - (self.num_evictable_in(hits) if hits else 0):
+            hashes = self.hashes(request, full)
+            run = self._swapped_runs.get(request.request_id)
+            if run is not None and run[0] == cache.epoch:   # nothing evicted since its swap-out
+                hits = run[1][:full]
+                if len(hits) < len(hashes):
+                    hits += cache.match(hashes[len(hits):])
+            else:
+                hits = cache.match(hashes)
+        if not self.fits(n - len(hits), hits):
             return False
+        self._swapped_runs.pop(request.request_id, None)
         if hits:
-            self.cache.acquire(hits)
+            cache.acquire(hits)
             self.relinked_swap_pages += len(hits)
         request.device_pages = hits + self._take(request.request_id, n - len(hits))
         request.num_shared_pages = len(hits)
@@ -434,6 +459,8 @@ class KVManager:
         if done:
             request.pages_swapped = 0
             if out:
+                if self.cache is not None:
+                    self._swapped_runs[request.request_id] = (self.cache.epoch, request.device_pages[:request.num_shared_pages])
                 self.free_device(request, retain=True)   # inside its API call
             else:
                 self._host_busy.update(request.host_pages)   # read by this step's swap-in: not rewritten in it

@@ -436,7 +436,8 @@ class Scheduler:
         apply (then ``_schedule_in_order``)."""
         kv, decoding = self.kv, self._decoding
         page_size = kv.page_size
-        due = [r for r in self._page_due if r in decoding and kv.pages_needed(r, 1)]
+        # kv.pages_needed(r, 1), inlined: a decoder whose next token starts a page
+        due = [r for r in self._page_due if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size]
         left = budget - len(decoding)
         others: list[tuple[Request, int, int, int]] = []   # (request, start, tokens, pages it lacks)
         pages = len(due)
@@ -522,7 +523,8 @@ class Scheduler:
             budget -= n
             if budget <= 0:
                 break
-        self._page_due = {r: None for r in self._page_due if r in decoding and kv.pages_needed(r, 1)}
+        self._page_due = {r: None for r in self._page_due
+                          if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size}
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
@@ -561,13 +563,11 @@ class Scheduler:
             held = len(hits) if hits else len(request.device_pages)
             need = max(0, -(-(computed + n) // page_size) - held)
             # Linking the hits makes those of them that are evictable unavailable, and
-            # each host-resident one takes a device page.
-            taken = kv.num_evictable_in(hits) if hits else 0
-            while need > kv.num_free_device - taken:
-                if not self._evict_idle_holder(request, now):
-                    break
-                taken = kv.num_evictable_in(hits) if hits else 0   # the evicted holder may have shared them
-            if need > kv.num_free_device - taken:
+            # each host-resident one takes a device page (``fits`` counts both).
+            fits = kv.fits(need, hits)
+            while not fits and self._evict_idle_holder(request, now):
+                fits = kv.fits(need, hits)   # the evicted holder may have shared some hits
+            if not fits:
                 break  # keep the policy's order: no skipping ahead of the head
             self._dequeue(request)
             if not request.device_pages:

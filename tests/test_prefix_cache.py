@@ -168,6 +168,27 @@ def test_swap_in_relinks_pages_still_cached():
     kv.check_invariants([r], set(), set())
 
 
+def test_swap_in_relinks_only_what_survived_evictions_while_swapped():
+    """The pages a swapped request left cached are remembered for its swap-in
+    only while nothing is evicted: here two of its three are evicted (tail
+    first) by another request's allocation, so the swap-in re-links one and
+    copies the rest."""
+    kv = make_kv(device=8, host=8)
+    r = computed(kv, "r", list(range(14)))             # 3 full pages + 2 tokens
+    head = r.device_pages[0]
+    assert kv.start_swap_out(r)
+    while not kv.swap_chunk(r, 8, out=True)[2]:
+        pass
+    other = Request("o", 0.0, prompt_len=28, max_tokens=1, token_ids=list(range(100, 128)))
+    assert kv.allocate_slots(other, 7) and kv.cache.evicted_pages == 2   # 5 free + the 2 newest-released
+    kv.free(other)
+    assert kv.start_swap_in(r) and r.num_shared_pages == 1 and r.device_pages[0] == head
+    assert kv.relinked_swap_pages == 1
+    op, n, done = kv.swap_chunk(r, 8, out=False)
+    assert done and n == 3 and r.num_shared_pages == 3   # the 3 others copied; its 2 full ones committed again
+    kv.check_invariants([r], set(), set())
+
+
 def make_tiered_kv(device=4, host=3, page_size=4):
     kv = KVManager(PageAllocator(device, page_size), PageAllocator(host, page_size, "host"), PrefixCache("m"),
                    host_tier=True)
