@@ -14,10 +14,11 @@ configured bonus for the context of a request inside an API call). So a
 parked context outranks fresher plain pages for ``bonus`` seconds, its lead
 shrinks as time passes, a hit refreshes it, and when the pool needs pages the
 lowest score goes regardless: retention is a priority, never a lock.
-Ties go by release order. Most releases carry no bonus and come in time
-order, so their pages sit in an LRU (O(1) to take out on a hit, no stale
-entries left behind); the rest sit in a heap; eviction merges the two in
-(score, release order).
+Ties go by release order. The books keep one entry per release: most
+releases carry no bonus and come in time order, so their entries form an
+LRU queue; the rest sit in a heap; eviction merges the two in (score,
+release order). A hit takes a page out of the evictable map in O(1) and
+leaves its entry's listing stale (skipped at eviction, dropped now and then).
 
 The host tier (optional, run by the ``KVManager``) keeps copies of cached
 pages in host memory: a page evicted from the device is copied to a host
@@ -38,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 HASH_BYTES = 16
@@ -77,19 +78,22 @@ class PrefixCache:
         # device page -> live requests listing it (0 for pages not cached): a list, as page ids are
         # small integers and a list index is ~3x cheaper than a dict's; grown by ``insert``
         self.refs: list[int] = []
-        # The evictable pages, each keyed (score, seq) by its release (``seq`` counts releases' pages),
-        # in two parts. Pages released without a bonus at a time no earlier than the last such
-        # release: an LRU, page -> its release's ``(release time = score, first seq)``, shared by
-        # the release's pages, whose order is its keys' order. (A release's seqs are consecutive and
-        # no two releases' interleave, so ordering pages of different releases by (score, the
-        # release's first seq) is ordering them by (score, seq).)
-        self._lru: OrderedDict[int, tuple[float, int]] = OrderedDict()
+        # The evictable pages, each keyed (score, seq) by its release (``seq`` counts releases' pages).
+        # Each release is one record ``(release time, its first seq)`` shared by its pages (its seqs
+        # are consecutive and no two releases' interleave, so ordering pages of different releases
+        # by (score, the release's first seq) is ordering them by (score, seq)); ``_evictable`` maps
+        # each evictable page to its release. A page re-referenced since (leaving ``_evictable``), or
+        # released again (a new record), is stale in the older entry listing it: skipped there.
+        self._evictable: dict[int, tuple[float, int]] = {}
+        # Releases without a bonus at a time no earlier than the last such release: an LRU of
+        # ``(release, pages in eviction order)``, oldest first, in key order; its first
+        # ``_lru_pos`` pages of the oldest are gone.
+        self._lru: deque[tuple[tuple[float, int], list[int]]] = deque()
+        self._lru_pos = 0
+        self._lru_queued = 0               # pages in the LRU's entries from ``_lru_pos``, stale ones included
         self._lru_last = float("-inf")   # the newest LRU entry's release time
-        # The others (a retention bonus): a heap of (score, seq of its first page, pages, release)
-        # with one entry per release, its pages in eviction order with consecutive seqs, and
-        # page -> its release, a record ``(release time, first seq)`` shared by the release's pages:
-        # a page whose record is no longer its entry's (re-referenced since: stale) is skipped.
-        self._score: dict[int, tuple[float, int]] = {}
+        # The others (a retention bonus): a heap of (score, seq of its first page, pages, release),
+        # one entry per release, its pages in eviction order with consecutive seqs.
         self._heap: list[tuple[float, int, list[int], tuple[float, int]]] = []
         self._queued = 0   # pages in heap entries, stale ones included
         self._seq = 0
@@ -114,15 +118,14 @@ class PrefixCache:
     @property
     def num_evictable(self) -> int:
         """Cached pages no live request lists (reusable by the pool)."""
-        return len(self._lru) + len(self._score)
+        return len(self._evictable)
 
     def is_evictable(self, page: int) -> bool:
-        return page in self._lru or page in self._score
+        return page in self._evictable
 
     def num_evictable_among(self, pages: Sequence[int]) -> int:
-        """How many of ``pages`` (distinct) are evictable (C-level set intersections)."""
-        n = len(self._lru.keys() & pages)
-        return n + len(self._score.keys() & pages) if self._score else n
+        """How many of ``pages`` (distinct) are evictable (a C-level set intersection)."""
+        return len(self._evictable.keys() & pages)
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Device pages of the longest cached run of ``hashes`` from the first."""
@@ -165,12 +168,12 @@ class PrefixCache:
 
     def acquire(self, pages: Sequence[int]) -> None:
         """One more request lists each of ``pages`` (distinct; takes them out of the evictable set)."""
-        refs, lru_pop, score = self.refs, self._lru.pop, self._score
+        refs, unlist = self.refs, self._evictable.pop
         for p in pages:
             n = refs[p]
             refs[p] = n + 1
-            if not n and lru_pop(p, None) is None and score:
-                score.pop(p, None)
+            if not n:
+                unlist(p)   # its LRU or heap entry lists it stale now
 
     def release(self, pages: Sequence[int], now: float, bonus_s: float = 0.0) -> None:
         """One request fewer lists each of ``pages`` (distinct, in context order); those no
@@ -188,18 +191,32 @@ class PrefixCache:
             return
         first = self._seq + 1
         self._seq += len(freed)
-        release = (now, first)
-        if not bonus_s and now >= self._lru_last:
-            lru = self._lru
-            for p in freed:
-                lru[p] = release
-            self._lru_last = now
-            return
-        score = self._score   # the record's identity tells a live page of a heap entry from a stale one
+        release = (now, first)   # its identity tells the pages its entry lists live from stale ones
+        evictable = self._evictable
         for p in freed:
-            score[p] = release
+            evictable[p] = release
+        if not bonus_s and now >= self._lru_last:
+            self._lru.append((release, freed))
+            self._lru_last = now
+            self._lru_queued += len(freed)
+            if self._lru_queued > 4 * len(evictable) + 64:   # drop stale LRU pages now and then
+                self._compact_lru()
+            return
         heapq.heappush(self._heap, (now + bonus_s, first, freed, release))
         self._queued += len(freed)
+
+    def _compact_lru(self) -> None:
+        """Rebuild the LRU with its live pages only (same order)."""
+        evictable, pos = self._evictable, self._lru_pos
+        entries = []
+        for release, pages in self._lru:
+            live = [p for p in pages[pos:] if evictable.get(p) is release]
+            pos = 0
+            if live:
+                entries.append((release, live))
+        self._lru = deque(entries)
+        self._lru_pos = 0
+        self._lru_queued = sum(len(pages) for _, pages in entries)
 
     def evict(self, now: float | None = None) -> int:
         """Forget the evictable page with the lowest score; returns its page id.
@@ -227,40 +244,63 @@ class PrefixCache:
                 want -= self._evict_lru(want, heap[0][:2], now, evicted)
                 if want <= 0:
                     break
-            want -= self._evict_heap_entry(want, next(iter(lru.values())) if lru else None, now, evicted)
+            # (``_evict_lru`` stopped at a live page, or emptied the LRU)
+            want -= self._evict_heap_entry(want, lru[0][0] if lru else None, now, evicted)
         self.evicted_pages += len(evicted)
         self.epoch += len(evicted)
-        if self._queued > 4 * len(self._score) + 64:   # drop stale heap entries now and then
-            score = self._score
+        if self._queued > 4 * len(self._evictable) + 64:   # drop stale heap entries now and then
+            evictable = self._evictable
             self._heap = [(s, first + j, [p], release) for s, first, run, release in self._heap
-                          for j, p in enumerate(run) if score.get(p) is release]
+                          for j, p in enumerate(run) if evictable.get(p) is release]
             heapq.heapify(self._heap)
-            self._queued = len(self._score)
+            self._queued = len(self._heap)
         return evicted
 
     def _evict_lru(self, want: int, bound: tuple[float, int] | None, now: float | None,
                    evicted: list[tuple[int, bytes]]) -> int:
-        """Evict up to ``want`` of the LRU's oldest pages whose key is below ``bound``
-        (None: no bound) into ``evicted``; returns how many."""
-        lru, hash_of, page_of, refs = self._lru, self.hash_of, self.page_of, self.refs
+        """Evict up to ``want`` of the LRU's oldest live pages whose key is below ``bound``
+        (None: no bound) into ``evicted``, skipping stale ones; returns how many. It
+        stops at a live page (or with the LRU empty) unless ``want`` were evicted."""
+        lru, evictable, hash_of, page_of, refs = self._lru, self._evictable, self.hash_of, self.page_of, self.refs
         residence, inf = self.residence_s, float("inf")
-        done = 0
-        while done < want and lru:
-            p, key = lru.popitem(last=False)
-            if bound is not None and key > bound:
-                lru[p] = key
-                lru.move_to_end(p, last=False)
-                break
-            if now is not None:   # ``_forget``, inlined: the simulator evicts millions of pages an hour
-                age = now - key[0]
+        done, pos, passed = 0, self._lru_pos, 0
+        while lru:
+            release, pages = lru[0]
+            if bound is not None and release > bound:
+                while pos < len(pages) and evictable.get(pages[pos]) is not release:
+                    pos += 1   # stale: skipped (the stop must be at a live page)
+                    passed += 1
+                if pos < len(pages):
+                    break
+            else:
+                age = now - release[0] if now is not None else 0.0
                 if age <= 0.0:
                     age = 0.0
-                residence = age if residence == inf else 0.9 * residence + 0.1 * age
-            h = hash_of.pop(p)
-            del page_of[h]
-            refs[p] = 0
-            evicted.append((p, h))
-            done += 1
+                for p in pages[pos:] if pos else pages:
+                    if done >= want:
+                        break
+                    pos += 1
+                    passed += 1
+                    if evictable.get(p) is not release:
+                        continue   # stale
+                    del evictable[p]
+                    if now is not None:   # ``_forget``, inlined: the simulator evicts millions of pages an hour
+                        residence = age if residence == inf else 0.9 * residence + 0.1 * age
+                    h = hash_of.pop(p)
+                    del page_of[h]
+                    refs[p] = 0
+                    evicted.append((p, h))
+                    done += 1
+                if done >= want:
+                    while pos < len(pages) and evictable.get(pages[pos]) is not release:
+                        pos += 1
+                        passed += 1
+                    if pos < len(pages):
+                        break
+            lru.popleft()
+            pos = 0
+        self._lru_pos = pos
+        self._lru_queued -= passed
         self.residence_s = residence
         return done
 
@@ -268,7 +308,7 @@ class PrefixCache:
                           evicted: list[tuple[int, bytes]]) -> int:
         """Evict up to ``want`` pages of the heap's top entry into ``evicted``, while
         their key is below ``bound`` (the LRU's oldest; None: no bound); returns how many."""
-        score = self._score
+        evictable = self._evictable
         s, first, run, release = heapq.heappop(self._heap)
         done = 0
         for j, p in enumerate(run):
@@ -277,9 +317,9 @@ class PrefixCache:
                 heapq.heappush(self._heap, (s, seq, run[j:], release))   # the rest, still next in order
                 break
             self._queued -= 1
-            if score.get(p) is not release:
+            if evictable.get(p) is not release:
                 continue   # stale: re-referenced since it was released
-            del score[p]
+            del evictable[p]
             self._forget(p, release[0], now, evicted)
             done += 1
         return done
@@ -392,8 +432,17 @@ class PrefixCache:
             n = self.refs[p]
             assert n == listed.get(p, 0), f"prefix cache: page {p} has {n} refs, {listed.get(p, 0)} requests list it"
             assert (n == 0) == self.is_evictable(p), f"prefix cache: page {p} evictable={self.is_evictable(p)} with {n} refs"
-        assert not (self._lru.keys() & self._score.keys()), "prefix cache: a page evictable twice"
-        keys = list(self._lru.values())
+        evictable, pos = self._evictable, self._lru_pos
+        live = []   # the live pages of the LRU's and the heap's entries: each evictable page once
+        for release, pages in self._lru:
+            live += [p for p in pages[pos:] if evictable.get(p) is release]
+            pos = 0
+        assert self._lru_queued == sum(map(len, (pages for _, pages in self._lru))) - self._lru_pos, \
+            "prefix cache: LRU page count out of step"
+        for _, _, run, release in self._heap:
+            live += [p for p in run if evictable.get(p) is release]
+        assert sorted(live) == sorted(evictable), "prefix cache: an evictable page listed live not once"
+        keys = [release for release, _ in self._lru]
         assert keys == sorted(keys), "prefix cache: LRU out of key order"
         assert set(listed) <= set(self.hash_of), "prefix cache: a request lists an uncached page as shared"
         assert len(self.host_page_of) == len(self.host_hash_of), "prefix cache: host maps differ in size"
