@@ -264,39 +264,39 @@ class PrefixCache:
         lru, evictable, hash_of, page_of, refs = self._lru, self._evictable, self.hash_of, self.page_of, self.refs
         residence, inf = self.residence_s, float("inf")
         done, pos, passed = 0, self._lru_pos, 0
-        while lru:
+        while lru and done < want:
             release, pages = lru[0]
             if bound is not None and release > bound:
-                while pos < len(pages) and evictable.get(pages[pos]) is not release:
-                    pos += 1   # stale: skipped (the stop must be at a live page)
-                    passed += 1
-                if pos < len(pages):
-                    break
-            else:
-                age = now - release[0] if now is not None else 0.0
-                if age <= 0.0:
-                    age = 0.0
-                for p in pages[pos:] if pos else pages:
-                    if done >= want:
-                        break
-                    pos += 1
-                    passed += 1
-                    if evictable.get(p) is not release:
-                        continue   # stale
-                    del evictable[p]
-                    if now is not None:   # ``_forget``, inlined: the simulator evicts millions of pages an hour
-                        residence = age if residence == inf else 0.9 * residence + 0.1 * age
-                    h = hash_of.pop(p)
-                    del page_of[h]
-                    refs[p] = 0
-                    evicted.append((p, h))
-                    done += 1
-                if done >= want:
-                    while pos < len(pages) and evictable.get(pages[pos]) is not release:
-                        pos += 1
-                        passed += 1
-                    if pos < len(pages):
-                        break
+                break
+            age = now - release[0] if now is not None else 0.0
+            if age <= 0.0:
+                age = 0.0
+            n, start = len(pages), pos
+            while pos < n and done < want:
+                p = pages[pos]
+                pos += 1
+                if evictable.get(p) is not release:
+                    continue   # stale
+                del evictable[p]
+                if now is not None:   # ``_forget``, inlined: the simulator evicts millions of pages an hour
+                    residence = age if residence == inf else 0.9 * residence + 0.1 * age
+                h = hash_of.pop(p)
+                del page_of[h]
+                refs[p] = 0
+                evicted.append((p, h))
+                done += 1
+            passed += pos - start
+            if pos >= n:
+                lru.popleft()
+                pos = 0
+        while lru:   # stop at a live page: skip the stale ones at the head
+            release, pages = lru[0]
+            n, start = len(pages), pos
+            while pos < n and evictable.get(pages[pos]) is not release:
+                pos += 1
+            passed += pos - start
+            if pos < n:
+                break
             lru.popleft()
             pos = 0
         self._lru_pos = pos
