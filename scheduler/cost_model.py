@@ -114,8 +114,8 @@ class CostModel:
         """``t_step(num_tokens, c)`` as a function of ``c`` alone (``num_tokens`` > 0), the
         token part computed once: the same arithmetic, so the same floats (decode runs)."""
         forward, overhead = self._forward(max(0.0, num_tokens)), self.step_time_scale * self.step_overhead_s
-        with_context = self._with_context
-        return lambda context_tokens: with_context(forward, context_tokens) + overhead
+        scale, per_context = self.step_time_scale, self.fwd_per_context_token_s   # ``_with_context``, inlined
+        return lambda context_tokens: scale * (forward + per_context * max(0.0, context_tokens)) + overhead
 
     def t_swap(self, num_tokens: float) -> float:
         """Seconds of a one-way copy of ``num_tokens`` tokens' KV over the host link."""
