@@ -90,6 +90,7 @@ class KVManager:
         self._copy_outs: list[tuple[int, int]] = []       # (device page, host page) to copy before the forward
         self._copy_ins: list[tuple[int, int]] = []        # (host page, device page) to copy before the forward
         self._host_busy: set[int] = set()   # host pages this step's copies read or write: kept this step
+        self._host_busy_lists: list[list[int]] = []   # more of them, folded in when ``_busy_host_pages`` is read
 
     # ------------------------------------------------------------ allocation
     def pages_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -135,7 +136,7 @@ class KVManager:
         simulator evicts millions of pages an hour through here)."""
         cache = self.cache
         on_host = cache.host_page_of
-        busy, copy_outs, host_pool = self._host_busy, self._copy_outs, self.host_pool
+        busy, copy_outs, host_pool = self._busy_host_pages(), self._copy_outs, self.host_pool
         if not host_pool.num_free:   # a full host tier: the common case, in one call
             copies = cache.host_keep(evicted, self.copy_budget, busy)
             copy_outs += copies
@@ -160,11 +161,20 @@ class KVManager:
             copy_outs.append((page, host_page))
             self.copy_budget -= 1
 
+    def _busy_host_pages(self) -> set[int]:
+        """The host pages this step's copies read or write (kept from reuse this step)."""
+        if self._host_busy_lists:
+            for pages in self._host_busy_lists:
+                self._host_busy.update(pages)
+            self._host_busy_lists.clear()
+        return self._host_busy
+
     def copies_done(self) -> None:
         """The last plan ran (or none is pending): its host-tier copies are done, so
         no host page is busy and nothing is left to plan (``copy_budget`` 0)."""
         self._copy_outs, self._copy_ins = [], []
         self._host_busy.clear()
+        self._host_busy_lists.clear()
         self.copy_budget = 0
 
     def take_copies(self) -> tuple[SwapOp | None, SwapOp | None]:
@@ -406,7 +416,7 @@ class KVManager:
         if n > self.num_free_host:
             return False
         while self.host_pool.num_free < n:   # swapped requests come before host-tier copies
-            host_page = self.cache.host_evict(self._host_busy)
+            host_page = self.cache.host_evict(self._busy_host_pages())
             if host_page is None:
                 return False
             self.host_pool.free(CACHE_OWNER, [host_page])
@@ -463,7 +473,7 @@ class KVManager:
                     self._swapped_runs[request.request_id] = (self.cache.epoch, request.device_pages[:request.num_shared_pages])
                 self.free_device(request, retain=True)   # inside its API call
             else:
-                self._host_busy.update(request.host_pages)   # read by this step's swap-in: not rewritten in it
+                self._host_busy_lists.append(request.host_pages)   # read by this step's swap-in: not rewritten in it
                 self.host_pool.free(request.request_id, request.host_pages)
                 request.host_pages = []
                 self.commit(request)
