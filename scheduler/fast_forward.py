@@ -64,7 +64,7 @@ def open_decode_run(scheduler: Scheduler, steps_of: StepsOf,
     the batch; the executor's step of it with the decoders, counted as
     ``step()`` counts it; returns its seconds); None: the run ends before such
     a step."""
-    decoders = scheduler.quiet_decoders()
+    decoders = scheduler.quiet_decoders(with_fillers=admit is not None)   # fillers' steps are mixed steps
     if not decoders:
         return None
     run = DecodeRun(scheduler, decoders, steps_of, on_finish, admit)
@@ -109,6 +109,8 @@ class DecodeRun:
         self._static_budget = None if self._dynamic_budget else max(1, scheduler._token_budget(scheduler.view()))
         if self._static_budget is not None and self._static_budget < len(decoders):
             self.headroom = 0
+        if scheduler._filling and self._static_budget is None:
+            self.headroom = 0   # a filler's chunk depends on the step's budget
         if self.headroom <= 0:
             return   # not a run: the caller drops it (the rest is built only for a run)
         # (step, _ALLOCATE | _COMMIT | _END, position, request): a heap, so a step touches only its events.
@@ -144,7 +146,8 @@ class DecodeRun:
         """Run the next step, starting at ``t`` (s); its seconds, or None (nothing
         run) when it is not a decode step the run can run. Requests it ended are
         appended to ``finished``. With ``admit``, a step that would admit waiting
-        requests runs too (``_admission_step``)."""
+        requests runs too, and one in which requests it admitted still compute their
+        context (``_mixed_step``)."""
         k = self.steps
         if k >= self.headroom:
             return None
@@ -163,12 +166,19 @@ class DecodeRun:
                 event = heapq.heappop(events)
                 if event[3] in live:
                     due.append(event[2:])
-            if len(due) > kv.num_free_device:
-                for pos, r in due:
-                    heapq.heappush(events, (k, _ALLOCATE, pos, r))
-                return None   # the ordered pass preempts here
-        if admitting:
-            plan, dt = self._admission_step(t, n, due)
+        fillers = None
+        if sched._filling:   # requests still computing their context: their chunks as schedule() plans them
+            if self._static_budget is not None:
+                fillers = sched.fillers_on_hand(self._static_budget - n, len(due) if due else 0)
+            if fillers is None or not self._fillers_can_run(fillers):
+                self._put_back(due)
+                return None
+        if due and len(due) > kv.num_free_device:
+            self._put_back(due)
+            return None   # the ordered pass preempts here
+        mixed = admitting or fillers is not None
+        if mixed:
+            plan, dt = self._mixed_step(t, n, due, fillers)
         else:
             sched.iteration += 1
             sched.now = t
@@ -190,7 +200,7 @@ class DecodeRun:
         self._reads += n
         self.steps = k + 1
         self._last_start = t
-        if admitting:   # the admissions come first in the batch: their tokens and commits first
+        if mixed:   # the fillers' and admissions' chunks come first in the batch: their tokens and commits first
             sched.update(plan, StepResult(elapsed_s=dt), t + dt)
         ending = None
         while events and events[0][0] == k:   # pages this step filled: into the prefix cache; then ends
@@ -205,9 +215,21 @@ class DecodeRun:
                 ending = [r] if ending is None else ending + [r]
         if ending:
             self._finish(ending, t + dt)
-        if admitting:
-            self._join_admitted(plan)
+        if mixed:
+            self._join_computed(plan)
         return dt
+
+    def _put_back(self, due: list | None) -> None:
+        """Return the page events of ``due`` (popped for this step) to the heap."""
+        for pos, r in due or ():
+            heapq.heappush(self._events, (self.steps, _ALLOCATE, pos, r))
+
+    def _fillers_can_run(self, fillers: list[tuple[Request, int, int, int]]) -> bool:
+        """Whether no chunk of ``fillers`` (``Scheduler.fillers_on_hand``) that completes its
+        request's context samples a token on which a stop rule fires (ended or paused in
+        ``update()``: the ordered pass takes that step)."""
+        limit = self._limit
+        return all(start + n < r.num_tokens or decode_stop(r, limit)[0] >= 1 for r, start, n, _ in fillers)
 
     def _can_admit(self) -> bool:
         """Whether a step that admits can run here: ``admit`` is given, and no
@@ -218,27 +240,35 @@ class DecodeRun:
         limit, swapped = self._limit, RequestState.SWAPPED
         return all(r.state is not swapped and decode_stop(r, limit)[0] >= 1 for r in self.scheduler.waiting)
 
-    def _admission_step(self, t: float, n: int, due: list | None) -> tuple[StepPlan, float]:
+    def _mixed_step(self, t: float, n: int, due: list | None,
+                    fillers: list[tuple[Request, int, int, int]] | None) -> tuple[StepPlan, float]:
         """``schedule()``'s work for a step whose batch is the run's ``n`` decoders
-        (with ``due`` starting a page) and what ``_admit_waiting`` admits from the
-        waiting queue, then the step itself (``admit``). Returns the plan of the
-        admitted chunks and the step's seconds."""
+        (with ``due`` starting a page), the chunks of ``fillers`` (still computing
+        their context; ``Scheduler.fillers_on_hand``) and what ``_admit_waiting``
+        admits from the waiting queue, then the step itself (``admit``). Returns
+        the plan of the fillers' and admitted chunks and the step's seconds."""
         sched = self.scheduler
         plan, _ = sched._open_plan(t)
         kv = sched.kv
         kv.copy_budget = self._swap_pages
         if due:
             kv.add_page_each([r for _, r in due])
-        sched._admit_waiting(plan, plan.token_budget - n, t)
+        left = plan.token_budget - n
+        if fillers:
+            left = sched.give_fillers(plan, fillers, left, t)
+        sched._admit_waiting(plan, left, t)
         return sched._close_plan(plan, t), self._admit(plan, n, self._reads)
 
-    def _join_admitted(self, plan: StepPlan) -> None:
-        """The requests ``plan`` admitted join the run once they decode; one still
-        computing its context ends the run (the next step is the ordered pass's)."""
+    def _join_computed(self, plan: StepPlan) -> None:
+        """The requests of ``plan`` (fillers and admitted) join the run once they
+        decode; one still computing its context stays a filler of the run (with a
+        static budget; else it ends the run: the next step is the ordered pass's)."""
+        sched = self.scheduler
         for chunk in plan.chunks:
             r = chunk.request
-            if r not in self.scheduler._decoding:
-                self.headroom = self.steps
+            if r not in sched._decoding:
+                if r not in sched._filling or self._static_budget is None:
+                    self.headroom = self.steps
                 continue
             pos = self._positions
             self._positions += 1

@@ -438,9 +438,25 @@ class Scheduler:
         page_size = kv.page_size
         # kv.pages_needed(r, 1), inlined: a decoder whose next token starts a page
         due = [r for r in self._page_due if r in decoding and r.num_computed_tokens >= len(r.device_pages) * page_size]
-        left = budget - len(decoding)
-        others: list[tuple[Request, int, int, int]] = []   # (request, start, tokens, pages it lacks)
-        pages = len(due)
+        fillers = self.fillers_on_hand(budget - len(decoding), len(due))
+        if fillers is None:
+            return None
+        self._page_due.clear()
+        if due:
+            kv.add_page_each(due)
+        left = self.give_fillers(plan, fillers, budget - len(decoding), now)
+        plan.chunks.extend(decoding.values())
+        return left
+
+    def fillers_on_hand(self, left: int, pages: int) -> list[tuple[Request, int, int, int]] | None:
+        """The chunks of the running requests still computing their context (in
+        batch order) when the decoders' tokens come first, ``left`` tokens
+        remaining after them and ``pages`` device pages already wanted this step:
+        ``[(request, start, tokens, pages it lacks)]``; None when the pages are
+        not on hand or serving the decoders first is not what the batch order
+        gives (see ``_schedule_on_hand``). Changes nothing."""
+        page_size = self.kv.page_size
+        others: list[tuple[Request, int, int, int]] = []
         short = False   # the budget did not cover every request's whole chunk
         for request in self._filling:
             if left <= 0:
@@ -456,18 +472,21 @@ class Scheduler:
             others.append((request, start, n, need))
             pages += need
             left -= n
-        if pages > kv.num_free_device or (short and self._decoder_after(next(iter(self._filling.values())))):
+        if pages > self.kv.num_free_device or (short and self._decoder_after(next(iter(self._filling.values())))):
             return None
-        self._page_due.clear()
-        if due:
-            kv.add_page_each(due)
-        chunks, resuming = plan.chunks, self._resume_pending
-        for request, start, n, need in others:
+        return others
+
+    def give_fillers(self, plan: StepPlan, fillers: list[tuple[Request, int, int, int]], left: int,
+                     now: float) -> int:
+        """Plan ``fillers`` (from ``fillers_on_hand``, still current): their pages and
+        chunks. Returns ``left`` less their tokens."""
+        kv, chunks, resuming = self.kv, plan.chunks, self._resume_pending
+        for request, start, n, need in fillers:
             kv.allocate_slots(request, need)
             chunks.append(ScheduledChunk(request, start, n, start + n == request.num_tokens))
             if request.request_id in resuming:
                 self._mark_scheduled(request, now)
-        chunks.extend(decoding.values())
+            left -= n
         return left
 
     def _decoder_after(self, place: int) -> bool:
@@ -637,11 +656,13 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------ decode runs
-    def quiet_decoders(self) -> list[Request]:
+    def quiet_decoders(self, with_fillers: bool = False) -> list[Request]:
         """The decoding requests, when the coming steps are decode-only and nothing
-        but them can change (``scheduler.fast_forward``); else an empty list."""
+        but them can change (``scheduler.fast_forward``); else an empty list.
+        ``with_fillers``: running requests still computing their context may be
+        there too (the caller plans their chunks)."""
         policy = type(self.policy)
-        if (self._filling or not self._decoding or self.swapping_out or self.swapping_in
+        if ((self._filling and not with_fillers) or not self._decoding or self.swapping_out or self.swapping_in
                 or self._resume_pending or self._reorders_running or policy.on_plan is not Policy.on_plan
                 or (self.kv.paused_holders and policy.redecide is not Policy.redecide)
                 or (self.waiting and len(self.running) < self.config.max_num_seqs)):

@@ -88,9 +88,10 @@ def test_replicas_are_the_same_step_for_step(monkeypatch):
 def test_runs_admit_refuse_and_end_exactly(monkeypatch):
     """Re-send on 2 replicas with conversations built to hit every branch of a
     run's admission step: admitted prompts that finish in the step and join the
-    run, prompts longer than the step's budget (still computing: the run ends),
-    and one-token segments (their stop rule fires on the first token: the run
-    refuses the step). Step for step the same as without decode runs."""
+    run, prompts longer than the step's budget (still computing: the run plans
+    their next chunks as fillers), and one-token segments (their stop rule fires
+    on the first token: the run refuses the step). Step for step the same as
+    without decode runs."""
     import random
 
     from jaxserve.replay.trace import TraceEntry
@@ -105,8 +106,8 @@ def test_runs_admit_refuse_and_end_exactly(monkeypatch):
                          for _ in range(rng.randint(2, 5)))
         entry = TraceEntry(f"c{i}", prompt_len=rng.choice([30, 200, 900]), segments=segments)
         items.append(WorkloadItem(f"c{i}", 0.05 * i + rng.random() * 0.02, entry))
-    counts = {"admitted": 0, "still computing": 0, "refused": 0}
-    can_admit, join = DecodeRun._can_admit, DecodeRun._join_admitted
+    counts = {"admitted": 0, "still computing": 0, "refused": 0, "filler steps": 0}
+    can_admit, join, mixed_step = DecodeRun._can_admit, DecodeRun._join_computed, DecodeRun._mixed_step
 
     def counting_can_admit(self):
         ok = can_admit(self)
@@ -117,6 +118,10 @@ def test_runs_admit_refuse_and_end_exactly(monkeypatch):
         for chunk in plan.chunks:
             counts["admitted" if chunk.request in self.scheduler._decoding else "still computing"] += 1
         return join(self, plan)
+
+    def counting_mixed_step(self, t, n, due, fillers):
+        counts["filler steps"] += bool(fillers)
+        return mixed_step(self, t, n, due, fillers)
 
     def run(fast_forward: bool):
         schedulers = [build_scheduler(COST, make_policy("lamps", make_predictor("oracle", 0)),
@@ -129,7 +134,8 @@ def test_runs_admit_refuse_and_end_exactly(monkeypatch):
                                          result.follow_up_hits, result.requests_by_replica)
     stepped = run(False)
     monkeypatch.setattr(DecodeRun, "_can_admit", counting_can_admit)
-    monkeypatch.setattr(DecodeRun, "_join_admitted", counting_join)
+    monkeypatch.setattr(DecodeRun, "_join_computed", counting_join)
+    monkeypatch.setattr(DecodeRun, "_mixed_step", counting_mixed_step)
     forwarded = run(True)
     assert forwarded == stepped
     assert all(n > 0 for n in counts.values()), counts
