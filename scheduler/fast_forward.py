@@ -18,7 +18,10 @@ step per ``step(t)`` call, at a cost that does not grow with the batch:
   before a step that would admit requests added meanwhile unless the caller
   takes admissions (``admit``: the run plans them with ``schedule()``'s own
   admission code, they come first in the batch, and those whose context is
-  then computed join the run; one still computing ends it). The caller ends
+  then computed join the run; one still computing stays as a filler whose
+  next chunks the run plans with ``schedule()``'s code for them,
+  ``Scheduler.fillers_on_hand``, while the token budget is static; a run
+  with ``admit`` may also open with fillers). The caller ends
   it before anything else from outside (an API return) and then calls
   ``close``;
 - per step it does what such a step does: the policy's per-step work
