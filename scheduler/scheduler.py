@@ -454,7 +454,7 @@ class Scheduler:
         remaining after them and ``pages`` device pages already wanted this step:
         ``[(request, start, tokens, pages it lacks)]``; None when the pages are
         not on hand or serving the decoders first is not what the batch order
-        gives (see ``_schedule_on_hand``). Changes nothing."""
+        gives (see ``_schedule_on_hand``). Plans and allocates nothing."""
         page_size = self.kv.page_size
         others: list[tuple[Request, int, int, int]] = []
         short = False   # the budget did not cover every request's whole chunk
