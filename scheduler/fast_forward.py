@@ -173,10 +173,10 @@ class DecodeRun:
         if sched._filling:   # requests still computing their context: their chunks as schedule() plans them
             if self._static_budget is not None:
                 fillers = sched.fillers_on_hand(self._static_budget - n, len(due) if due else 0)
-            if fillers is None or not self._fillers_can_run(fillers):
+            if fillers is None or not self._fillers_can_run(fillers):   # (fillers_on_hand counted ``due``'s pages)
                 self._put_back(due)
                 return None
-        if due and len(due) > kv.num_free_device:
+        elif due and len(due) > kv.num_free_device:
             self._put_back(due)
             return None   # the ordered pass preempts here
         mixed = admitting or fillers is not None

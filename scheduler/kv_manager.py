@@ -39,6 +39,7 @@ owners (``CACHE_OWNER`` for cached pages of either tier) and the cache books.
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import Callable
 
 from scheduler.pages import PageAllocator
 from scheduler.plan import CACHE_OWNER, SwapOp
@@ -269,14 +270,8 @@ class KVManager:
         if cache is None or request.device_pages:
             return []
         hashes = self.hashes(request, (request.num_tokens - 1) // self.page_size)
-        memo = self._lookups.get(request.request_id)
         match = cache.match_tiers if self.host_tier else cache.match
-        if memo is None or memo[0] != cache.epoch:
-            pages = match(hashes)
-        else:
-            pages = memo[1]
-            if len(pages) < len(hashes):
-                pages += match(hashes[len(pages):])
+        pages = self._cached_run(self._lookups.get(request.request_id), hashes, match)
         self._lookups[request.request_id] = (cache.epoch, pages)
         if self.host_tier and pages and min(pages) < 0:
             budget = self.copy_budget
@@ -287,6 +282,21 @@ class KVManager:
                     budget -= 1
         return list(pages)
 
+    def _cached_run(self, memo: tuple[int, list[int]] | None, hashes: list[bytes],
+                    match: Callable[[list[bytes]], list[int]]) -> list[int]:
+        """``match(hashes)`` (the longest cached run), from ``memo`` = ``(cache epoch,
+        pages)`` of an earlier match of ``hashes``' first pages while the epoch is
+        unchanged: nothing has left the cache since, so the run can only have grown
+        and only the hashes after it are matched (the memo's list is extended)."""
+        if memo is None or memo[0] != self.cache.epoch:
+            return match(hashes)
+        pages = memo[1]
+        if len(pages) > len(hashes):
+            return pages[:len(hashes)]
+        if len(pages) < len(hashes):
+            pages += match(hashes[len(pages):])
+        return pages
+
     def fits(self, num_new_pages: int, hits: list[int]) -> bool:
         """Whether ``num_new_pages`` device pages can be allocated after linking
         ``hits`` (from ``lookup``; empty: none): ``num_new_pages <= num_free_device
@@ -296,8 +306,7 @@ class KVManager:
         free = self.device_pool.num_free
         if num_new_pages + len(hits) <= free:
             return True
-        taken = self.num_evictable_in(hits) if hits else 0
-        return num_new_pages <= free + (self.cache.num_evictable if self.cache is not None else 0) - taken
+        return num_new_pages <= self.num_free_device - (self.num_evictable_in(hits) if hits else 0)
 
     def num_evictable_in(self, pages: list[int]) -> int:
         """How many pages linking ``pages`` (from ``lookup``) takes from what an
@@ -433,14 +442,8 @@ class KVManager:
         cache = self.cache
         if cache is not None:
             full = min(request.num_computed_tokens // self.page_size, n)
-            hashes = self.hashes(request, full)
-            run = self._swapped_runs.get(request.request_id)
-            if run is not None and run[0] == cache.epoch:   # nothing evicted since its swap-out
-                hits = run[1][:full]
-                if len(hits) < len(hashes):
-                    hits += cache.match(hashes[len(hits):])
-            else:
-                hits = cache.match(hashes)
+            hits = self._cached_run(self._swapped_runs.get(request.request_id), self.hashes(request, full),
+                                    cache.match)
         if not self.fits(n - len(hits), hits):
             return False
         self._swapped_runs.pop(request.request_id, None)
