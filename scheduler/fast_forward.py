@@ -251,7 +251,7 @@ class DecodeRun:
         admits from the waiting queue, then the step itself (``admit``). Returns
         the plan of the fillers' and admitted chunks and the step's seconds."""
         sched = self.scheduler
-        plan, _ = sched._open_plan(t)
+        plan, _ = sched._open_plan(t, want_view=False)
         kv = sched.kv
         kv.copy_budget = self._swap_pages
         if due:

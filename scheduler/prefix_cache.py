@@ -261,7 +261,7 @@ class PrefixCache:
         """Evict up to ``want`` of the LRU's oldest live pages whose key is below ``bound``
         (None: no bound) into ``evicted``, skipping stale ones; returns how many. It
         stops at a live page (or with the LRU empty) unless ``want`` were evicted."""
-        lru, evictable, hash_of, page_of, refs = self._lru, self._evictable, self.hash_of, self.page_of, self.refs
+        lru, evictable, hash_of, page_of = self._lru, self._evictable, self.hash_of, self.page_of
         residence, inf = self.residence_s, float("inf")
         done, pos, passed = 0, self._lru_pos, 0
         while lru and done < want:
@@ -281,8 +281,7 @@ class PrefixCache:
                 if now is not None:   # ``_forget``, inlined: the simulator evicts millions of pages an hour
                     residence = age if residence == inf else 0.9 * residence + 0.1 * age
                 h = hash_of.pop(p)
-                del page_of[h]
-                refs[p] = 0
+                del page_of[h]   # (its count is 0 already: it was evictable)
                 evicted.append((p, h))
                 done += 1
             passed += pos - start
@@ -333,8 +332,7 @@ class PrefixCache:
                 age = 0.0
             self.residence_s = age if self.residence_s == float("inf") else 0.9 * self.residence_s + 0.1 * age
         h = self.hash_of.pop(page)
-        del self.page_of[h]
-        self.refs[page] = 0
+        del self.page_of[h]   # (its count is 0 already: it was evictable)
         evicted.append((page, h))
 
     # ------------------------------------------------------------ host tier

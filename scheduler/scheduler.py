@@ -340,13 +340,17 @@ class Scheduler:
         self._admit_waiting(plan, budget, now)
         return self._close_plan(plan, now)
 
-    def _open_plan(self, now: float) -> tuple[StepPlan, MemoryView]:
+    def _open_plan(self, now: float, want_view: bool = True) -> tuple[StepPlan, MemoryView | None]:
         """Start step ``iteration + 1`` at ``now``: the policy's per-step work, and an
-        empty plan with the step's token budget (with the memory view it saw)."""
+        empty plan with the step's token budget (with the memory view it saw; None
+        when not ``want_view`` and the budget is static: no view was needed)."""
         self.iteration += 1
         self.now = now
         self.kv.copies_done()
         self._policy_step(now)
+        mode = self.config.token_budget
+        if not want_view and (mode == "static" or (mode == "policy" and self.policy.dynamic_budget is None)):
+            return StepPlan(token_budget=max(1, self.config.max_num_batched_tokens), time=now), None
         view = self.view()
         return StepPlan(token_budget=max(1, self._token_budget(view)), time=now), view
 

@@ -122,7 +122,7 @@ class SimExecutor:
                 return self._advance(*self._with_copies(t_step(context_tokens), copied_pages))
             dt = t_step(context_tokens)   # ``_advance(dt, 0.0, 0)``, inlined: most simulated steps come here
             self.forward_time_s += dt - 0.0
-            clock.advance(dt)
+            clock.t += dt   # ``clock.advance(dt)``
             return dt
         return step
 

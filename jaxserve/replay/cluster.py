@@ -279,10 +279,11 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
         next_pass[i] = None
         replica = replicas[i]
         core, clock = replica.core, replica.clock
-        clock.sleep_until(t)
         passes += 1
         run = runs[i]
-        if run is not None:
+        if run is None:
+            clock.sleep_until(t)   # (a run's next pass is at its clock's time: nothing to sleep)
+        else:
             if not core.api.poll_ready(t) and run.step(t) is not None:
                 if run.finished:
                     for r in run.finished:
