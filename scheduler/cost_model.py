@@ -115,7 +115,8 @@ class CostModel:
         token part computed once: the same arithmetic, so the same floats (decode runs)."""
         forward, overhead = self._forward(max(0.0, num_tokens)), self.step_time_scale * self.step_overhead_s
         scale, per_context = self.step_time_scale, self.fwd_per_context_token_s   # ``_with_context``, inlined
-        return lambda context_tokens: scale * (forward + per_context * max(0.0, context_tokens)) + overhead
+        # (``c if c > 0 else 0.0`` is ``max(0.0, c)`` without a call: once per simulated decode step)
+        return lambda c: scale * (forward + per_context * (c if c > 0 else 0.0)) + overhead
 
     def t_swap(self, num_tokens: float) -> float:
         """Seconds of a one-way copy of ``num_tokens`` tokens' KV over the host link."""

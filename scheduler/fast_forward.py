@@ -159,7 +159,7 @@ class DecodeRun:
         kv = sched.kv
         if self._dynamic_budget and max(1, sched._token_budget(sched.view())) < n:
             return None
-        admitting = sched.waiting and len(sched.running) < sched.config.max_num_seqs
+        admitting = bool(sched.waiting) and len(sched.running) < sched.config.max_num_seqs   # (one __bool__ call)
         if admitting and not self._can_admit():
             return None
         due = None
@@ -184,7 +184,7 @@ class DecodeRun:
             plan, dt = self._mixed_step(t, n, due, fillers)
         else:
             sched.iteration += 1
-            sched.now = t
+            kv.now = t   # (``sched.now = t`` without the property's call)
             sched._policy_step(t)
             copy_out = None
             if due:

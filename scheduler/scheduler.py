@@ -379,7 +379,8 @@ class Scheduler:
         for r in policy.on_step(now, self.iteration):
             if r in ranked:
                 ranked.add(r, policy.priority(r, now, None))
-        self._redecide_paused(now)
+        if self.kv.paused_holders:   # (``_redecide_paused``'s own first check: most steps hold no call)
+            self._redecide_paused(now)
 
     def _token_budget(self, view: MemoryView) -> int:
         mode, target = self.config.token_budget, self.config.max_num_batched_tokens

@@ -289,7 +289,7 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
                     for r in run.finished:
                         follow_up(r)
                     run.finished.clear()
-                next_pass[i] = at = clock.now()   # wake_at(i, clock.now()), inlined: the hot path
+                next_pass[i] = at = clock.t   # wake_at(i, clock.now()), inlined: the hot path
                 heapq.heappush(active, (at, i))
                 continue
             end_run(i)
