@@ -107,8 +107,7 @@ class DecodeRun:
         self._on_finish, self._admit = on_finish, admit
         stops = [decode_stop(r, self._limit) for r in decoders]
         self.headroom = min((last for last, ends in stops if not (ends and on_finish)), default=float("inf"))
-        self._dynamic_budget = config.token_budget == "dynamic" or (
-            config.token_budget == "policy" and scheduler.policy.dynamic_budget is not None)
+        self._dynamic_budget = scheduler.budget_is_dynamic
         self._static_budget = None if self._dynamic_budget else max(1, scheduler._token_budget(scheduler.view()))
         if self._static_budget is not None and self._static_budget < len(decoders):
             self.headroom = 0

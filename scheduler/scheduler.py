@@ -321,10 +321,8 @@ class Scheduler:
         self._enqueue(request, self.now)
 
     def _redecide_paused(self, now: float) -> None:
-        """Apply the policy's switches of calls paused under Preserve (``Policy.redecide``),
-        if any call is held so."""
-        if not self.kv.paused_holders:
-            return
+        """Apply the policy's switches of calls paused under Preserve (``Policy.redecide``;
+        the caller checked that a call is held so)."""
         for request, handling in self.policy.redecide(now, self._preserved, self.view):
             if handling != Handling.PRESERVE and request.request_id in self.kv.paused_holders:
                 self.kv.release(request)
@@ -348,8 +346,7 @@ class Scheduler:
         self.now = now
         self.kv.copies_done()
         self._policy_step(now)
-        mode = self.config.token_budget
-        if not want_view and (mode == "static" or (mode == "policy" and self.policy.dynamic_budget is None)):
+        if not want_view and not self.budget_is_dynamic:
             return StepPlan(token_budget=max(1, self.config.max_num_batched_tokens), time=now), None
         view = self.view()
         return StepPlan(token_budget=max(1, self._token_budget(view)), time=now), view
@@ -379,8 +376,14 @@ class Scheduler:
         for r in policy.on_step(now, self.iteration):
             if r in ranked:
                 ranked.add(r, policy.priority(r, now, None))
-        if self.kv.paused_holders:   # (``_redecide_paused``'s own first check: most steps hold no call)
+        if self.kv.paused_holders:   # (most steps hold no call under Preserve)
             self._redecide_paused(now)
+
+    @property
+    def budget_is_dynamic(self) -> bool:
+        """Whether a step's token budget depends on memory (``_token_budget`` reads its view)."""
+        mode = self.config.token_budget
+        return mode == "dynamic" or (mode == "policy" and self.policy.dynamic_budget is not None)
 
     def _token_budget(self, view: MemoryView) -> int:
         mode, target = self.config.token_budget, self.config.max_num_batched_tokens
