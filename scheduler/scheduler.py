@@ -346,9 +346,7 @@ class Scheduler:
         self.now = now
         self.kv.copies_done()
         self._policy_step(now)
-        if not want_view and not self.budget_is_dynamic:
-            return StepPlan(token_budget=max(1, self.config.max_num_batched_tokens), time=now), None
-        view = self.view()
+        view = self.view() if want_view or self.budget_is_dynamic else None
         return StepPlan(token_budget=max(1, self._token_budget(view)), time=now), view
 
     def _close_plan(self, plan: StepPlan, now: float) -> StepPlan:
@@ -385,7 +383,8 @@ class Scheduler:
         mode = self.config.token_budget
         return mode == "dynamic" or (mode == "policy" and self.policy.dynamic_budget is not None)
 
-    def _token_budget(self, view: MemoryView) -> int:
+    def _token_budget(self, view: MemoryView | None) -> int:
+        """Tokens the step may batch; ``view`` may be None when not ``budget_is_dynamic``."""
         mode, target = self.config.token_budget, self.config.max_num_batched_tokens
         if mode == "static":
             return target
