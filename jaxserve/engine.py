@@ -37,7 +37,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_format import select_format
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
-from jaxserve.weights import load_model, parse_dtype
+from jaxserve.weights import load_model, parse_dtype, read_config
 from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent, RequestState, Scheduler,
                        SchedulerConfig, Segment, make_policy, make_predictor)
 
@@ -68,7 +68,7 @@ class LLMEngine:
         if config.compilation_cache:
             enable_compilation_cache()
         self.model_dir = resolve_model(config.model)
-        attention_impl = config.attention_impl or kernels.default_impl(parse_dtype(config.dtype))
+        attention_impl = config.attention_impl or self._default_attention_impl(config)
         interpret = config.interpret
         if interpret is None:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"
@@ -132,6 +132,13 @@ class LLMEngine:
             executor.start_broadcasting()
 
     # ------------------------------------------------------------- parts
+    def _default_attention_impl(self, config: EngineConfig) -> str:
+        """The device's attention kernel for this checkpoint's cache dtype, head_dim and GQA
+        group at ``config.page_size`` (a kernel that cannot tile them falls back, logged)."""
+        shape = read_config(self.model_dir)
+        group = shape.num_attention_heads // shape.num_key_value_heads
+        return kernels.default_impl(parse_dtype(config.dtype), (shape.head_dim, config.page_size, group))
+
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler

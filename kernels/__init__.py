@@ -23,7 +23,7 @@ import jax
 
 from kernels import reference
 from kernels.kv_write import write_kv_pages, write_kv_pages_donated
-from kernels.validate import IMPLS, check_attention_args
+from kernels.validate import IMPLS, check_attention_args, check_impl_tiling
 
 __all__ = [
     "IMPLS",
@@ -51,38 +51,60 @@ def triton_available() -> bool:
 
 
 def select_impl(platform: str, compute_capability: float | None, dtype: str | None,
-                has_triton: bool) -> tuple[str, str | None]:
+                has_triton: bool, tiling: tuple[int, int, int] | None = None) -> tuple[str, str | None]:
     """The attention implementation for a device, and why, if it is a fallback.
 
     ``platform``: ``jax.default_backend()`` ("gpu", "tpu", "cpu" …);
     ``compute_capability``: the GPU's, e.g. 9.0 (None off GPU); ``dtype``:
     the KV cache dtype name, None if unknown; ``has_triton``: see
-    ``triton_available``. Returns ``(impl, reason)``; ``reason`` is None
-    when the native kernel for the device was chosen.
+    ``triton_available``; ``tiling``: ``(head_dim, page_size, GQA group)`` of
+    the model's attention, None if unknown (then only the dtype is checked).
+    A GPU kernel that cannot tile the shape (``validate.check_impl_tiling``)
+    is skipped for the next one. Returns ``(impl, reason)``; ``reason`` is
+    None when the native kernel for the device was chosen.
     """
     if platform == "tpu":
         return "pallas_tpu", None
     if platform != "gpu":
         return "reference", None
+
+    def cannot_tile(impl: str) -> str | None:
+        if tiling is None or dtype is None:
+            return None
+        try:
+            check_impl_tiling(impl, dtype, *tiling)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     lo, hi = MOSAIC_GPU_CAPABILITIES
     hopper = compute_capability is not None and lo <= compute_capability < hi
-    if hopper and (dtype is None or dtype in MOSAIC_GPU_DTYPES):
-        return "pallas_mosaic_gpu", None
-    why = (f"the Mosaic GPU kernel needs a bfloat16/float16 cache, not {dtype}" if hopper else
-           f"compute capability {compute_capability} is not Hopper (9.x), the only "
-           f"generation the Mosaic GPU kernel (wgmma) is written for")
+    if not hopper:
+        why = (f"compute capability {compute_capability} is not Hopper (9.x), the only "
+               f"generation the Mosaic GPU kernel (wgmma) is written for")
+    elif dtype is not None and dtype not in MOSAIC_GPU_DTYPES:
+        why = f"the Mosaic GPU kernel needs a bfloat16/float16 cache, not {dtype}"
+    else:
+        why = cannot_tile("pallas_mosaic_gpu")
+        if why is None:
+            return "pallas_mosaic_gpu", None
     if has_triton:
-        return "pallas_gpu", f"{why}; using the Pallas Triton kernel"
+        triton_why = cannot_tile("pallas_gpu")
+        if triton_why is None:
+            return "pallas_gpu", f"{why}; using the Pallas Triton kernel"
+        return "reference", f"{why}; {triton_why}; using the reference attention"
     return "reference", f"{why}, and this JAX has no Pallas Triton backend; using the reference attention"
 
 
-def default_impl(dtype=None) -> str:
-    """The attention implementation for the default device and a KV cache of ``dtype``.
+def default_impl(dtype=None, tiling: tuple[int, int, int] | None = None) -> str:
+    """The attention implementation for the default device, a KV cache of ``dtype``
+    and, when given, ``tiling`` = ``(head_dim, page_size, GQA group)``.
 
     TPU: ``"pallas_tpu"``. GPU of compute capability 9.x (Hopper) with a
-    bfloat16/float16 cache (or ``dtype=None``): ``"pallas_mosaic_gpu"``;
-    other GPUs (Ampere, Blackwell) or a float32 cache: ``"pallas_gpu"``
-    while the installed JAX has Pallas Triton, else ``"reference"``. Anything
+    bfloat16/float16 cache (or ``dtype=None``) whose shape the kernel tiles:
+    ``"pallas_mosaic_gpu"``; other GPUs (Ampere, Blackwell), a float32 cache
+    or a shape it cannot tile: ``"pallas_gpu"`` while the installed JAX has
+    Pallas Triton and it tiles the shape, else ``"reference"``. Anything
     else: ``"reference"``. A fallback is logged once, with its reason.
     """
     platform = jax.default_backend()
@@ -91,7 +113,7 @@ def default_impl(dtype=None) -> str:
         capability = _compute_capability(jax.devices()[0])
     name = None if dtype is None else jax.numpy.dtype(dtype).name
     impl, reason = select_impl(platform, capability, name,
-                               triton_available() if platform == "gpu" else False)
+                               triton_available() if platform == "gpu" else False, tiling)
     if reason:
         _log_once(f"attention: {reason}")
     return impl

@@ -96,13 +96,20 @@ def check_attention_args(
         raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    check_impl_tiling(impl, jnp.result_type(q), head_dim, page_size, num_q_heads // num_kv_heads)
+
+
+def check_impl_tiling(impl: str, dtype, head_dim: int, page_size: int, group: int) -> None:
+    """Raise ``ValueError`` (its message starting ``impl='...'``) if ``impl`` cannot tile an
+    attention of this cache ``dtype``, ``head_dim``, ``page_size`` (tokens per page) and GQA
+    ``group`` (query heads per KV head); the reference and the TPU kernel tile any."""
     if impl == "pallas_gpu":
         # Triton tensors must have power-of-two sizes and tl.dot needs >= 16.
         for name, n in (("head_dim", head_dim), ("page_size", page_size)):
             if not _is_power_of_two(n) or n < 16:
                 raise ValueError(f"impl='pallas_gpu' needs a power-of-two {name} >= 16, got {n}")
     if impl == "pallas_mosaic_gpu":
-        _check_mosaic_gpu_tiling(jnp.result_type(q), head_dim, page_size, num_q_heads // num_kv_heads)
+        _check_mosaic_gpu_tiling(jnp.dtype(dtype), head_dim, page_size, group)
 
 
 def _check_mosaic_gpu_tiling(dtype: jnp.dtype, head_dim: int, page_size: int, group: int) -> None:

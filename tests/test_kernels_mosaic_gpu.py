@@ -156,6 +156,24 @@ def test_backend_selection(platform, capability, dtype, triton, want):
     assert (reason is None) == (want != "pallas_gpu" and not (platform == "gpu" and want == "reference"))
 
 
+@pytest.mark.parametrize("capability,dtype,tiling,triton,want,why", [
+    (9.0, "bfloat16", (128, 16, 4), True, "pallas_mosaic_gpu", None),
+    (9.0, "bfloat16", (16, 16, 2), True, "pallas_gpu", "head_dim a multiple of 64"),
+    (9.0, "bfloat16", (64, 24, 2), True, "reference", "page_size in"),
+    (9.0, "bfloat16", (80, 16, 2), True, "reference", "power-of-two head_dim"),
+    (9.0, "bfloat16", (16, 16, 2), False, "reference", "no Pallas Triton backend"),
+    (8.0, "float32", (16, 16, 2), True, "pallas_gpu", "not Hopper"),
+])
+def test_backend_selection_falls_back_for_shapes_a_kernel_cannot_tile(capability, dtype, tiling, triton, want, why):
+    """On a GPU a model whose head_dim / page_size / GQA group a kernel cannot tile gets the
+    next kernel that can (found on an H200: a head_dim-16 model failed at its first step)."""
+    impl, reason = kernels.select_impl("gpu", capability, dtype, triton, tiling)
+    assert impl == want
+    assert (reason is None) == (why is None)
+    if why:
+        assert why in reason
+
+
 def test_default_impl_on_cpu_with_any_dtype():
     assert kernels.default_impl(jnp.bfloat16) == "reference"
     assert kernels.triton_available() in (True, False)
