@@ -1,4 +1,6 @@
-"""Token-for-token parity with Hugging Face transformers (PyTorch) on tiny random checkpoints."""
+"""Token-for-token parity with Hugging Face transformers (PyTorch) on tiny random checkpoints.
+
+The engine runs in float32 like the reference (named: ``dtype="auto"`` is bfloat16 on a GPU)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def references(hf_checkpoints):
 def test_greedy_matches_transformers(kind, pool, hf_checkpoints, references):
     # tight: 12 pages of 8 tokens for six requests of up to 65 tokens -> preemption by recompute
     num_pages = 256 if pool == "roomy" else 12
-    llm = LLM(str(hf_checkpoints[kind][1]), page_size=8, num_pages=num_pages, max_num_batched_tokens=64,
+    llm = LLM(str(hf_checkpoints[kind][1]), dtype="float32", page_size=8, num_pages=num_pages, max_num_batched_tokens=64,
               max_model_len=128, check_invariants=True, warmup=False)
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=SamplingParams(
         max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
@@ -50,7 +52,7 @@ def test_greedy_matches_transformers(kind, pool, hf_checkpoints, references):
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_match_each_step(kind, hf_checkpoints):
     model, path = hf_checkpoints[kind]
-    llm = LLM(str(path), page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=128, warmup=False,
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=128, warmup=False,
               keep_logits=True)
     engine = llm.engine
     ids = prompts(1)[4]
@@ -73,7 +75,7 @@ def test_logits_match_each_step(kind, hf_checkpoints):
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_greedy_matches_transformers_with_pallas_kernels_in_interpret_mode(impl, hf_checkpoints, references):
-    llm = LLM(str(hf_checkpoints["llama"][1]), page_size=16, num_pages=64, max_num_batched_tokens=64,
+    llm = LLM(str(hf_checkpoints["llama"][1]), dtype="float32", page_size=16, num_pages=64, max_num_batched_tokens=64,
               max_model_len=128, attention_impl=impl, interpret=True, check_invariants=True, warmup=False)
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=SamplingParams(
         max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
@@ -115,3 +117,18 @@ def test_greedy_with_mosaic_gpu_kernel_in_interpret_mode_matches_reference_atten
             max_tokens=8, temperature=0.0, ignore_eos=True))
         tokens[impl] = [o.token_ids for o in outs]
     assert tokens["pallas_mosaic_gpu"] == tokens["reference"]
+
+
+@pytest.mark.parametrize("dtype,every_product_exact", [("float32", True), ("bfloat16", False)])
+def test_float32_engine_multiplies_at_full_precision(dtype, every_product_exact):
+    """A float32 engine's step lowers every matrix product at HIGHEST precision, so
+    XLA:GPU cannot use TF32 for it (it did for the XLA attention on an H200: 9e-4 off
+    float64); bfloat16 steps keep the backend's default for their products."""
+    llm = LLM("demo", dtype=dtype, num_pages=32, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
+              warmup=False)
+    runner = llm.engine.executor
+    text = runner.lower_step(runner.synthetic_inputs(runner.config.token_buckets[0])).as_text()
+    llm.engine.shutdown()
+    products = [line for line in text.splitlines() if "dot_general" in line]
+    assert products
+    assert all("HIGHEST" in line for line in products) == every_product_exact

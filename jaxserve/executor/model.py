@@ -17,6 +17,7 @@ same token.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,6 +104,16 @@ class StepInputs:
     num_seqs: int
 
 
+def at_highest_precision(fn: Callable) -> Callable:
+    """``fn`` traced with every matrix product at full precision
+    (``jax.default_matmul_precision("highest")``)."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+    return traced
+
+
 class ModelExecutor:
     """Owns the model parameters and the KV cache on the device; runs steps.
 
@@ -141,8 +152,11 @@ class ModelExecutor:
         kv_shardings = [(self.device_sharding, self.device_sharding)] * c.num_hidden_layers
         self.kv = jax.jit(lambda: [(jnp.zeros(shape, config.kv_dtype), jnp.zeros(shape, config.kv_dtype))
                                    for _ in range(c.num_hidden_layers)], out_shardings=kv_shardings)()
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
-        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))   # structured output: sample apart
+        # A float32 model multiplies in IEEE float32, as transformers does: at DEFAULT precision
+        # XLA:GPU may use TF32 (10-bit mantissa) for float32 dots, which moves logits by ~1e-3.
+        traced = at_highest_precision if config.kv_dtype == jnp.float32 else (lambda fn: fn)
+        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,))
+        self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,))   # structured output: sample apart
         self._sample_masked = jax.jit(sample_masked)
         # Structured output on CPU: the mask is filled before one step program. A second program per
         # step costs more there (a dispatch, the XLA thread pool woken again) than filling while the
@@ -278,6 +292,24 @@ class ModelExecutor:
             self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices, SamplingArrays(**sampling),
             bitmask)
         return tokens, logits
+
+    def lower_step(self, inputs: StepInputs) -> jax.stages.Lowered:
+        """The step program for ``inputs``'s shapes, traced and lowered (Pallas kernels
+        are built here), bypassing the jit cache; nothing runs."""
+        input_ids, meta, logits_indices, sampling = put_replicated(
+            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
+        return self._step.lower(self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices,
+                                SamplingArrays(**sampling), None)
+
+    def compile_seconds(self, inputs: StepInputs) -> tuple[float, float]:
+        """``(lower_s, compile_s)``: seconds to ``lower_step(inputs)``, then to compile the
+        result to the device (a read from the persistent compilation cache, when that is
+        on and has it). Every call pays both again."""
+        start = time.perf_counter()
+        lowered = self.lower_step(inputs)
+        lowered_at = time.perf_counter()
+        lowered.compile()
+        return lowered_at - start, time.perf_counter() - lowered_at
 
     def forward_masked(self, inputs: StepInputs,
                        fill_bitmask: Callable[[], np.ndarray]) -> tuple[jax.Array, jax.Array]:
