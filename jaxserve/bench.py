@@ -68,8 +68,12 @@ def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: st
                                            max_model_len=args.prompt_len + args.max_tokens + args.page_size,
                                            load_format=load_format, **overrides))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    # Step shapes compile on first use: an untimed pass over the same workload compiles them all.
-    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    # Step shapes compile on first use: an untimed pass compiles them all. Its prompts have the
+    # same lengths (so the same step shapes) but other tokens (each rotated by one), so the timed
+    # pass finds none of its prompts in the prefix cache: like transformers, it computes every
+    # prompt token, and it compiles nothing.
+    llm.generate(prompt_token_ids=[p[1:] + p[:1] for p in prompts], sampling_params=params)
+    shapes = set(llm.engine.executor.step_shapes)
     stats, executor = llm.engine.stats, llm.engine.executor
     steps0, step0, wait0, disp0 = stats.steps, stats.step_time_s, executor.device_wait_s, executor.dispatch_s
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -79,10 +83,12 @@ def run_jaxserve(model_dir: str, prompts: list[list[int]], args, load_format: st
     dispatch = executor.dispatch_s - disp0
     host = (stats.step_time_s - step0) - (executor.device_wait_s - wait0) - dispatch
     tokens = sum(len(o.token_ids) for o in outs)
+    compiled = sorted(set(executor.step_shapes) - shapes)   # should stay empty: compiling is not serving
     llm.engine.shutdown()
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "cpu_seconds": cpu, "steps": steps,
             "host_ms_per_step": 1e3 * host / max(steps, 1), "dispatch_ms_per_step": 1e3 * dispatch / max(steps, 1),
-            "outputs": [o.token_ids for o in outs]}
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
+            "shapes_compiled_while_timed": len(compiled), "outputs": [o.token_ids for o in outs]}
 
 
 def random_probe_checkpoint(model_dir: str, args, load_format: str, hidden: int = 256) -> str:
@@ -161,7 +167,8 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     outputs = {}
     for llm in engines.values():   # warm: compile every shape the rounds use
-        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        for _ in range(2):   # the second pass finds the prompts in the prefix cache, as every round does
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
     rounds = {k: ([], []) for k in engines}   # per round: (wall s per step, CPU s per step)
     order = list(engines)
     for _ in range(args.rounds):
@@ -207,13 +214,14 @@ def run_transformers(model_dir: str | None, shape: dict | None, prompts: list[li
     import torch
     import transformers as tf
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # the same accelerator jaxserve runs on
     if shape is not None:
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**{k: v for k, v in shape.items()
-                                                      if k not in ("model_type", "architectures")}))
+        with torch.device(device):   # random weights drawn where they run (a 1B model on CPU takes a while)
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**{k: v for k, v in shape.items()
+                                                          if k not in ("model_type", "architectures")}))
         model = model.to(dtype)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"   # the same accelerator jaxserve runs on
     model = model.to(device).eval()
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)

@@ -25,3 +25,21 @@ def test_probe_cost_random_probe_reports_paired_figures(tmp_path):
         lo, hi = m["overhead_iqr"]
         assert lo <= m["overhead"] <= hi
     assert cost["probe_alone_cpu_ms"] >= 0 and cost["probe_alone_share"] < 1.0
+
+
+def test_timed_pass_computes_every_prompt_token_and_compiles_nothing():
+    """The untimed warm pass must leave the timed pass nothing to reuse or compile: same
+    step shapes, no prompt in the prefix cache (found on an H200, where the timed pass of
+    the same prompts compiled two shapes at ~19 s each and reused cached prompt pages)."""
+    import numpy as np
+
+    from jaxserve.model_source import resolve_model
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--num-prompts", "4", "--prompt-len", "40", "--max-tokens", "4"])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (24, 33, 40, 40)]   # each spans full pages
+    result = bench.run_jaxserve(str(resolve_model("demo")), prompts, args, "safetensors")
+    assert result["tokens"] == 4 * 4
+    assert result["cached_prompt_tokens"] == 0
+    assert result["shapes_compiled_while_timed"] == 0
