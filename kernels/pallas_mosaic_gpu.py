@@ -92,7 +92,7 @@ def _wgmma(a, b_ref, *, transpose_b: bool) -> jax.Array:
     WGMMA register layout.
     """
     n = b_ref.shape[0] if transpose_b else b_ref.shape[1]
-    b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+    b = b_ref.transpose((1, 0)) if transpose_b else b_ref   # plgpu.transpose_ref: deprecated in JAX 0.11
 
     def scope(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
