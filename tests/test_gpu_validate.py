@@ -21,7 +21,8 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_report.json").read_text())
     assert report["failed_sections"] == []
-    for name in ("backend", "kernels", "attention_bandwidth", "engine_vs_transformers", "swap_bandwidth", "profile"):
+    for name in ("backend", "kernels", "attention_bandwidth", "compile", "engine_vs_transformers", "swap_bandwidth",
+                 "profile"):
         assert "error" not in report[name], report[name]
         assert f"## {name}" in (tmp_path / "gpu_report.md").read_text()
     assert report["backend"]["backend"] == "cpu" and report["backend"]["interpret"] is True
@@ -34,6 +35,13 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     assert all(r["note"].startswith("ValueError: impl=") for r in kernels["checks"] if r["status"] == "unsupported")
     assert {r["dtype"] for r in checked} == {"float32", "bfloat16"}
     assert all(0 <= r["max_error"] <= r["tolerance"] for r in checked)
+    # Errors are against float64 attention on the host, so the reference is checked too.
+    assert "reference" in {r["impl"] for r in checked}
+    assert 0 <= kernels["reference_f32_default_precision_error"] <= 1e-4
+
+    compile_rows = report["compile"]["rows"]
+    assert [r["impl"] for r in compile_rows] == ["reference"]   # CPU: the reference is the device's attention
+    assert all(r["lower_s"] > 0 and r["compile_s"] > 0 for r in compile_rows)
 
     bandwidth = report["attention_bandwidth"]
     assert bandwidth["copy_gb_s"] > 0
@@ -44,6 +52,9 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     expected_tokens = engine["num_prompts"] * engine["max_tokens"]
     assert engine["jaxserve"]["tokens"] == engine["transformers"]["tokens"] == expected_tokens
     assert engine["ratio"] > 0
+    # The timed pass computes every prompt token (no prefix-cache hit) and compiles nothing.
+    assert engine["jaxserve"]["cached_prompt_tokens"] == 0
+    assert engine["jaxserve"]["shapes_compiled_while_timed"] == 0
 
     swap = report["swap_bandwidth"]
     assert swap["swap_round_trip_gb_s"] > 0 and swap["copy_d2h_gb_s"] > 0 and swap["decode_slowdown"] > 0

@@ -9,13 +9,16 @@ Writes ``DIR/gpu_report.json`` (one object per section) and ``DIR/gpu_report.md`
 simulator reads with ``--cost-profile``). Sections:
 
 - ``backend``: device kind and count, memory, jax/jaxlib/flax/torch versions.
-- ``kernels``: every ``ragged_paged_attention`` impl in ``kernels.IMPLS`` against
-  the reference on the kernel test cases (``tests/test_kernels.py``) plus a
-  ``head_dim`` 128 case, bf16 and f32: max error and pass/fail. Pallas impls for
-  another backend are listed as not applicable unless ``--interpret``.
+- ``kernels``: every ``ragged_paged_attention`` impl in ``kernels.IMPLS``, the
+  reference included, against float64 attention on the host, on the kernel test
+  cases (``tests/test_kernels.py``) plus a ``head_dim`` 128 case, bf16 and f32: max
+  error and pass/fail. Pallas impls for another backend are listed as not
+  applicable unless ``--interpret``.
 - ``attention_bandwidth``: decode batch 64 at contexts 2k/4k/8k in bf16: achieved
   GB/s of each impl against the device's measured copy bandwidth and its speed-up
   over the reference.
+- ``compile``: seconds to lower and to compile one decode step of the 1B shape (and of
+  a two-layer cut of it), reference attention vs the device's kernel.
 - ``engine_vs_transformers``: a Llama-3.2-1B-shaped model with random weights:
   output tokens/s of jaxserve and of transformers on the same device, same prompts.
 - ``swap_bandwidth``: device -> ``pinned_host`` -> device round trip of KV pages
@@ -45,8 +48,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED = ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", "transformers", "torch", "jinja2", "tqdm")
-SECTIONS = ("backend", "kernels", "attention_bandwidth", "engine_vs_transformers", "swap_bandwidth", "profile")
+# What ``import jaxserve`` and the sections import (``jsonschema``: jaxserve.constraints, at import).
+REQUIRED = ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", "transformers", "torch", "jinja2", "tqdm",
+            "jsonschema")
+SECTIONS = ("backend", "kernels", "attention_bandwidth", "compile", "engine_vs_transformers", "swap_bandwidth",
+            "profile")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}   # max |out - ref| / (1 + |ref|)
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -109,12 +115,19 @@ def runnable_impls(opts) -> dict[str, str | None]:
     return out
 
 
-def _kernel_cases(opts):
-    """(name, dtype name, Batch, options) from the kernel tests, plus a head_dim 128 case per dtype."""
-    import jax.numpy as jnp
+@functools.cache
+def _kernel_tests():
+    """``tests/test_kernels.py`` as a module: its cases, batches and float64 attention."""
     spec = importlib.util.spec_from_file_location("jaxserve_kernel_cases", ROOT / "tests" / "test_kernels.py")
     tk = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tk)
+    return tk
+
+
+def _kernel_cases(opts):
+    """(name, dtype name, Batch, options) from the kernel tests, plus a head_dim 128 case per dtype."""
+    import jax.numpy as jnp
+    tk = _kernel_tests()
     names = list(tk.CASES)[:2] if opts.quick else list(tk.CASES)
     for name in names:
         batch, case = tk.case_batch(name)
@@ -128,29 +141,39 @@ def _kernel_cases(opts):
         yield "gqa2_d64_bfloat16", "bfloat16", batch, {}
 
 
+def _relative_error(out, truth, rows: int) -> float:
+    """max |out - truth| / (1 + |truth|) over the first ``rows`` (real) query rows."""
+    import numpy as np
+    out = np.asarray(out, np.float64)[:rows]
+    return float(np.max(np.abs(out - truth[:rows]) / (1.0 + np.abs(truth[:rows]))))
+
+
 def section_kernels(opts) -> dict:
+    """Every impl, the reference included, against float64 attention computed on the host
+    (``numpy_attention`` of the kernel tests). A float32 cache is traced at the engine's
+    float32 precision (``at_highest_precision``); ``reference_f32_default_precision_error``
+    is the largest error of the reference over the float32 cases at JAX's default precision
+    instead (which lets XLA:GPU use TF32)."""
     import jax
     import numpy as np
 
     import kernels
+    from jaxserve.executor.model import at_highest_precision
     impls = runnable_impls(opts)
-    rows = []
+    rows, default_precision_error = [], None
     for name, dtype, batch, options in _kernel_cases(opts):
-        ref = np.asarray(jax.jit(functools.partial(kernels.ragged_paged_attention, impl="reference",
-                                                   **options))(*batch.args), np.float32)
+        truth = _kernel_tests().numpy_attention(batch, **options)
         real = sum(batch.q_lens)
         for impl, why_not in impls.items():
-            if impl == "reference":
-                continue
             row = {"case": name, "dtype": dtype, "impl": impl}
             if why_not:
                 rows.append({**row, "status": "n/a", "note": why_not})
                 continue
+            call = functools.partial(kernels.ragged_paged_attention, impl=impl,
+                                     interpret=opts.interpret and impl != "reference", **options)
             try:
-                fn = jax.jit(functools.partial(kernels.ragged_paged_attention, impl=impl,
-                                               interpret=opts.interpret, **options))
-                out = np.asarray(fn(*batch.args), np.float32)
-                error = float(np.max(np.abs(out[:real] - ref[:real]) / (1.0 + np.abs(ref[:real]))))
+                out = np.asarray(jax.jit(at_highest_precision(call) if dtype == "float32" else call)(*batch.args))
+                error = _relative_error(out, truth, real)
                 finite = bool(np.isfinite(out).all())
                 ok = finite and error <= TOLERANCE[dtype]
                 rows.append({**row, "status": "ok" if ok else "FAIL", "max_error": error, "finite": finite,
@@ -163,7 +186,11 @@ def section_kernels(opts) -> dict:
                              "note": f"{type(exc).__name__}: {str(exc)[:300]}"})
             except Exception as exc:  # noqa: BLE001 - a kernel that does not build is a result
                 rows.append({**row, "status": "FAIL", "note": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            if impl == "reference" and dtype == "float32":
+                out = jax.jit(functools.partial(kernels.ragged_paged_attention, impl=impl, **options))(*batch.args)
+                default_precision_error = max(default_precision_error or 0.0, _relative_error(out, truth, real))
     return {"impls": {k: v or "runs here" for k, v in impls.items()}, "checks": rows,
+            "reference_f32_default_precision_error": default_precision_error,
             "passed": all(r["status"] != "FAIL" for r in rows)}
 
 
@@ -224,6 +251,36 @@ def _shape_checkpoint(opts) -> tuple[str, dict]:
     path = Path(tempfile.mkdtemp(prefix="jaxserve-validate-"))
     (path / "config.json").write_text(json.dumps(shape))
     return str(path), shape
+
+
+def section_compile(opts) -> dict:
+    """Seconds to lower and to compile one decode step (the smallest token bucket, 1k tokens of
+    context) of the engine-benchmark shape, with all its layers and with two, for the reference
+    attention and the device's kernel: where a cold start's compile time goes."""
+    import kernels
+    from jaxserve.engine import LLMEngine
+    model_dir, shape = _shape_checkpoint(opts)
+    args = _shape_args(opts)
+    context = 64 if opts.interpret else 1024
+    impls = dict.fromkeys(["reference", kernels.default_impl(args.dtype)])
+    rows = []
+    for layers in sorted({shape["num_hidden_layers"], 2}, reverse=True):
+        (Path(model_dir) / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers}))
+        for impl in impls:
+            engine = LLMEngine(model_dir, dtype=args.dtype, load_format="dummy", page_size=args.page_size,
+                               num_pages=64 if opts.interpret else 1024, max_num_seqs=64, warmup=False,
+                               max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=impl,
+                               max_model_len=256 if opts.interpret else 4096, compilation_cache=False)
+            try:
+                runner = engine.executor
+                inputs = runner.synthetic_inputs(runner.config.token_buckets[0], context=context)
+                lower_s, compile_s = runner.compile_seconds(inputs)
+            finally:
+                engine.shutdown()
+            rows.append({"layers": layers, "impl": impl, "token_bucket": inputs.token_bucket,
+                         "page_table_width": inputs.meta["page_table"].shape[1],
+                         "lower_s": lower_s, "compile_s": compile_s})
+    return {"model": "tiny-llama" if opts.interpret else "llama-3.2-1b shape", "dtype": args.dtype, "rows": rows}
 
 
 def section_engine_vs_transformers(opts) -> dict:
@@ -363,7 +420,7 @@ def run(opts) -> int:
     wanted = opts.sections.split(",") if opts.sections else list(SECTIONS)
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
     runners = {"backend": section_backend, "kernels": section_kernels,
-               "attention_bandwidth": section_attention_bandwidth,
+               "attention_bandwidth": section_attention_bandwidth, "compile": section_compile,
                "engine_vs_transformers": section_engine_vs_transformers,
                "swap_bandwidth": section_swap_bandwidth, "profile": lambda o: section_profile(o, out)}
     failed = []
