@@ -15,6 +15,7 @@ The Pallas kernels are imported on first use, so a JAX without Pallas Triton
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import importlib
 import logging
 import math
@@ -186,5 +187,14 @@ def ragged_paged_attention(
     )
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **options)
+    return _pallas_kernel(impl, interpret=bool(interpret), **options)(*args)
+
+
+@functools.cache
+def _pallas_kernel(impl: str, **options) -> Callable:
+    """``kernels.<impl>.ragged_paged_attention`` with ``options`` bound, jitted once per
+    configuration. A model calls it once per layer inside its step; as one jitted function it
+    is traced and lowered once per step program rather than once per layer (the Mosaic GPU
+    kernel's lowering took ~0.47 s per layer on an H200)."""
     kernel = importlib.import_module(f"kernels.{impl}")
-    return kernel.ragged_paged_attention(*args, **options, interpret=interpret)
+    return jax.jit(functools.partial(kernel.ragged_paged_attention, **options))

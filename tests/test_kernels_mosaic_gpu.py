@@ -177,3 +177,23 @@ def test_backend_selection_falls_back_for_shapes_a_kernel_cannot_tile(capability
 def test_default_impl_on_cpu_with_any_dtype():
     assert kernels.default_impl(jnp.bfloat16) == "reference"
     assert kernels.triton_available() in (True, False)
+
+
+def test_engine_step_lowers_one_mosaic_kernel_for_all_layers(tmp_path):
+    """Every layer calls the same jitted kernel, so a step program holds it once: on an H200
+    lowering it per layer cost ~0.47 s a layer (7.5 s of a 16-layer step's 19.5 s compile)."""
+    import json
+
+    from jaxserve.engine import LLMEngine
+    shape = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=128,
+                 intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=HEAD_DIM, max_position_embeddings=256, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    engine = LLMEngine(str(tmp_path), dtype="bfloat16", load_format="dummy", page_size=16, num_pages=32,
+                       max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, warmup=False,
+                       attention_impl=IMPL, interpret=False, compilation_cache=False)
+    runner = engine.executor
+    inputs = runner.synthetic_inputs(runner.config.token_buckets[0])
+    text = runner.lower_step(inputs, platforms=("cuda",)).as_text()
+    engine.shutdown()
+    assert sum("stablehlo.custom_call @mosaic_gpu" in line for line in text.splitlines()) == 1

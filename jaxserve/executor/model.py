@@ -293,13 +293,15 @@ class ModelExecutor:
             bitmask)
         return tokens, logits
 
-    def lower_step(self, inputs: StepInputs) -> jax.stages.Lowered:
+    def lower_step(self, inputs: StepInputs, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The step program for ``inputs``'s shapes, traced and lowered (Pallas kernels
-        are built here), bypassing the jit cache; nothing runs."""
+        are built here) for this backend or for ``platforms`` (e.g. ``("cuda",)`` on a
+        machine without a GPU), bypassing the jit cache; nothing runs."""
         input_ids, meta, logits_indices, sampling = put_replicated(
             (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
-        return self._step.lower(self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices,
-                                SamplingArrays(**sampling), None)
+        traced = self._step.trace(self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices,
+                                  SamplingArrays(**sampling), None)
+        return traced.lower(lowering_platforms=platforms)
 
     def compile_seconds(self, inputs: StepInputs) -> tuple[float, float]:
         """``(lower_s, compile_s)``: seconds to ``lower_step(inputs)``, then to compile the
