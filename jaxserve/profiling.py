@@ -87,19 +87,20 @@ def context_inputs(runner, token_bucket: int, context: int):
 
 
 def measure_context_sweep(runner, repeats: int, token_bucket: int | None = None,
-                          per_round: int = 3) -> tuple[int, dict[int, float]]:
+                          per_round: int = 3, factor: int = 2) -> tuple[int, dict[int, float]]:
     """``(rows, {context per sequence: step seconds})`` for a decode batch of one
     token per sequence (the smallest bucket of at least 8 rows) at contexts
-    ``page_size, 2·page_size, 4·page_size, … ≤ max_model_len``, timed in
-    interleaved rounds like ``measure_step_times``. Same shapes at every
-    context, so one compilation."""
+    ``page_size, factor·page_size, factor²·page_size, … ≤ max_model_len`` (and
+    ``max_model_len``), timed in interleaved rounds like ``measure_step_times``.
+    One compilation per page-table width (``page_bucket``) the contexts reach:
+    ``factor`` 4 compiles half as many as 2 (on a GPU each costs seconds)."""
     cfg = runner.config
     if token_bucket is None:
         token_bucket = next((b for b in cfg.token_buckets if b >= 8), cfg.token_buckets[-1])
     contexts, c = [], cfg.page_size
     while c <= cfg.max_model_len:
         contexts.append(c)
-        c *= 2
+        c *= factor
     if contexts[-1] != cfg.max_model_len:
         contexts.append(cfg.max_model_len)
     inputs = {c: context_inputs(runner, token_bucket, c) for c in contexts}
@@ -199,14 +200,16 @@ def measure_step_overhead(engine, num_seqs: int = 8, steps: int = 40) -> float:
     return max(0.0, statistics.median(differences))
 
 
-def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "", dtype: str = ""):
-    """A ``scheduler.CostModel`` measured on ``engine``'s device with its shapes."""
+def measure_profile(engine, repeats: int = 5, copy_mib: int = 64, model: str = "", dtype: str = "",
+                    context_factor: int = 2):
+    """A ``scheduler.CostModel`` measured on ``engine``'s device with its shapes
+    (``context_factor``: the context sweep's step, see ``measure_context_sweep``)."""
     from scheduler import CostModel
 
     runner = engine.executor
     times = measure_step_times(runner, repeats)
     base, per_token, saturation = fit_t_fwd(times)
-    rows, context_times = measure_context_sweep(runner, repeats)
+    rows, context_times = measure_context_sweep(runner, repeats, factor=context_factor)
     per_context = fit_context_term(rows, context_times)
     overhead = measure_step_overhead(engine)
     d2h, h2d = measure_copy_bandwidth(runner, copy_mib, repeats)

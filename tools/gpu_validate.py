@@ -365,8 +365,10 @@ def section_profile(opts, out: Path) -> dict:
     import jax
 
     from jaxserve.profiling import measure_profile
+    # Contexts 4x apart: every page-table width is a compile (~7-20 s on the 1B shape on an H200).
     cost = measure_profile(_engine(opts), repeats=2 if opts.interpret else 5, copy_mib=8 if opts.interpret else 256,
-                           model="tiny-llama" if opts.interpret else "llama-1b", dtype=_shape_args(opts).dtype)
+                           model="tiny-llama" if opts.interpret else "llama-1b", dtype=_shape_args(opts).dtype,
+                           context_factor=4)
     path = out / f"profile_{jax.default_backend()}.json"
     cost.save(path)
     return {"path": str(path), "fwd_base_ms": 1e3 * cost.fwd_base_s, "fwd_per_token_us": 1e6 * cost.fwd_per_token_s,
