@@ -21,8 +21,8 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_report.json").read_text())
     assert report["failed_sections"] == []
-    for name in ("backend", "kernels", "attention_bandwidth", "compile", "engine_vs_transformers", "swap_bandwidth",
-                 "profile"):
+    for name in ("backend", "kernels", "device_tests", "attention_bandwidth", "compile", "engine_vs_transformers",
+                 "swap_bandwidth", "profile"):
         assert "error" not in report[name], report[name]
         assert f"## {name}" in (tmp_path / "gpu_report.md").read_text()
     assert report["backend"]["backend"] == "cpu" and report["backend"]["interpret"] is True
@@ -38,6 +38,9 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     # Errors are against float64 attention on the host, so the reference is checked too.
     assert "reference" in {r["impl"] for r in checked}
     assert 0 <= kernels["reference_f32_default_precision_error"] <= 1e-4
+
+    tests = report["device_tests"]   # CPU: the kernel-choice tests only (the suite runs the rest)
+    assert tests["passed"] and tests["selected"] == "backend_selection" and " passed" in tests["summary"]
 
     compile_rows = report["compile"]["rows"]
     assert [r["impl"] for r in compile_rows] == ["reference"]   # CPU: the reference is the device's attention
@@ -62,3 +65,22 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     profile = CostModel.load(report["profile"]["path"])
     assert profile.fwd_per_token_s > 0 and profile.swap_bandwidth_bytes_s > 0
     assert profile.meta["backend"] == "cpu"
+
+
+def test_device_tests_section_keeps_the_failures(tmp_path, monkeypatch):
+    """A failing device test leaves its summary and assertion in the report (on the H200 a
+    run cut at its time limit kept only a row of F's)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("gpu_validate_under_test", ROOT / "tools" / "gpu_validate.py")
+    gpu_validate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_validate)
+    failing = tmp_path / "test_device_choice.py"
+    failing.write_text("def test_backend_selection_is_wrong():\n    assert 'pallas_gpu' == 'reference'\n")
+    monkeypatch.setattr(gpu_validate, "DEVICE_TESTS", (str(failing),))
+    body = gpu_validate.section_device_tests(SimpleNamespace(interpret=True))
+    assert body["passed"] is False and body["returncode"] == 1
+    assert "1 failed" in body["summary"]
+    assert "assert 'pallas_gpu' == 'reference'" in body["output_tail"]
+    assert "```" in gpu_validate.render_markdown({"device_tests": body})

@@ -14,6 +14,8 @@ simulator reads with ``--cost-profile``). Sections:
   cases (``tests/test_kernels.py``) plus a ``head_dim`` 128 case, bf16 and f32: max
   error and pass/fail. Pallas impls for another backend are listed as not
   applicable unless ``--interpret``.
+- ``device_tests``: the suite's Mosaic GPU compiled tests and float32 parity tests run
+  under pytest on the device, their summary (and failures) kept in the report.
 - ``attention_bandwidth``: decode batch 64 at contexts 2k/4k/8k in bf16: achieved
   GB/s of each impl against the device's measured copy bandwidth and its speed-up
   over the reference.
@@ -39,7 +41,9 @@ import functools
 import importlib
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,8 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # What ``import jaxserve`` and the sections import (``jsonschema``: jaxserve.constraints, at import).
 REQUIRED = ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", "transformers", "torch", "jinja2", "tqdm",
             "jsonschema")
-SECTIONS = ("backend", "kernels", "attention_bandwidth", "compile", "engine_vs_transformers", "swap_bandwidth",
-            "profile")
+SECTIONS = ("backend", "kernels", "device_tests", "attention_bandwidth", "compile", "engine_vs_transformers",
+            "swap_bandwidth", "profile")
+# The suite's tests that mean most on an accelerator: the Mosaic GPU kernel compiled for real, and
+# float32 token parity with transformers through the engine (its kernel choice, its precision).
+DEVICE_TESTS = ("tests/test_kernels_mosaic_gpu.py", "tests/test_engine_parity.py")
+DEVICE_TESTS_SELECTED = "compiled or empty or (greedy_matches_transformers and not interpret) or logits_match " \
+                        "or full_precision"
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}   # max |out - ref| / (1 + |ref|)
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -192,6 +201,30 @@ def section_kernels(opts) -> dict:
     return {"impls": {k: v or "runs here" for k, v in impls.items()}, "checks": rows,
             "reference_f32_default_precision_error": default_precision_error,
             "passed": all(r["status"] != "FAIL" for r in rows)}
+
+
+def section_device_tests(opts) -> dict:
+    """``DEVICE_TESTS`` under pytest in a child process on this device (``-k
+    DEVICE_TESTS_SELECTED``; with ``--interpret`` only the kernel-choice tests, which
+    proves the plumbing). The child does not preallocate device memory (this process
+    has); the report keeps pytest's summary and, on failure, the end of its output."""
+    selected = "backend_selection" if opts.interpret else DEVICE_TESTS_SELECTED
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", "-k", selected,
+           *DEVICE_TESTS]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"selected": selected, "passed": False, "summary": "timed out after 300 s", "output_tail": out[-4000:]}
+    lines = proc.stdout.strip().splitlines()
+    summary = lines[-1].strip("= ") if lines else "(no output)"
+    body = {"selected": selected, "returncode": proc.returncode, "summary": summary,
+            "passed": proc.returncode == 0}
+    if proc.returncode:
+        body["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    return body
 
 
 def section_attention_bandwidth(opts) -> dict:
@@ -394,7 +427,10 @@ def render_markdown(report: dict) -> str:
         lines += [f"## {name}", ""]
         scalars = {k: v for k, v in body.items() if not isinstance(v, (list, dict))}
         for k, v in scalars.items():
-            lines.append(f"- {k}: {_md_value(v)}")
+            if isinstance(v, str) and "\n" in v:   # a traceback or test output: verbatim
+                lines += [f"- {k}:", "", "```", v.rstrip(), "```", ""]
+            else:
+                lines.append(f"- {k}: {_md_value(v)}")
         for k, v in body.items():
             if isinstance(v, dict):
                 lines.append(f"- {k}: " + ", ".join(f"{a}={_md_value(b)}" for a, b in v.items()))
@@ -421,7 +457,7 @@ def run(opts) -> int:
     sys.path.insert(0, str(ROOT))
     wanted = opts.sections.split(",") if opts.sections else list(SECTIONS)
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
-    runners = {"backend": section_backend, "kernels": section_kernels,
+    runners = {"backend": section_backend, "kernels": section_kernels, "device_tests": section_device_tests,
                "attention_bandwidth": section_attention_bandwidth, "compile": section_compile,
                "engine_vs_transformers": section_engine_vs_transformers,
                "swap_bandwidth": section_swap_bandwidth, "profile": lambda o: section_profile(o, out)}
