@@ -15,10 +15,10 @@ The Pallas kernels are imported on first use, so a JAX without Pallas Triton
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import importlib
 import logging
 import math
+from collections.abc import Callable
 
 import jax
 
