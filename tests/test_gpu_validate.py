@@ -22,7 +22,7 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     report = json.loads((tmp_path / "gpu_report.json").read_text())
     assert report["failed_sections"] == []
     for name in ("backend", "kernels", "device_tests", "attention_bandwidth", "compile", "engine_vs_transformers",
-                 "swap_bandwidth", "profile"):
+                 "swap_bandwidth", "step_launch", "profile"):
         assert "error" not in report[name], report[name]
         assert f"## {name}" in (tmp_path / "gpu_report.md").read_text()
     assert report["backend"]["backend"] == "cpu" and report["backend"]["interpret"] is True
@@ -62,6 +62,10 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     swap = report["swap_bandwidth"]
     assert swap["swap_round_trip_gb_s"] > 0 and swap["copy_d2h_gb_s"] > 0 and swap["decode_slowdown"] > 0
 
+    (launch,) = report["step_launch"]["rows"]   # CPU: the default variant only
+    assert launch["variant"] == "default" and "error" not in launch, launch
+    assert 0 < launch["dispatch_ms"] <= launch["ms_per_step"] and 0 < launch["dispatch_share"] <= 1
+
     profile = CostModel.load(report["profile"]["path"])
     assert profile.fwd_per_token_s > 0 and profile.swap_bandwidth_bytes_s > 0
     assert profile.meta["backend"] == "cpu"
@@ -84,3 +88,17 @@ def test_device_tests_section_keeps_the_failures(tmp_path, monkeypatch):
     assert "1 failed" in body["summary"]
     assert "assert 'pallas_gpu' == 'reference'" in body["output_tail"]
     assert "```" in gpu_validate.render_markdown({"device_tests": body})
+
+
+def test_step_launch_records_a_variant_that_fails(monkeypatch):
+    """A variant whose XLA flags the child's XLA refuses is a row with the child's error,
+    not a failed section (the command-buffer flags have never run on a GPU here)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("gpu_validate_launch", ROOT / "tools" / "gpu_validate.py")
+    gpu_validate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_validate)
+    monkeypatch.setitem(gpu_validate.STEP_VARIANTS, "default", ("--xla_no_such_flag_here=1", None))
+    (row,) = gpu_validate.section_step_launch(SimpleNamespace(interpret=True))["rows"]
+    assert row["variant"] == "default" and "xla_no_such_flag_here" in row["error"]

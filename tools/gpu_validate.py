@@ -26,6 +26,9 @@ simulator reads with ``--cost-profile``). Sections:
 - ``swap_bandwidth``: device -> ``pinned_host`` -> device round trip of KV pages
   by the engine's swap path against plain ``device_put`` copies, and the slowdown
   of a decode step that has a swap of the same pages issued with it.
+- ``step_launch``: one decode step timed in child processes under default XLA flags, XLA
+  command buffers (CUDA graphs) and the reference attention: how much of a step the host
+  spends inside the call (``tools/step_time.py``).
 - ``profile``: ``jaxserve profile`` on this device, saved as a cost profile.
 
 Each section is timed and isolated: one that fails is recorded with its error and
@@ -56,7 +59,14 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", "transformers", "torch", "jinja2", "tqdm",
             "jsonschema")
 SECTIONS = ("backend", "kernels", "device_tests", "attention_bandwidth", "compile", "engine_vs_transformers",
-            "swap_bandwidth", "profile")
+            "swap_bandwidth", "step_launch", "profile")
+# step_launch: the same decode step in a child process per (XLA_FLAGS, attention impl) variant.
+STEP_VARIANTS = {
+    "default": ("", None),
+    "command_buffers": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
+                        "--xla_gpu_graph_min_graph_size=1", None),
+    "reference_attention": ("", "reference"),
+}
 # The suite's tests that mean most on an accelerator: the Mosaic GPU kernel compiled for real, and
 # float32 token parity with transformers through the engine (its kernel choice, its precision).
 DEVICE_TESTS = ("tests/test_kernels_mosaic_gpu.py", "tests/test_engine_parity.py")
@@ -394,6 +404,36 @@ def section_swap_bandwidth(opts) -> dict:
             "swap_alone_ms": 1e3 * swap_s}
 
 
+def section_step_launch(opts) -> dict:
+    """``tools/step_time.py`` (one 32-row decode step of the 1B shape at 256 tokens of
+    context) in a child process per ``STEP_VARIANTS`` entry: default XLA flags, XLA command
+    buffers (CUDA graphs) with custom calls, and the reference attention (no Pallas custom
+    call). ``dispatch_share`` near 1 means the host spends the step launching kernels.
+    With ``--interpret``: the default variant on a small shape (proves the plumbing)."""
+    variants = {"default": STEP_VARIANTS["default"]} if opts.interpret else STEP_VARIANTS
+    shape = ["--shape", "llama-small", "--rows", "4", "--context", "64", "--steps", "3"] if opts.interpret else \
+        ["--shape", "llama-1b", "--rows", "32", "--context", "256", "--steps", "50"]
+    rows = []
+    for name, (flags, impl) in variants.items():
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                   XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), flags])),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, str(ROOT / "tools" / "step_time.py"), *shape, *(["--attention-impl", impl] if impl else [])]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        except subprocess.TimeoutExpired:
+            rows.append({"variant": name, "error": "timed out after 180 s"})
+            continue
+        try:
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):   # a child that failed (e.g. XLA refused a flag) prints no JSON
+            rows.append({"variant": name, "error": (proc.stdout + proc.stderr)[-1500:]})
+            continue
+        rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "rows", "context", "ms_per_step",
+                                                                "dispatch_ms", "dispatch_share")}})
+    return {"shape": shape[1], "xla_flags": {k: v[0] or "(none)" for k, v in variants.items()}, "rows": rows}
+
+
 def section_profile(opts, out: Path) -> dict:
     import jax
 
@@ -460,7 +500,8 @@ def run(opts) -> int:
     runners = {"backend": section_backend, "kernels": section_kernels, "device_tests": section_device_tests,
                "attention_bandwidth": section_attention_bandwidth, "compile": section_compile,
                "engine_vs_transformers": section_engine_vs_transformers,
-               "swap_bandwidth": section_swap_bandwidth, "profile": lambda o: section_profile(o, out)}
+               "swap_bandwidth": section_swap_bandwidth, "step_launch": section_step_launch,
+               "profile": lambda o: section_profile(o, out)}
     failed = []
     for name in SECTIONS:
         if name not in wanted:
