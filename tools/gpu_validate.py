@@ -213,14 +213,20 @@ def section_kernels(opts) -> dict:
             "passed": all(r["status"] != "FAIL" for r in rows)}
 
 
+def _child_env(**overrides: str) -> dict[str, str]:
+    """The environment of a child process on this device: this checkout importable, and no
+    device memory preallocated (this process already holds its share)."""
+    return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **overrides)
+
+
 def section_device_tests(opts) -> dict:
     """``DEVICE_TESTS`` under pytest in a child process on this device (``-k
     DEVICE_TESTS_SELECTED``; with ``--interpret`` only the kernel-choice tests, which
     proves the plumbing). The child does not preallocate device memory (this process
     has); the report keeps pytest's summary and, on failure, the end of its output."""
     selected = "backend_selection" if opts.interpret else DEVICE_TESTS_SELECTED
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = _child_env()
     cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", "-k", selected,
            *DEVICE_TESTS]
     try:
@@ -415,9 +421,7 @@ def section_step_launch(opts) -> dict:
         ["--shape", "llama-1b", "--rows", "32", "--context", "256", "--steps", "50"]
     rows = []
     for name, (flags, impl) in variants.items():
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-                   XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), flags])),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        env = _child_env(XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), flags])))
         cmd = [sys.executable, str(ROOT / "tools" / "step_time.py"), *shape, *(["--attention-impl", impl] if impl else [])]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
