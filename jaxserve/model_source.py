@@ -84,5 +84,7 @@ def load_tokenizer(path: Path):
     try:
         return loader.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
-        log.warning("no tokenizer in %s (%s): prompts must be token ids", path, e)
+        # transformers' reason, first line only (5.x adds a paragraph on slow-tokenizer conversion)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning("no tokenizer in %s (%s): prompts must be token ids", path, reason)
         return None

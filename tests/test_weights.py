@@ -87,3 +87,16 @@ def test_not_a_checkpoint(tmp_path):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="no config.json"):
         LLM(str(tmp_path))
+
+
+def test_a_checkpoint_without_tokenizer_warns_in_one_line(tmp_path, caplog):
+    """No tokenizer files: token-id prompts only, said in one line (transformers 5's
+    error appends a paragraph about converting slow tokenizers)."""
+    import logging
+
+    from jaxserve.model_source import load_tokenizer
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert load_tokenizer(tmp_path) is None
+    (message,) = [r.getMessage() for r in caplog.records if "no tokenizer" in r.getMessage()]
+    assert "\n" not in message and message.endswith("prompts must be token ids")
