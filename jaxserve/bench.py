@@ -54,8 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_arguments(parser, exclude=("max_num_seqs", "max_model_len", "load_format"))
 
 
-def _shape_checkpoint(shape: dict) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="jaxserve-bench-"))
+def shape_checkpoint(shape: dict) -> Path:
+    """A temporary checkpoint directory holding only ``shape`` as its ``config.json``
+    (for ``load_format="dummy"``: random weights of that shape)."""
+    path = Path(tempfile.mkdtemp(prefix="jaxserve-shape-"))
     (path / "config.json").write_text(json.dumps(shape))
     return path
 
@@ -265,7 +267,7 @@ def main(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     shape = SHAPES.get(args.shape)
     if shape is not None:
-        model_dir, load_format, vocab = str(_shape_checkpoint(shape)), "dummy", shape["vocab_size"]
+        model_dir, load_format, vocab = str(shape_checkpoint(shape)), "dummy", shape["vocab_size"]
     else:
         from jaxserve.model_source import resolve_model
         model_dir, load_format = str(resolve_model(args.model)), "safetensors"

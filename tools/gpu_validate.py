@@ -48,7 +48,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -294,12 +293,11 @@ def _shape_args(opts, **overrides) -> SimpleNamespace:
     return SimpleNamespace(**args, num_pages=2 * args["num_prompts"] * per_seq)   # room for all, no more
 
 
-def _shape_checkpoint(opts) -> tuple[str, dict]:
-    from jaxserve.bench import LLAMA_1B
-    shape = TINY_LLAMA if opts.interpret else LLAMA_1B
-    path = Path(tempfile.mkdtemp(prefix="jaxserve-validate-"))
-    (path / "config.json").write_text(json.dumps(shape))
-    return str(path), shape
+def _shape_checkpoint(opts, **overrides) -> tuple[str, dict]:
+    """A dummy-weight checkpoint of this run's model shape (``overrides`` changed in it)."""
+    from jaxserve.bench import LLAMA_1B, shape_checkpoint
+    shape = {**(TINY_LLAMA if opts.interpret else LLAMA_1B), **overrides}
+    return str(shape_checkpoint(shape)), shape
 
 
 def section_compile(opts) -> dict:
@@ -308,13 +306,13 @@ def section_compile(opts) -> dict:
     attention and the device's kernel: where a cold start's compile time goes."""
     import kernels
     from jaxserve.engine import LLMEngine
-    model_dir, shape = _shape_checkpoint(opts)
+    _, shape = _shape_checkpoint(opts)
     args = _shape_args(opts)
     context = 64 if opts.interpret else 1024
     impls = dict.fromkeys(["reference", kernels.default_impl(args.dtype)])
     rows = []
     for layers in sorted({shape["num_hidden_layers"], 2}, reverse=True):
-        (Path(model_dir) / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers}))
+        model_dir, _ = _shape_checkpoint(opts, num_hidden_layers=layers)
         for impl in impls:
             engine = LLMEngine(model_dir, dtype=args.dtype, load_format="dummy", page_size=args.page_size,
                                num_pages=64 if opts.interpret else 1024, max_num_seqs=64, warmup=False,

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,10 +30,9 @@ def measure(args: argparse.Namespace) -> dict:
     """``{"ms_per_step", "dispatch_ms", ...}``: medians over ``args.steps`` timed calls."""
     import jax
 
-    from jaxserve.bench import SHAPES
+    from jaxserve.bench import SHAPES, shape_checkpoint
     from jaxserve.engine import LLMEngine
-    model_dir = Path(tempfile.mkdtemp(prefix="jaxserve-step-time-"))
-    (model_dir / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    model_dir = shape_checkpoint(SHAPES[args.shape])
     engine = LLMEngine(str(model_dir), dtype=args.dtype, load_format="dummy", page_size=16, num_pages=args.num_pages,
                        max_num_seqs=args.rows, max_num_batched_tokens=max(args.rows, 8), warmup=False,
                        max_model_len=max(2 * args.context, 64), compilation_cache=False,
