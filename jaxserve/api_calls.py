@@ -233,6 +233,15 @@ class ApiCalls:
         return bool(self._pending) and any(all(c.output is not None or c.future.done() or now >= c.deadline for c in running)
                    for running in self._pending.values())
 
+    def ready_after(self) -> float:
+        """The earliest time (s) at which ``poll_ready`` can turn True with nothing
+        added: the first timer's due time; ``-inf`` when a result is ready, a
+        tool is out or an external result is awaited (it may come any moment);
+        ``inf`` when nothing is out."""
+        if self._ready or self._pending or self._external:
+            return float("-inf")
+        return self._timers[0][0] if self._timers else float("inf")
+
     def next_due(self) -> float | None:
         """Earliest time a timer or tool deadline falls due (None if none)."""
         times = [self._timers[0][0]] if self._timers else []

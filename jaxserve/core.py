@@ -228,6 +228,7 @@ class EngineCore:
             by_bucket[0] += 1
             by_bucket[1] += dt
             return dt
+        step.seconds = execute.seconds   # (``DecodeRun.plan_quiet``)
         return step
 
     def _decoded_finish(self, request: Request, steps: int) -> None:

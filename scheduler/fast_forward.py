@@ -48,6 +48,8 @@ from scheduler.request import Request, RequestState
 from scheduler.scheduler import Scheduler
 
 StepsOf = Callable[[int], Callable[[int, SwapOp | None], float]]
+# ``steps_of(n)`` returns the executor's step for ``n`` one-token chunks, ``(context_tokens, copy_out) -> s``,
+# with an attribute ``seconds``: ``context_tokens -> s``, the same step's time without running it (``plan_quiet``).
 AdmitStep = Callable[[StepPlan, int, int], float]   # (plan of admitted chunks, decoders, their attention reads) -> s
 
 _ALLOCATE, _COMMIT, _END = 0, 1, 2   # page events: a page before the step, a filled page into the cache after it; a request ending after it
@@ -99,6 +101,7 @@ class DecodeRun:
                  admit: AdmitStep | None = None) -> None:
         self.scheduler = scheduler
         self.steps = 0
+        self._quiet: list[float] = []   # start times (s) of planned quiet steps not run yet (``plan_quiet``)
         self.finished: list[Request] = []   # requests the run ended (``on_finish``), for the caller to take
         kv, config = scheduler.kv, scheduler.config
         self._page_size = kv.page_size
@@ -144,12 +147,67 @@ class DecodeRun:
             self.headroom = k + last
         return events
 
+    def plan_quiet(self, start: float, until: float) -> float:
+        """Plan the run's coming quiet steps, the first starting at ``start`` (s:
+        the clock after the last step), those that start before ``until`` (s;
+        the replica's next API return); returns the start time of the step after
+        them, the run's next step that is not quiet (``start`` when there is none).
+
+        A quiet step is one ``step`` would run as a plain decode step in which
+        nothing happens but the tokens: no page starts or fills, nothing ends,
+        nothing is admitted (the waiting queue is empty or the batch full, as
+        now), no filler, a static token budget. It changes nothing outside the
+        run's own counters and clock (not the live requests, not a page, not the
+        prefix cache), so a simulator of many replicas may run it late: in one go
+        before the run's next step, or before a request is added to the replica,
+        with ``run_quiet`` (which ``step`` calls). Its time is the executor's
+        (``steps_of(n).seconds``), the same arithmetic the step's run does, so the
+        same floats."""
+        sched, events = self.scheduler, self._events
+        if (self._dynamic_budget or sched._filling
+                or (sched.waiting and len(sched.running) < sched.config.max_num_seqs)):
+            return start
+        k = self.steps
+        stop = min(self.headroom, events[0][0]) if events else self.headroom
+        seconds, reads, n = self.run_step.seconds, self._reads, len(self._live)
+        quiet, t = self._quiet, start
+        while k < stop and t < until:
+            quiet.append(t)
+            t += seconds(reads)
+            reads += n
+            k += 1
+        return t
+
+    def run_quiet(self, before: float) -> None:
+        """Run the planned quiet steps (``plan_quiet``) that start before ``before``
+        (s), as ``step`` runs them, and drop the others: a request added to the
+        replica at ``before`` makes the step at the first of those an admitting one."""
+        quiet = self._quiet
+        if not quiet:
+            return
+        self._quiet = []
+        sched, kv, n = self.scheduler, self.scheduler.kv, len(self._live)
+        policy_step, run_step = sched._policy_step, self.run_step
+        for t in quiet:
+            if t >= before:
+                break
+            sched.iteration += 1
+            kv.now = t
+            policy_step(t)
+            run_step(self._reads, None)
+            sched._running_tokens += n
+            self._reads += n
+            self.steps += 1
+            self._last_start = t
+
     def step(self, t: float) -> float | None:
         """Run the next step, starting at ``t`` (s); its seconds, or None (nothing
         run) when it is not a decode step the run can run. Requests it ended are
         appended to ``finished``. With ``admit``, a step that would admit waiting
         requests runs too, and one in which requests it admitted still compute their
-        context (``_mixed_step``)."""
+        context (``_mixed_step``). Planned quiet steps that start before ``t`` run first."""
+        if self._quiet:
+            self.run_quiet(t)
         k = self.steps
         if k >= self.headroom:
             return None
@@ -324,7 +382,9 @@ class DecodeRun:
         return list(self._live)
 
     def close(self) -> None:
-        """Bring every request up to date (the scheduler is then as after ``steps`` steps)."""
+        """Bring every request up to date (the scheduler is then as after ``steps`` steps);
+        planned quiet steps not run by now are dropped (``run_quiet`` first to run them)."""
+        self._quiet = []
         if not self.steps:
             return
         live = self.live

@@ -63,25 +63,40 @@ def test_simulation_is_the_same_step_for_step(policy, cache, pages, monkeypatch)
     assert counted[0] > stepped[1][1] // 2   # most steps ran as decode-run steps
 
 
-def test_replicas_are_the_same_step_for_step(monkeypatch):
+@pytest.mark.parametrize("horizon_s", [None, 4.0])
+def test_replicas_are_the_same_step_for_step(monkeypatch, horizon_s):
     """Re-send mode on 3 replicas behind the affinity router: routing reads every
-    replica's cache at each arrival, so decode runs must keep time order exactly."""
+    replica's cache at each arrival, so decode runs must keep time order exactly.
+    Their quiet steps run late (``DecodeRun.plan_quiet``): many of them, and some
+    planned steps dropped because an arrival made them admitting steps; with a
+    horizon, those before it run and the others do not."""
     def run(fast_forward: bool):
         workload = make_workload(load_trace(), WorkloadSpec("poisson", rate=6.0, duration_s=6.0, seed=1))
         schedulers = [build_scheduler(COST, make_policy("infercept", make_predictor("oracle", 0)),
                                       SimConfig(enable_prefix_caching=True, num_device_pages=300,
                                                 num_host_pages=400))
                       for _ in range(3)]
-        result = run_resend(schedulers, workload, "affinity", check_invariants=True, fast_forward=fast_forward)
+        result = run_resend(schedulers, workload, "affinity", horizon_s=horizon_s, check_invariants=True,
+                            fast_forward=fast_forward)
         return _marks(result.requests), (result.end_time_s, result.num_steps, result.busy_time_s,
                                          result.batched_tokens, result.num_preemptions, result.recomputed_tokens,
                                          result.follow_up_hits, result.follow_ups_same_replica,
-                                         result.requests_by_replica)
+                                         result.requests_by_replica), [s.iteration for s in schedulers]
     stepped = run(False)
     counted = _count_decode_run_steps(monkeypatch)
+    quiet = {"ran": 0, "dropped": 0}
+    run_quiet = DecodeRun.run_quiet
+
+    def counting_run_quiet(self, before):
+        planned, steps = len(self._quiet), self.steps
+        run_quiet(self, before)
+        quiet["ran"] += self.steps - steps
+        quiet["dropped"] += planned - (self.steps - steps)
+    monkeypatch.setattr(DecodeRun, "run_quiet", counting_run_quiet)
     forwarded = run(True)
     assert forwarded == stepped and stepped[1][6] > 0
-    assert counted[0] > stepped[1][1] // 2
+    assert counted[0] + quiet["ran"] > stepped[1][1] // 2
+    assert quiet["ran"] > stepped[1][1] // 5 and quiet["dropped"] > 0
     assert gc.isenabled()   # the collector paused for the run is back on
 
 

@@ -91,6 +91,19 @@ def test_external_resume_and_cancel():
     ex.shutdown()
 
 
+def test_ready_after_is_when_poll_ready_can_turn_true():
+    ex = ApiCalls()
+    assert ex.ready_after() == float("inf")
+    ex.call_simulated("a", 7.0, [1])
+    ex.call_simulated("b", 3.0, None, num_tokens=2)
+    assert ex.ready_after() == 3.0 and not ex.poll_ready(2.999) and ex.poll_ready(3.0)
+    ex.expect_external("c")   # a resume may come from another thread any moment
+    assert ex.ready_after() == float("-inf")
+    ex.resume("c", text="done")
+    assert ex.ready_after() == float("-inf") and ex.poll_ready(0.0)
+    ex.shutdown()
+
+
 def test_async_tool_called_with_wrong_arguments_becomes_an_error_result():
     async def needs_x(x):
         return x

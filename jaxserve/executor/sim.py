@@ -113,7 +113,9 @@ class SimExecutor:
         """Decode-only steps of ``num_tokens`` one-token chunks without a plan
         (``DecodeRun``): ``(context_tokens, copied_pages) -> seconds``, the same
         time and totals as ``execute`` gives such a plan (the attention reads
-        ``context_tokens``; ``copied_pages`` go to the host tier)."""
+        ``context_tokens``; ``copied_pages`` go to the host tier). Its attribute
+        ``seconds`` (``context_tokens -> seconds``) is the time of such a step
+        without copies, without running it."""
         assert not self.prefill_decode_split, "decode runs need a colocated executor"
         t_step, clock = self.cost.t_step_of_context(num_tokens), self.clock
 
@@ -124,6 +126,7 @@ class SimExecutor:
             self.forward_time_s += dt - 0.0
             clock.t += dt   # ``clock.advance(dt)``
             return dt
+        step.seconds = t_step   # (the step's time alone: ``DecodeRun.plan_quiet``)
         return step
 
     def _advance(self, dt: float, stall: float, swapped: int) -> float:

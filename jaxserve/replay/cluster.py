@@ -269,8 +269,10 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
             conv.visited.add(i)
             conversation_of[request.request_id] = conv
             sent.append(request)
-            replica = replicas[i]
-            replica.core.add(request, t_arrival)   # an open run admits it at its next step (or ends there)
+            run = runs[i]
+            if run is not None:
+                run.run_quiet(t_arrival)   # its quiet steps before the arrival; the next one admits it
+            replicas[i].core.add(request, t_arrival)   # an open run admits it at its next step (or ends there)
             wake_at(i, t_arrival)
             continue
         t, i = heapq.heappop(active)
@@ -284,12 +286,14 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
         if run is None:
             clock.sleep_until(t)   # (a run's next pass is at its clock's time: nothing to sleep)
         else:
+            run.run_quiet(t)   # (planned quiet steps all start before t)
             if not core.api.poll_ready(t) and run.step(t) is not None:
                 if run.finished:
                     for r in run.finished:
                         follow_up(r)
                     run.finished.clear()
-                next_pass[i] = at = clock.t   # wake_at(i, clock.now()), inlined: the hot path
+                # wake_at(i, clock.now()), inlined (the hot path), after the coming quiet steps
+                next_pass[i] = at = run.plan_quiet(clock.t, core.api.ready_after())
                 heapq.heappush(active, (at, i))
                 continue
             end_run(i)
@@ -312,6 +316,8 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
                 f"replica {i}: {len(core.scheduler.requests)} request(s) left but nothing can run at "
                 f"t={clock.now():.3f}s (device pool {core.scheduler.device_pool.num_pages} pages)")
     for i in range(len(replicas)):
+        if runs[i] is not None:
+            runs[i].run_quiet(float("inf") if horizon_s is None else horizon_s)
         end_run(i)
     if progress is not None:
         progress(finished - reported, max(r.clock.now() for r in replicas))
