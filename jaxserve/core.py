@@ -145,6 +145,7 @@ class EngineCore:
         self.check_invariants = check_invariants
         self.stats = EngineStats()
         self.last_step_ran = False   # whether the latest step() ran a non-empty plan
+        self._decode_steppers: dict[int, Callable[[int, SwapOp | None], float]] = {}   # ``_decode_steps``, by size
 
     # --------------------------------------------------------------- requests
     def add(self, request: Request, now: float | None = None) -> None:
@@ -213,7 +214,15 @@ class EngineCore:
 
     def _decode_steps(self, num_tokens: int) -> Callable[[int, SwapOp | None], float]:
         """Steps of ``num_tokens`` decoders: ``(context_tokens, copy_out) -> seconds``,
-        counted in ``stats`` as ``step()`` and ``_account`` count them."""
+        counted in ``stats`` as ``step()`` and ``_account`` count them. Made once per
+        size (a decode run asks again each time its batch grows or shrinks)."""
+        step = self._decode_steppers.get(num_tokens)
+        if step is None:
+            step = self._decode_steppers[num_tokens] = self._new_decode_steps(num_tokens)
+        return step
+
+    def _new_decode_steps(self, num_tokens: int) -> Callable[[int, SwapOp | None], float]:
+        """``_decode_steps`` of ``num_tokens``, made."""
         stats, execute = self.stats, self.executor.decode_stepper(num_tokens)
         by_bucket = stats.steps_by_bucket.entry(num_tokens)
 

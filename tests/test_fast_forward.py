@@ -154,3 +154,18 @@ def test_runs_admit_refuse_and_end_exactly(monkeypatch):
     forwarded = run(True)
     assert forwarded == stepped
     assert all(n > 0 for n in counts.values()), counts
+
+
+def test_a_paused_collector_comes_back_without_walking_the_run():
+    """``cyclic_gc_paused``: the collector is off inside and on after; what the run
+    made is moved to the oldest generation as it is, so the first collection
+    after the run does not walk it (it walked every result object)."""
+    from jaxserve.replay.simulate import cyclic_gc_paused
+
+    assert gc.isenabled()
+    with cyclic_gc_paused():
+        assert not gc.isenabled()
+        made = [[i] for i in range(1000)]
+    assert gc.isenabled()
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert all(id(o) in oldest for o in made)

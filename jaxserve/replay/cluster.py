@@ -213,9 +213,13 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
                                 clock, executor))
     pick = Router(router)
     seq = itertools.count()
-    arrivals: list[tuple[float, int, Conversation]] = [(w.arrival_time, next(seq), Conversation(w))
-                                                       for w in workload]
-    heapq.heapify(arrivals)
+    # Arrivals in (time, seq) order: the workload's first segments, sorted once and taken from the end
+    # (``firsts``), and a heap of the follow-ups (``arrivals``; far smaller: only conversations in
+    # flight); ``head`` is the earlier of their fronts. (seq is unique: a Conversation is never compared.)
+    firsts: list[tuple[float, int, Conversation]] = sorted(
+        ((w.arrival_time, next(seq), Conversation(w)) for w in workload), reverse=True)
+    arrivals: list[tuple[float, int, Conversation]] = []
+    head = firsts[-1] if firsts else None
     active: list[tuple[float, int]] = []        # (next pass time, replica); stale unless it is next_pass's
     next_pass: list[float | None] = [None] * len(replicas)   # None: nothing to do until an arrival
     sent: list[Request] = []
@@ -233,14 +237,17 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
 
     def follow_up(request: Request) -> None:
         """``request`` finished: its conversation's next segment arrives after the API call."""
-        nonlocal finished
+        nonlocal finished, head
         conv = conversation_of.pop(request.request_id, None)
         if conv is None:
             return
         finished += 1
         if conv.index < conv.num_segments:
             api_s = conv.item.entry.segments[conv.index - 1].api_duration_s or 0.0
-            heapq.heappush(arrivals, (request.finish_time + api_s, next(seq), conv))
+            arrival = (request.finish_time + api_s, next(seq), conv)
+            heapq.heappush(arrivals, arrival)
+            if head is None or arrival < head:
+                head = arrival
 
     def wake_at(i: int, at: float) -> None:
         """Replica ``i``'s next pass is at ``at`` (s), or earlier if one was due sooner."""
@@ -249,13 +256,21 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
             next_pass[i] = at
             heapq.heappush(active, (at, i))
 
-    while arrivals or active:
-        t_arrival = arrivals[0][0] if arrivals else float("inf")
+    while head is not None or active:
+        t_arrival = head[0] if head is not None else float("inf")
         t_pass = active[0][0] if active else float("inf")
         if horizon_s is not None and min(t_arrival, t_pass) >= horizon_s:
             break
         if t_arrival <= t_pass:
-            _, _, conv = heapq.heappop(arrivals)
+            conv = head[2]
+            if firsts and firsts[-1] is head:
+                firsts.pop()
+            else:
+                heapq.heappop(arrivals)
+            if firsts and (not arrivals or firsts[-1] < arrivals[0]):
+                head = firsts[-1]
+            else:
+                head = arrivals[0] if arrivals else None
             request = conv.next_request(t_arrival)
             if caching:
                 if conv.names is None:
