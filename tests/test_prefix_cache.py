@@ -94,6 +94,29 @@ def test_eviction_order_matches_one_at_a_time_under_mixed_releases(seed):
         cache.check_invariants({p: n for p, n in refs.items() if n})
 
 
+def test_a_context_relinked_after_every_call_leaves_no_pile_of_stale_entries():
+    """Soft retention while nothing is evicted: an agent's context is released
+    inside each API call (with the retention bonus) and re-linked when the call
+    returns. Each release used to leave an entry behind until the first eviction
+    (100,000 calls: 100,000 entries holding 2M page ids); stale pages are now
+    dropped once they outnumber the evictable ones 4 to 1, and the eviction order
+    is the same."""
+    cache = PrefixCache()
+    context, plain = list(range(20)), [20, 21]
+    for p in context + plain:
+        cache.insert(p, p.to_bytes(16, "little"))
+    cache.release(plain, now=0.0)
+    for k in range(5000):
+        cache.release(context, now=float(k), bonus_s=5.0)
+        cache.acquire(context)
+        # at most 4x the pages evictable at a release (22) + 64, and never growing with the calls
+        assert cache._queued <= 4 * (len(plain) + len(context)) + 64 + len(context)
+    assert len(cache._heap) <= 200
+    cache.release(context, now=5000.0, bonus_s=5.0)
+    cache.check_invariants({})
+    assert [p for p, _ in cache.evict_entries(22, 6000.0)] == [21, 20] + context[::-1]
+
+
 def make_kv(device=8, host=8, page_size=4):
     return KVManager(PageAllocator(device, page_size), PageAllocator(host, page_size, "host"), PrefixCache("m"))
 
