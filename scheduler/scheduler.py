@@ -496,6 +496,17 @@ class Scheduler:
             left -= n
         return left
 
+    def _push_decoder_place(self, place: int, request: Request) -> None:
+        """File decoder ``request`` at ``place`` for ``_decoder_after``. Stale entries (ended,
+        or decoding again from a later place) leave only from the top, and the top is the
+        newest: once they outnumber the decoders 2 to 1 (+64) the heap is rebuilt from
+        the decoders, or it would hold every request that ever decoded, ended ones too."""
+        heap = self._decoder_places
+        heapq.heappush(heap, (-place, request))
+        if len(heap) > 2 * len(self._decoding) + 64:
+            self._decoder_places = heap = [(-chunk.place, r) for r, chunk in self._decoding.items()]
+            heapq.heapify(heap)
+
     def _decoder_after(self, place: int) -> bool:
         """Whether a decoding request entered the batch after place ``place``."""
         heap, decoding = self._decoder_places, self._decoding
@@ -712,7 +723,7 @@ class Scheduler:
             if request not in decoding:   # its context is computed: from now on it decodes
                 place = filling.pop(request)
                 decoding[request] = DecodeChunk(request, place)
-                heapq.heappush(self._decoder_places, (-place, request))
+                self._push_decoder_place(place, request)
             if request.num_computed_tokens >= len(request.device_pages) * page_size:   # kv.pages_needed(r, 1)
                 page_due[request] = None   # its next token starts a page
             request.num_tokens += 1

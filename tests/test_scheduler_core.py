@@ -57,6 +57,27 @@ def random_requests(n, seed):
     return out
 
 
+def test_ended_requests_are_not_kept_by_the_decoder_index():
+    """A long-running engine: thousands of requests decode and end while a few
+    run at a time. The index of decoders' places (``_decoder_places``) dropped
+    stale entries only from its top, the newest decoder, so it kept every
+    request that ever decoded (and its token lists) alive."""
+    sched = make_scheduler(num_pages=256, budget=64)
+    now = 0.0
+    for wave in range(40):
+        for r in random_requests(50, seed=wave):
+            r.request_id = f"w{wave}-{r.request_id}"
+            r.segments = [r.segments[-1]]
+            r.max_tokens = r.segments[0].num_tokens
+            sched.add_request(r, now)
+        while sched.has_unfinished():
+            plan = sched.schedule(now)
+            now += 0.01
+            sched.update(plan, StepResult(), now)
+    assert len(sched._decoding) == 0
+    assert len(sched._decoder_places) <= 2 * 16 + 64 + 1   # max_num_seqs 16: never more than that many decode
+
+
 @pytest.mark.parametrize("handling", [Handling.PRESERVE, Handling.DISCARD, Handling.SWAP, None])
 @pytest.mark.parametrize("policy", ["fcfs", "fcfs-improved", "infercept"])
 def test_all_finish_with_tight_pool(handling, policy):
