@@ -28,6 +28,20 @@ from typing import ClassVar
 
 from scheduler.request import Request
 
+MAX_MEAN_KEYS = 1024   # API types (or request classes) a running-mean predictor keeps a mean for
+
+
+def add_to_mean(sums: dict[str, float], counts: dict[str, int], key: str, value: float) -> None:
+    """Add ``value`` to the running mean of ``key`` (``sums[key] / counts[key]``). A new key
+    beyond ``MAX_MEAN_KEYS`` first drops the key with the fewest observations (the
+    oldest of those): API types are callers' strings, and one named afresh per
+    request must not grow the tables for as long as the engine runs."""
+    if key not in counts and len(counts) >= MAX_MEAN_KEYS:
+        rarest = min(counts, key=counts.__getitem__)
+        del sums[rarest], counts[rarest]
+    sums[key] = sums.get(key, 0.0) + value
+    counts[key] = counts.get(key, 0) + 1
+
 _REGISTRY: dict[str, type["Predictor"]] = {}
 
 
@@ -191,8 +205,7 @@ class ApiTypeMeanPredictor(OraclePredictor):
         return self._sum[api_type] / n if n else self.default_s
 
     def observe_api(self, api_type: str, duration_s: float) -> None:
-        self._sum[api_type] = self._sum.get(api_type, 0.0) + duration_s
-        self._count[api_type] = self._count.get(api_type, 0) + 1
+        add_to_mean(self._sum, self._count, api_type, duration_s)
         self.version += 1
 
     def api_duration(self, request: Request, now: float, call_time: float | None) -> float | None:
@@ -289,7 +302,5 @@ class LearnedPredictor(ApiTypeMeanPredictor):
             n = request.segment_generated
         else:
             n = request.num_generated - int(request.predictions.get(LEARNED_FROM, 0))
-        key = self._class(request)
-        self._len_sum[key] = self._len_sum.get(key, 0.0) + n
-        self._len_count[key] = self._len_count.get(key, 0) + 1
+        add_to_mean(self._len_sum, self._len_count, self._class(request), n)
         self.version += 1

@@ -456,3 +456,25 @@ def test_make_policy_rejects_unknown_names_and_options():
     with pytest.raises(ValueError):
         make_policy("fcfs", token_budget="huge")
     assert type(make_policy("mars")) is type(make_policy("lamps"))
+
+
+def test_running_means_keep_a_bounded_number_of_api_types():
+    """A caller naming a fresh API type (or request class) per request must not
+    grow the predictors' tables for as long as the engine runs: beyond
+    ``MAX_MEAN_KEYS`` a new key drops the one seen least often, and the types
+    seen often keep their means."""
+    from scheduler.predictors import MAX_MEAN_KEYS
+
+    pred = make_predictor("api-type-mean")
+    learned = make_predictor("learned")
+    for _ in range(5):
+        pred.observe_api("search", 2.0)
+    for i in range(3 * MAX_MEAN_KEYS):
+        pred.observe_api(f"tool-{i}", 1.0)
+        r = Request(f"r{i}", 0.0, prompt_len=4, max_tokens=2, predictions={"class": f"class-{i}"})
+        r.num_generated = 3
+        learned.observe_output(r)
+    assert len(pred._sum) == len(pred._count) == MAX_MEAN_KEYS
+    assert len(learned._len_sum) == len(learned._len_count) == MAX_MEAN_KEYS
+    assert pred.mean("search") == 2.0 and pred.mean(f"tool-{3 * MAX_MEAN_KEYS - 1}") == 1.0
+    assert pred.mean("tool-0") == pred.default_s   # dropped: seen once, long ago
