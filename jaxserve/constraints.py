@@ -12,8 +12,10 @@ queues the request.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,12 +125,29 @@ def check_schema(schema, param: str, what: str = "schema") -> None:
         raise ValueError(f"{param}: {what} is not a valid JSON Schema at {error}")
 
 
-@functools.lru_cache(maxsize=1024)
+SCHEMA_CHECKS_KEPT = 1024   # schemas whose check is remembered
+_schema_checks: OrderedDict[bytes, str | None] = OrderedDict()   # SHA-256 of the sorted JSON -> ``_schema_error``
+_schema_checks_lock = threading.Lock()   # (requests are validated on several threads)
+
+
 def _schema_error(schema_json: str) -> str | None:
-    """Where and why the schema (as sorted JSON text) breaks its metaschema; None if valid."""
+    """Where and why the schema (as sorted JSON text) breaks its metaschema; None if
+    valid. The last ``SCHEMA_CHECKS_KEPT`` answers are kept by the text's SHA-256, not
+    by the text: a request body may carry megabytes of schema, and keeping 1,024 of
+    those texts could hold gigabytes for as long as the server runs."""
+    digest = hashlib.sha256(schema_json.encode()).digest()
+    with _schema_checks_lock:
+        if digest in _schema_checks:
+            _schema_checks.move_to_end(digest)
+            return _schema_checks[digest]
     schema = json.loads(schema_json)
+    error = None
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        return f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
-    return None
+        error = f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message[:300]}"
+    with _schema_checks_lock:
+        _schema_checks[digest] = error
+        if len(_schema_checks) > SCHEMA_CHECKS_KEPT:
+            _schema_checks.popitem(last=False)
+    return error

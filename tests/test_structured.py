@@ -345,3 +345,20 @@ def test_masked_sampler_only_picks_allowed_tokens():
             assert allowed[np.arange(rows), tokens].all()
         if temp == 0.0:
             assert np.array_equal(tokens, np.where(allowed, logits, -np.inf).argmax(1))
+
+
+def test_schema_checks_are_remembered_by_digest_and_bounded():
+    """A server checks every request's schema: the answers are remembered by the
+    schema's SHA-256 (a body may carry megabytes of schema; the texts themselves
+    were kept, 1,024 of them), and an error quoting a huge part of it is cut."""
+    from jaxserve import constraints
+
+    constraints.check_schema({"type": "object", "description": "x" * 1_000_000}, "response_format")
+    for i in range(constraints.SCHEMA_CHECKS_KEPT + 10):
+        constraints.check_schema({"type": "object", "title": f"s{i}"}, "response_format")
+    assert len(constraints._schema_checks) == constraints.SCHEMA_CHECKS_KEPT
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in constraints._schema_checks)
+    for _ in range(2):   # the second answer comes from the table
+        with pytest.raises(ValueError, match=r"^response_format: .*not a valid JSON Schema at properties") as e:
+            constraints.check_schema({"properties": "y" * 100_000}, "response_format")
+        assert len(str(e.value)) < 500
