@@ -1,9 +1,8 @@
 """A long-running engine's books stay bounded: after waves of requests run to
 completion (API calls, aborts, the prefix cache with its host tier, every
 policy), no container reachable from the scheduler keeps growing with the
-number of finished requests. Two such containers were found this way (the
-decoder-place index kept every request that ever decoded; the retention heap
-kept an entry per API call while nothing was evicted)."""
+number of finished requests (the decoder-place index kept every request that
+ever decoded, until 1d29174: with that fix reverted, every case here fails)."""
 
 from __future__ import annotations
 
