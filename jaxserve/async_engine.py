@@ -226,8 +226,8 @@ class AsyncEngine:
             self._run_commands(wait)
 
         def deliver(requests) -> None:
-            for out in engine.outputs(requests):
-                self._deliver(out.request_id, out)
+            for out in engine.outputs(requests):   # a request the engine failed gets its error, raised
+                self._deliver(out.request_id, out if out.error is None else RuntimeError(f"request failed: {out.error}"))
             self._publish_snapshots()
 
         while not self._stop.is_set():

@@ -18,6 +18,7 @@ their clock (wall or simulated), their executor and a few hooks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from typing import Callable, Iterable, Protocol
 from jaxserve.api_calls import ApiCalls, ApiResult
 from scheduler import EventKind, Request, RequestEvent, Scheduler, StepPlan, StepResult, SwapOp
 from scheduler.fast_forward import DecodeRun, open_decode_run
+
+log = logging.getLogger("jaxserve")
 
 
 class Clock(Protocol):
@@ -168,6 +171,16 @@ class EngineCore:
             return
         self.scheduler.finish(request, reason, self.clock.now())
         self._released(request)
+
+    def _frontend_failed(self, request: Request, error: Exception) -> None:
+        """The front end raised on ``request``'s event (a detokenizer, grammar or tool
+        parser defect): ``request.error`` says why and the request ends with reason
+        "error" (if this event had not ended it already); the step and every other
+        request of it go on."""
+        log.exception("request %s failed in the front end", request.request_id)
+        request.error = f"{type(error).__name__}: {error}"[:500]
+        if not request.is_finished:
+            self.finish(request, "error")
 
     def _released(self, request: Request) -> None:
         """Free what a request that just ended holds outside the scheduler."""
@@ -334,7 +347,11 @@ class EngineCore:
             if event.kind is EventKind.FINISHED:
                 self._released(request)
             if frontend is not None:
-                frontend.on_event(event, now)
+                try:
+                    frontend.on_event(event, now)
+                except Exception as e:  # noqa: BLE001 - one request's text rules failing fail that request only
+                    self._frontend_failed(request, e)
+                    continue
             if event.kind is EventKind.API_CALL and not request.is_finished:
                 seg = event.segment
                 self.api.call_simulated(request.request_id, now + seg.api_duration_s, seg.returned_token_ids,

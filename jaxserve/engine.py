@@ -446,7 +446,7 @@ class LLMEngine:
         return RequestOutput(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                              token_ids=list(generated), text=text, delta_token_ids=new_ids,
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
-                             tool_calls=[dict(c) for c in tool_calls], metrics=metrics,
+                             tool_calls=[dict(c) for c in tool_calls], error=request.error, metrics=metrics,
                              num_cached_tokens=request.num_cached_tokens)
 
     # ------------------------------------------------------------ helpers

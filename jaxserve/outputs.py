@@ -51,7 +51,9 @@ class RequestOutput:
     ``token_ids`` are generated ids only (API-returned tokens go into the
     context, not here). ``finish_reason`` is "stop", "length", "abort",
     "tool_calls" (paused on client-side tool calls, ``tool_calls``, in
-    call order; resume with their results via ``resume``) or None while running. ``num_cached_tokens``: prompt tokens
+    call order; resume with their results via ``resume``), "error" (the
+    engine failed this request alone, ``error`` says why; ``AsyncEngine``
+    raises it to the caller) or None while running. ``num_cached_tokens``: prompt tokens
     whose KV came from the prefix cache when the request was first scheduled
     (whole pages).
     """

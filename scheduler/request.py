@@ -148,6 +148,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
+    error: str | None = None       # why the engine failed it (finish_reason "error")
     num_preemptions: int = 0
     waiting_iterations: int = 0    # starvation counter (iterations waiting after first scheduled)
     starving: bool = False         # promoted to the head until it completes

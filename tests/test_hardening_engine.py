@@ -152,3 +152,33 @@ def test_largest_representable_top_k_samples_fine(engine):
                                                                  ignore_eos=True))
         assert len(outs[-1].token_ids) == 3
     asyncio.run(scenario())
+
+
+def test_a_front_end_error_fails_only_its_own_request(engine, monkeypatch):
+    """The front end (detokenizer, grammar, tool parser) raising on one request's
+    token used to fail the whole step: every request in flight got "engine step
+    failed", and one that had finished earlier in that step was never delivered
+    (its stream hung). Now only that request fails, with its error raised to its
+    caller; its batch-mate finishes normally and the engine keeps serving."""
+    frontend = engine.engine.core.frontend
+    on_event = frontend.on_event
+
+    def failing(event, now):
+        if event.request.request_id == "bad" and event.request.num_generated == 2:
+            raise KeyError("broken parser state")
+        return on_event(event, now)
+    monkeypatch.setattr(frontend, "on_event", failing)
+
+    async def scenario():
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        bad = asyncio.ensure_future(_consume(engine, "bad", params))
+        good = asyncio.ensure_future(_consume(engine, "good", params))
+        with pytest.raises(RuntimeError, match="request failed: KeyError: 'broken parser state'"):
+            await asyncio.wait_for(bad, 30)
+        outs = await asyncio.wait_for(good, 30)
+        assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 6
+        assert engine.is_alive
+        await _wait_idle(engine)
+        await _fresh_request_completes(engine)
+    asyncio.run(scenario())
+    assert engine.engine.stats.finished.get("error") == 1
