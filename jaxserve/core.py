@@ -349,7 +349,7 @@ class EngineCore:
             if frontend is not None:
                 try:
                     frontend.on_event(event, now)
-                except Exception as e:  # noqa: BLE001 - one request's text rules failing fail that request only
+                except Exception as e:  # noqa: BLE001 - an error in one request's text rules fails that request only
                     self._frontend_failed(request, e)
                     continue
             if event.kind is EventKind.API_CALL and not request.is_finished:
