@@ -40,7 +40,7 @@ class AsyncEngine:
                  engine: LLMEngine | None = None, **engine_kwargs) -> None:
         self.engine = engine if engine is not None else LLMEngine(model, config, **engine_kwargs)
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, list] = {}   # request id -> [its event loop, its queue, entered the engine]
         self._stop = threading.Event()
         self._closing = threading.Lock()
         self._dead_reason: str | None = None
@@ -68,8 +68,8 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = self._open_stream(request_id)
         try:
-            await self._call(lambda: self.engine.add_request(
-                request_id, prompt, sampling_params, prompt_token_ids, api_calls, parse_tool_calls))
+            await self._call(lambda: self._entered(request_id, self.engine.add_request(
+                request_id, prompt, sampling_params, prompt_token_ids, api_calls, parse_tool_calls)))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):  # the command may have run: never leave it orphaned
@@ -84,8 +84,8 @@ class AsyncEngine:
         (``max_tokens``: a fresh budget for it). ``KeyError`` if the request is not paused on such a call."""
         stream = self._open_stream(request_id)
         try:
-            await self._call(lambda: self.engine.resume(request_id, token_ids=token_ids, text=text,
-                                                        max_tokens=max_tokens))
+            await self._call(lambda: self._entered(request_id, self.engine.resume(
+                request_id, token_ids=token_ids, text=text, max_tokens=max_tokens)))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):
@@ -119,8 +119,16 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._streams[request_id] = [asyncio.get_running_loop(), q, False]   # (loop, queue, entered the engine)
         return q
+
+    def _entered(self, request_id: str, result):
+        """On the engine thread, right after the command that put ``request_id`` in the
+        engine (add, resume) ran: its stream is now owed a final output or an error."""
+        target = self._streams.get(request_id)
+        if target is not None:
+            target[2] = True
+        return result
 
     async def _drain(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         done = False
@@ -167,7 +175,7 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
         if target is not None:
-            loop, q = target
+            loop, q = target[0], target[1]
             try:
                 loop.call_soon_threadsafe(q.put_nowait, item)
             except RuntimeError:  # that event loop has closed: nobody is listening
@@ -248,10 +256,17 @@ class AsyncEngine:
         self.stats_snapshot = dataclasses.replace(self.engine.stats, finished=dict(self.engine.stats.finished))
 
     def _fail_all(self, error: Exception) -> None:
-        """Abort every live request after a failed step (its state may be half-applied)."""
-        for request_id in list(self.engine.scheduler.requests):
+        """Abort every live request after a failed step (its state may be half-applied),
+        and fail every stream still owed an output: a request that ended earlier in the
+        failed step is no longer live and its final output was never delivered."""
+        live = list(self.engine.scheduler.requests)
+        for request_id in live:
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - keep aborting the others
                 log.exception("abort of %s after a failed step failed", request_id)
             self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
+        live = set(live)
+        for request_id, (_, _, entered) in list(self._streams.items()):
+            if entered and request_id not in live:   # (one whose final output is queued ignores this)
+                self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))

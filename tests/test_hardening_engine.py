@@ -182,3 +182,32 @@ def test_a_front_end_error_fails_only_its_own_request(engine, monkeypatch):
         await _fresh_request_completes(engine)
     asyncio.run(scenario())
     assert engine.engine.stats.finished.get("error") == 1
+
+
+def test_a_request_that_ended_in_a_failed_step_gets_an_error_not_silence(engine, monkeypatch):
+    """A step that fails after the scheduler ended a request (here: ``update()``
+    raising once it has finished "short") used to leave that request's stream
+    waiting forever: the request was no longer live, so the failure handling
+    (which fails live requests) never reached it, and its final output was lost
+    with the step. Every stream owed an output now gets the step's error."""
+    scheduler = engine.engine.scheduler
+    update, raised = scheduler.update, []
+
+    def failing_update(plan, result, now):
+        events = update(plan, result, now)
+        if not raised and any(e.request.request_id == "short" and e.request.is_finished for e in events):
+            raised.append(True)
+            raise RuntimeError("a scheduler defect")
+        return events
+    monkeypatch.setattr(scheduler, "update", failing_update)
+
+    async def scenario():
+        short = asyncio.ensure_future(_consume(engine, "short", SamplingParams(max_tokens=2, ignore_eos=True)))
+        long = asyncio.ensure_future(_consume(engine, "long", SamplingParams(max_tokens=40, ignore_eos=True)))
+        for task in (short, long):
+            with pytest.raises(RuntimeError, match="engine step failed: a scheduler defect"):
+                await asyncio.wait_for(task, 15)
+        assert raised and engine.is_alive
+        await _wait_idle(engine)
+        await _fresh_request_completes(engine)
+    asyncio.run(scenario())
