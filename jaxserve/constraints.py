@@ -106,9 +106,12 @@ class StructuredOutput:
                 check_schema(t.parameters, "tools", f"parameters of {t.name!r}")
 
     def key(self) -> str:
-        """A stable text key (for caching compiled grammars)."""
-        return json.dumps([self.kind, self.schema, [[t.name, t.parameters] for t in self.tools], self.parallel],
+        """A stable key for caching compiled grammars: the SHA-256 (hex) of the constraint
+        as sorted JSON, so a cache of 256 grammars holds no schema texts (a request
+        body may carry megabytes of schema)."""
+        text = json.dumps([self.kind, self.schema, [[t.name, t.parameters] for t in self.tools], self.parallel],
                           sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_schema(schema, param: str, what: str = "schema") -> None:

@@ -347,6 +347,14 @@ def test_masked_sampler_only_picks_allowed_tokens():
             assert np.array_equal(tokens, np.where(allowed, logits, -np.inf).argmax(1))
 
 
+def test_grammar_cache_keys_are_digests_of_the_whole_constraint():
+    big = {"type": "object", "description": "x" * 1_000_000}
+    key = StructuredOutput.json(big).key()
+    assert len(key) == 64 and key == StructuredOutput.json(dict(big)).key()
+    assert key != StructuredOutput.json({**big, "title": "t"}).key()
+    assert StructuredOutput.json(PERSON).key() != StructuredOutput.tool_call(TOOLS).key()
+
+
 def test_schema_checks_are_remembered_by_digest_and_bounded():
     """A server checks every request's schema: the answers are remembered by the
     schema's SHA-256 (a body may carry megabytes of schema; the texts themselves
