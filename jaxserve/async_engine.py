@@ -26,6 +26,15 @@ from jaxserve.sampling_params import SamplingParams
 log = logging.getLogger("jaxserve")
 
 
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """Where one request's outputs go: a queue read on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    entered: bool = False   # its add/resume command ran: the engine owes it a final output or an error
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
@@ -40,7 +49,7 @@ class AsyncEngine:
                  engine: LLMEngine | None = None, **engine_kwargs) -> None:
         self.engine = engine if engine is not None else LLMEngine(model, config, **engine_kwargs)
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, list] = {}   # request id -> [its event loop, its queue, entered the engine]
+        self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._closing = threading.Lock()
         self._dead_reason: str | None = None
@@ -119,15 +128,15 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = [asyncio.get_running_loop(), q, False]   # (loop, queue, entered the engine)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), q)
         return q
 
     def _entered(self, request_id: str, result):
         """On the engine thread, right after the command that put ``request_id`` in the
         engine (add, resume) ran: its stream is now owed a final output or an error."""
-        target = self._streams.get(request_id)
-        if target is not None:
-            target[2] = True
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.entered = True
         return result
 
     async def _drain(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -173,11 +182,10 @@ class AsyncEngine:
                 self._inbox.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
 
     def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target[0], target[1]
+        stream = self._streams.get(request_id)
+        if stream is not None:
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
             except RuntimeError:  # that event loop has closed: nobody is listening
                 self._streams.pop(request_id, None)
 
@@ -257,16 +265,14 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         """Abort every live request after a failed step (its state may be half-applied),
-        and fail every stream still owed an output: a request that ended earlier in the
-        failed step is no longer live and its final output was never delivered."""
-        live = list(self.engine.scheduler.requests)
-        for request_id in live:
+        then fail every stream owed an output: the live ones, and one whose request ended
+        earlier in the failed step (no longer live, its final output lost with the step).
+        A stream whose final output is already queued stops before reading the error."""
+        for request_id in list(self.engine.scheduler.requests):
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - keep aborting the others
                 log.exception("abort of %s after a failed step failed", request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
-        live = set(live)
-        for request_id, (_, _, entered) in list(self._streams.items()):
-            if entered and request_id not in live:   # (one whose final output is queued ignores this)
+        for request_id, stream in list(self._streams.items()):
+            if stream.entered:
                 self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))

@@ -159,8 +159,9 @@ class DecodeRun:
         now), no filler, a static token budget. It changes nothing outside the
         run's own counters and clock (not the live requests, not a page, not the
         prefix cache), so a simulator of many replicas may run it late: in one go
-        before the run's next step, or before a request is added to the replica,
-        with ``run_quiet`` (which ``step`` calls). Its time is the executor's
+        before the run's next step, or before a request is added to the replica;
+        the caller runs them with ``run_quiet`` before the run's next ``step`` or
+        ``close``. Its time is the executor's
         (``steps_of(n).seconds``), the same arithmetic the step's run does, so the
         same floats."""
         sched, events = self.scheduler, self._events
@@ -205,9 +206,7 @@ class DecodeRun:
         run) when it is not a decode step the run can run. Requests it ended are
         appended to ``finished``. With ``admit``, a step that would admit waiting
         requests runs too, and one in which requests it admitted still compute their
-        context (``_mixed_step``). Planned quiet steps that start before ``t`` run first."""
-        if self._quiet:
-            self.run_quiet(t)
+        context (``_mixed_step``). Planned quiet steps (``plan_quiet``) must have run."""
         k = self.steps
         if k >= self.headroom:
             return None

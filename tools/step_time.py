@@ -16,6 +16,7 @@ CUDA graphs (XLA command buffers) remove. Prints one JSON line (the last line of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,10 +45,7 @@ def measure(args: argparse.Namespace) -> dict:
         for _ in range(3):   # compile, then warm
             runner.forward(inputs)[0].block_until_ready()
         dispatch, total = [], []
-        trace = jax.profiler.trace(args.trace) if args.trace else None
-        if trace:
-            trace.__enter__()
-        try:
+        with jax.profiler.trace(args.trace) if args.trace else contextlib.nullcontext():
             for _ in range(args.steps):
                 start = time.perf_counter()
                 tokens = runner.forward(inputs)[0]
@@ -55,9 +53,6 @@ def measure(args: argparse.Namespace) -> dict:
                 tokens.block_until_ready()
                 dispatch.append(returned - start)
                 total.append(time.perf_counter() - start)
-        finally:
-            if trace:
-                trace.__exit__(None, None, None)
         return {"shape": args.shape, "dtype": args.dtype, "rows": inputs.num_seqs, "token_bucket": bucket,
                 "context": args.context, "attention_impl": runner.config.attention_impl,
                 "backend": jax.default_backend(),
