@@ -102,6 +102,8 @@ class DecodeRun:
         self.scheduler = scheduler
         self.steps = 0
         self._quiet: list[float] = []   # start times (s) of planned quiet steps not run yet (``plan_quiet``)
+        self.quiet_steps = 0            # planned quiet steps run (``run_quiet``), of ``steps``
+        self.quiet_steps_dropped = 0    # planned quiet steps dropped (an arrival, the horizon)
         self.finished: list[Request] = []   # requests the run ended (``on_finish``), for the caller to take
         kv, config = scheduler.kv, scheduler.config
         self._page_size = kv.page_size
@@ -188,7 +190,7 @@ class DecodeRun:
             return
         self._quiet = []
         sched, kv, n = self.scheduler, self.scheduler.kv, len(self._live)
-        policy_step, run_step = sched._policy_step, self.run_step
+        policy_step, run_step, steps = sched._policy_step, self.run_step, self.steps
         for t in quiet:
             if t >= before:
                 break
@@ -200,6 +202,8 @@ class DecodeRun:
             self._reads += n
             self.steps += 1
             self._last_start = t
+        self.quiet_steps += self.steps - steps
+        self.quiet_steps_dropped += len(quiet) - (self.steps - steps)
 
     def step(self, t: float) -> float | None:
         """Run the next step, starting at ``t`` (s); its seconds, or None (nothing
@@ -383,6 +387,7 @@ class DecodeRun:
     def close(self) -> None:
         """Bring every request up to date (the scheduler is then as after ``steps`` steps);
         planned quiet steps not run by now are dropped (``run_quiet`` first to run them)."""
+        self.quiet_steps_dropped += len(self._quiet)
         self._quiet = []
         if not self.steps:
             return

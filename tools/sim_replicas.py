@@ -73,6 +73,9 @@ def main() -> int:
         print(f"{router:>13} {len(result.requests):>9} {result.affinity_hit_rate:>8.1%} {same:>8.1%} "
               f"{agg['mean_ttft_s']:>9.3f} {agg['p99_ttft_s']:>8.2f} {agg['mean_e2e_s']:>8.2f} "
               f"{agg['p99_e2e_s']:>8.2f} {result.recomputed_tokens:>11} {wall:>7.1f} {cpu:>7.1f}", flush=True)
+        print(f"{'':>13} steps {result.num_steps}, of which quiet (run late in one go) {result.quiet_steps} "
+              f"({result.quiet_steps / max(result.num_steps, 1):.1%}); quiet steps planned then dropped by an "
+              f"arrival {result.quiet_steps_dropped}", flush=True)
         if prof is not None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile_top)
     print(f"slowest: {slowest:.0f} s wall (goal < {args.goal_s:g} s)")

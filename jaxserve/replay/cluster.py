@@ -175,6 +175,8 @@ class ClusterResult:
     follow_up_hits: int             # of those, requests that re-linked at least one cached page
     follow_ups_same_replica: int    # of those, routed to the replica of their predecessor
     requests_by_replica: list[int] = field(default_factory=list)
+    quiet_steps: int = 0            # of ``num_steps``, decode steps run late in one go (``DecodeRun.plan_quiet``)
+    quiet_steps_dropped: int = 0    # quiet steps planned, then dropped by an arrival (or the horizon)
 
     @property
     def affinity_hit_rate(self) -> float | None:
@@ -230,9 +232,14 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
     reported = 0
     runs: list[DecodeRun | None] = [None] * len(replicas)   # open decode-only runs, by replica
 
+    quiet = [0, 0]   # quiet steps run, dropped: summed over closed runs
+
     def end_run(i: int) -> None:
-        if runs[i] is not None:
-            replicas[i].core.end_decode_run(runs[i])
+        run = runs[i]
+        if run is not None:
+            replicas[i].core.end_decode_run(run)
+            quiet[0] += run.quiet_steps
+            quiet[1] += run.quiet_steps_dropped
             runs[i] = None
 
     def follow_up(request: Request) -> None:
@@ -336,7 +343,9 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
         end_run(i)
     if progress is not None:
         progress(finished - reported, max(r.clock.now() for r in replicas))
-    return _result(replicas, sent, follow_ups, same_replica)
+    result = _result(replicas, sent, follow_ups, same_replica)
+    result.quiet_steps, result.quiet_steps_dropped = quiet
+    return result
 
 
 def _result(replicas: Sequence[Replica], sent: list[Request], follow_ups: list[tuple[Request, Request]],
