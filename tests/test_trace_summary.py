@@ -1,0 +1,45 @@
+"""tools/trace_summary.py: busy time as a union of intervals, and a real jax.profiler
+trace read back per line with its costliest events."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import trace_summary  # noqa: E402
+
+
+def test_busy_time_counts_nested_and_overlapping_events_once():
+    assert trace_summary.busy_ns([(0, 10), (2, 5), (8, 15), (20, 21)]) == 16   # [0, 15) and [20, 21)
+    assert trace_summary.busy_ns([(5, 6), (0, 1)]) == 2                        # order does not matter
+    assert trace_summary.busy_ns([]) == 0
+
+
+def test_summary_of_a_real_trace_names_the_traced_work(tmp_path, capsys):
+    @jax.jit
+    def traced_matmul_for_summary(a):
+        return (a @ a).sum()
+
+    a = jnp.ones((256, 256), jnp.float32)
+    traced_matmul_for_summary(a).block_until_ready()
+    with jax.profiler.trace(str(tmp_path / "trace")):
+        for _ in range(4):
+            traced_matmul_for_summary(a).block_until_ready()
+    out = tmp_path / "summary.json"
+    assert trace_summary.main([str(tmp_path / "trace"), "--steps", "4", "--top", "50", "--json", str(out)]) == 0
+    lines = json.loads(out.read_text())
+    assert lines and all(rec["busy_ms"] <= rec["span_ms"] + 1e-9 for rec in lines)
+    names = [t["name"] for rec in lines for t in rec["top"]]
+    assert any("traced_matmul_for_summary" in name for name in names)
+    # --steps divides every figure: the same trace read as one step counts 4x the calls and time.
+    whole = trace_summary.summarize(trace_summary.find_xplane(tmp_path / "trace"), top=50)
+    per_step = trace_summary.summarize(trace_summary.find_xplane(tmp_path / "trace"), top=50, steps=4)
+    calls = [(a["count"], b["count"], a["ms"], b["ms"]) for x, y in zip(whole, per_step)
+             for a, b in zip(x["top"], y["top"]) if a["name"].startswith("PjitFunction(traced_matmul")]
+    assert calls and all(n == pytest.approx(4 * m) and t == pytest.approx(4 * u) for n, m, t, u in calls)
+    assert calls[0][0] >= 4   # at least one host event per call
+    assert "busy" in capsys.readouterr().out
