@@ -51,8 +51,7 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      precision=jax.lax.Precision.HIGHEST)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -140,7 +139,7 @@ class LlamaForCausalLM(nnx.Module):
             new_caches.append(kv)
         x = self.norm(x[logits_indices])
         if self.lm_head is None:
-            logits = jnp.dot(x, self.embed_tokens.embedding[...].T, precision=jax.lax.Precision.HIGHEST)
+            logits = jnp.dot(x, self.embed_tokens.embedding[...].T)
         else:
             logits = self.lm_head(x)
         if return_hidden:
