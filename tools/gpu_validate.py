@@ -60,11 +60,12 @@ REQUIRED = ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", "tran
 SECTIONS = ("backend", "kernels", "device_tests", "attention_bandwidth", "compile", "engine_vs_transformers",
             "swap_bandwidth", "step_launch", "profile")
 # step_launch: the same decode step in a child process per (XLA_FLAGS, attention impl) variant.
-STEP_VARIANTS = {
-    "default": ("", None),
+STEP_VARIANTS = {   # name: (XLA_FLAGS added, tools/step_time.py arguments added)
+    "default": ("", []),
+    "forward_only": ("", ["--forward-only"]),
     "command_buffers": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
-                        "--xla_gpu_graph_min_graph_size=1", None),
-    "reference_attention": ("", "reference"),
+                        "--xla_gpu_graph_min_graph_size=1", ["--forward-only"]),
+    "reference_attention": ("", ["--forward-only", "--attention-impl", "reference"]),
 }
 # The suite's tests that mean most on an accelerator: the Mosaic GPU kernel compiled for real, and
 # float32 token parity with transformers through the engine (its kernel choice, its precision).
@@ -410,17 +411,20 @@ def section_swap_bandwidth(opts) -> dict:
 
 def section_step_launch(opts) -> dict:
     """``tools/step_time.py`` (one 32-row decode step of the 1B shape at 256 tokens of
-    context) in a child process per ``STEP_VARIANTS`` entry: default XLA flags, XLA command
-    buffers (CUDA graphs) with custom calls, and the reference attention (no Pallas custom
-    call). ``dispatch_share`` near 1 means the host spends the step launching kernels.
+    context) in a child process per ``STEP_VARIANTS`` entry: the whole step; the forward
+    alone (no sampler, whose ``lax.cond`` makes XLA:GPU's call wait for the step), with
+    default flags, with XLA command buffers (CUDA graphs) including custom calls, and with
+    the reference attention (no Pallas custom call). ``device_share`` is the device's busy
+    time per step (from a trace of 10 more steps) over the step's wall time: near 1 the
+    device bounds the step, well under 1 the host does.
     With ``--interpret``: the default variant on a small shape (proves the plumbing)."""
     variants = {"default": STEP_VARIANTS["default"]} if opts.interpret else STEP_VARIANTS
     shape = ["--shape", "llama-small", "--rows", "4", "--context", "64", "--steps", "3"] if opts.interpret else \
-        ["--shape", "llama-1b", "--rows", "32", "--context", "256", "--steps", "50"]
+        ["--shape", "llama-1b", "--rows", "32", "--context", "256", "--steps", "50", "--device-busy-steps", "10"]
     rows = []
-    for name, (flags, impl) in variants.items():
+    for name, (flags, extra) in variants.items():
         env = _child_env(XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), flags])))
-        cmd = [sys.executable, str(ROOT / "tools" / "step_time.py"), *shape, *(["--attention-impl", impl] if impl else [])]
+        cmd = [sys.executable, str(ROOT / "tools" / "step_time.py"), *shape, *extra]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
         except subprocess.TimeoutExpired:
@@ -431,8 +435,9 @@ def section_step_launch(opts) -> dict:
         except (ValueError, IndexError):   # a child that failed (e.g. XLA refused a flag) prints no JSON
             rows.append({"variant": name, "error": (proc.stdout + proc.stderr)[-1500:]})
             continue
-        rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "rows", "context", "ms_per_step",
-                                                                "dispatch_ms", "dispatch_share")}})
+        rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "forward_only", "rows", "context",
+                                                                "ms_per_step", "dispatch_ms", "dispatch_share",
+                                                                "device_busy_ms", "device_share")}})
     return {"shape": shape[1], "xla_flags": {k: v[0] or "(none)" for k, v in variants.items()}, "rows": rows}
 
 

@@ -55,13 +55,7 @@ def op_times(trace_dir: Path, steps: int) -> list[tuple[str, float, float]]:
 def pool_checks(executor, inputs) -> dict:
     """From the compiled step: how many KV arrays are aliased to outputs (donated), and
     the copy operations whose result is as large as one layer's K or V pool."""
-    from jaxserve.models import AttentionMetadata
-    from jaxserve.parallel.sharding import put_replicated
-    from jaxserve.sampling import SamplingArrays
-    input_ids, meta, logits_indices, sampling = put_replicated(
-        (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), executor.mesh)
-    text = executor._step.lower(executor.params, executor.kv, input_ids, AttentionMetadata(**meta), logits_indices,
-                                SamplingArrays(**sampling)).compile().as_text()
+    text = executor.lower_step(inputs).compile().as_text()
     header = text.split("\n", 1)[0]
     aliased = len(re.findall(r"\{\d+\}: \(\d+, \{\}, may-alias\)", header))
     k_pool = executor.kv[0][0]

@@ -3,14 +3,21 @@
     python tools/step_time.py --shape llama-1b --rows 32 --context 256 --steps 50
     XLA_FLAGS=--xla_gpu_... python tools/step_time.py ...     # the same step under other XLA flags
     python tools/step_time.py ... --trace DIR                  # and a jax.profiler trace of the timed steps
+    python tools/step_time.py ... --forward-only               # the forward program alone, no sampler
+    python tools/step_time.py ... --baseline REV               # and the same for git revision REV, with ratios
+    python tools/step_time.py ... --device-busy-steps 10       # and how much of a step the device computes
 
 Builds the engine for a ``jaxserve.bench.SHAPES`` model with random weights, compiles one
 decode step shape (``rows`` one-token sequences, each over ``context`` cached tokens) and
 times ``steps`` calls of it. ``dispatch_ms`` is how long ``ModelExecutor.forward`` takes to
 return (staging the inputs included), ``ms_per_step`` how long until its tokens are ready. On
-an accelerator an asynchronous call returns long before its step ends; a call that returns
-only near the end means the host spends the step launching work (many small kernels), which
-CUDA graphs (XLA command buffers) remove. Prints one JSON line (the last line of output).
+an accelerator an asynchronous call returns before its step ends, except that XLA:GPU runs
+a ``lax.cond`` by copying its predicate to the host and waiting for it: the sampler's makes
+the whole step's call return only at its end (H200, 2026-11-26: ``dispatch_share`` 0.98 with
+the sampler, 0.63 without), so ``--forward-only`` times the forward alone. The direct
+measure of where a step's time goes is ``--device-busy-steps``: the device's busy time per
+step against the step's wall time (0.42 on that H200 for a 1B decode step: the host bounds
+it). Prints one JSON line (the last line of output).
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,25 +51,44 @@ def measure(args: argparse.Namespace) -> dict:
         runner = engine.executor
         bucket = next(b for b in runner.config.token_buckets if b >= args.rows)
         inputs = runner.synthetic_inputs(bucket, context=args.context)
+        call = runner.forward_logits if args.forward_only else (lambda batch: runner.forward(batch)[0])
         for _ in range(3):   # compile, then warm
-            runner.forward(inputs)[0].block_until_ready()
+            call(inputs).block_until_ready()
         dispatch, total = [], []
         with jax.profiler.trace(args.trace) if args.trace else contextlib.nullcontext():
             for _ in range(args.steps):
                 start = time.perf_counter()
-                tokens = runner.forward(inputs)[0]
+                out = call(inputs)
                 returned = time.perf_counter()
-                tokens.block_until_ready()
+                out.block_until_ready()
                 dispatch.append(returned - start)
                 total.append(time.perf_counter() - start)
+        busy = device_busy_ms(call, inputs, args.device_busy_steps) if args.device_busy_steps else None
         return {"shape": args.shape, "dtype": args.dtype, "rows": inputs.num_seqs, "token_bucket": bucket,
                 "context": args.context, "attention_impl": runner.config.attention_impl,
                 "backend": jax.default_backend(),
                 "ms_per_step": 1e3 * statistics.median(total), "dispatch_ms": 1e3 * statistics.median(dispatch),
                 "dispatch_share": statistics.median(dispatch) / statistics.median(total),
-                "steps": args.steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+                "device_busy_ms": busy, "device_share": None if busy is None else busy / (1e3 * statistics.median(total)),
+                "forward_only": args.forward_only, "steps": args.steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     finally:
         engine.shutdown()
+
+
+def device_busy_ms(call, inputs, steps: int) -> float | None:
+    """Milliseconds per step the device's busiest stream computes, from a ``jax.profiler``
+    trace of ``steps`` more calls (``trace_summary``); None where the trace has no device
+    timeline (CPU)."""
+    import jax
+
+    import trace_summary
+    with tempfile.TemporaryDirectory(prefix="step-trace-") as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                call(inputs).block_until_ready()
+        lines = trace_summary.summarize(trace_summary.find_xplane(Path(trace_dir)), top=1, steps=steps)
+    device = [rec["busy_ms"] for rec in lines if rec["plane"].startswith("/device:")]
+    return max(device, default=None)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,10 +101,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed calls")
     parser.add_argument("--num-pages", type=int, default=1024)
     parser.add_argument("--attention-impl", default=None, help="kernels.IMPLS name (default: the device's)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time the forward program alone, without the sampler (whose lax.cond makes XLA:GPU "
+                             "wait for the step before it returns)")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write a jax.profiler trace of the timed calls")
+    parser.add_argument("--device-busy-steps", type=int, default=0, metavar="N",
+                        help="after timing, trace N more calls and report the device's busy milliseconds per step "
+                             "(device_share: busy / ms_per_step; near 1: the device bounds the step)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also measure git revision REV, each in a fresh process, and print the ratios")
     return parser.parse_args(argv)
 
 
+def _child(src: Path, argv: list[str]) -> dict:
+    """``src``'s tools/step_time.py with ``argv`` in a fresh process: its JSON line."""
+    proc = subprocess.run([sys.executable, str(src / "tools" / "step_time.py"), *argv], cwd=src,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(src)))
+    if proc.returncode:
+        sys.exit(f"step_time in {src} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(args: argparse.Namespace, argv: list[str]) -> dict:
+    """The same measurement for this checkout and for git revision ``args.baseline`` (its
+    ``jaxserve``, ``kernels``, ``scheduler`` and ``tools`` exported to a temporary folder),
+    each in a fresh process, and the ratios this / baseline."""
+    own = [a for i, a in enumerate(argv) if a != "--baseline" and (i == 0 or argv[i - 1] != "--baseline")]
+    own = [a for a in own if not a.startswith("--baseline=")]
+    with tempfile.TemporaryDirectory(prefix="step-time-") as src:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "jaxserve", "kernels",
+                                  "scheduler", "tools"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+        base = _child(Path(src), own)
+    this = _child(ROOT, own)
+    return {"this": this, args.baseline: base,
+            "dispatch_ratio": this["dispatch_ms"] / base["dispatch_ms"],
+            "ms_per_step_ratio": this["ms_per_step"] / base["ms_per_step"]}
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    print(json.dumps(measure(parse_args())))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+    parsed = parse_args()
+    print(json.dumps(compare(parsed, sys.argv[1:]) if parsed.baseline else measure(parsed)))

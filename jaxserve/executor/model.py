@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.executor.packing import Layout, pack, unpack
 from jaxserve.models import AttentionMetadata, ModelConfig
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_pages_sharding, put_replicated,
@@ -114,6 +115,17 @@ def at_highest_precision(fn: Callable) -> Callable:
     return traced
 
 
+def _sampling_arrays(arrays: dict[str, jax.Array]) -> SamplingArrays:
+    """The sampling settings among unpacked step arrays."""
+    return SamplingArrays(**{f.name: arrays[f.name] for f in fields(SamplingArrays)})
+
+
+def _sample_masked_packed(logits: jax.Array, packed: jax.Array, layout: Layout) -> jax.Array:
+    """``sample_masked`` with the bitmask and sampling settings packed in one array."""
+    arrays = unpack(packed, layout)
+    return sample_masked(logits, arrays["bitmask"], _sampling_arrays(arrays))
+
+
 class ModelExecutor:
     """Owns the model parameters and the KV cache on the device; runs steps.
 
@@ -155,9 +167,11 @@ class ModelExecutor:
         # A float32 model multiplies in IEEE float32, as transformers does: at DEFAULT precision
         # XLA:GPU may use TF32 (10-bit mantissa) for float32 dots, which moves logits by ~1e-3.
         traced = at_highest_precision if config.kv_dtype == jnp.float32 else (lambda fn: fn)
-        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,))
-        self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,))   # structured output: sample apart
-        self._sample_masked = jax.jit(sample_masked)
+        # Step inputs arrive packed in one array (``jaxserve.executor.packing``); its layout is static.
+        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3,))
+        self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
+                                static_argnums=(3,))
+        self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(2,))
         # Structured output on CPU: the mask is filled before one step program. A second program per
         # step costs more there (a dispatch, the XLA thread pool woken again) than filling while the
         # forward runs saves (docs/benchmarks.md, structured output); accelerators overlap the two.
@@ -203,9 +217,12 @@ class ModelExecutor:
         self._host_store.pop(request.request_id, None)
 
     # ----------------------------------------------------------------- forward
-    def _forward_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices):
-        """The model over the ragged batch: ``(logits [S_b, V], kv, length bins int32 [S_b] or None)``."""
+    def _model_fn(self, params, kv, arrays: dict[str, jax.Array]):
+        """The model over the ragged batch described by the unpacked step ``arrays``
+        (``_stage``): ``(logits [S_b, V], kv, length bins int32 [S_b] or None)``."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
+        input_ids, logits_indices = arrays["input_ids"], arrays["logits_indices"]
+        meta = AttentionMetadata(**{f.name: arrays[f.name] for f in fields(AttentionMetadata)})
         if self.length_probe_params is None:
             logits, kv = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret)
             bins = None
@@ -218,13 +235,32 @@ class ModelExecutor:
         kv = jax.lax.with_sharding_constraint(kv, [(self.device_sharding, self.device_sharding)] * len(kv))
         return logits, kv, bins
 
-    def _step_fn(self, params, kv, input_ids, meta: AttentionMetadata, logits_indices, sampling: SamplingArrays,
-                 bitmask: jax.Array | None = None):
-        """Forward + sample; under ``bitmask`` (int32 ``[S_b, ceil(V / 32)]``) when given
-        (a second compiled variant of the same program)."""
-        logits, kv, bins = self._forward_fn(params, kv, input_ids, meta, logits_indices)
-        tokens = sample(logits, sampling) if bitmask is None else sample_masked(logits, bitmask, sampling)
+    def _forward_fn(self, params, kv, packed: jax.Array, layout: Layout):
+        """``_model_fn`` over the packed step inputs."""
+        return self._model_fn(params, kv, unpack(packed, layout))
+
+    def _step_fn(self, params, kv, packed: jax.Array, layout: Layout):
+        """Forward + sample over the packed step inputs; under their ``bitmask`` (int32
+        ``[S_b, ceil(V / 32)]``) when they carry one (another layout: a second compiled
+        variant of the same program)."""
+        arrays = unpack(packed, layout)
+        logits, kv, bins = self._model_fn(params, kv, arrays)
+        sampling = _sampling_arrays(arrays)
+        tokens = sample(logits, sampling) if "bitmask" not in arrays else \
+            sample_masked(logits, arrays["bitmask"], sampling)
         return tokens, (logits if self.config.keep_logits else None), kv, bins
+
+    def _stage(self, inputs: StepInputs, sampling: bool = True,
+               bitmask: np.ndarray | None = None) -> tuple[jax.Array, Layout]:
+        """``inputs``' arrays (with their sampling settings, and ``bitmask`` when given)
+        packed and copied to the mesh in one transfer: ``(packed device array, layout)``."""
+        arrays = {"input_ids": inputs.input_ids, "logits_indices": inputs.logits_indices, **inputs.meta}
+        if sampling:
+            arrays.update(inputs.sampling)
+        if bitmask is not None:
+            arrays["bitmask"] = bitmask
+        flat, layout = pack(arrays)
+        return put_replicated(flat, self.mesh), layout
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Build padded host arrays for ``chunks`` (token ids from each request's
@@ -286,22 +322,16 @@ class ModelExecutor:
         """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
         ``(tokens [S_b], logits [S_b, V])`` (logits None unless ``keep_logits``)."""
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
-        input_ids, meta, logits_indices, sampling, bitmask = put_replicated(
-            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling, bitmask), self.mesh)
-        tokens, logits, self.kv, self.last_length_bins = self._step(
-            self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices, SamplingArrays(**sampling),
-            bitmask)
+        packed, layout = self._stage(inputs, bitmask=bitmask)
+        tokens, logits, self.kv, self.last_length_bins = self._step(self.params, self.kv, packed, layout)
         return tokens, logits
 
     def lower_step(self, inputs: StepInputs, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The step program for ``inputs``'s shapes, traced and lowered (Pallas kernels
         are built here) for this backend or for ``platforms`` (e.g. ``("cuda",)`` on a
         machine without a GPU), bypassing the jit cache; nothing runs."""
-        input_ids, meta, logits_indices, sampling = put_replicated(
-            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
-        traced = self._step.trace(self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices,
-                                  SamplingArrays(**sampling), None)
-        return traced.lower(lowering_platforms=platforms)
+        packed, layout = self._stage(inputs)
+        return self._step.trace(self.params, self.kv, packed, layout).lower(lowering_platforms=platforms)
 
     def compile_seconds(self, inputs: StepInputs) -> tuple[float, float]:
         """``(lower_s, compile_s)``: seconds to ``lower_step(inputs)``, then to compile the
@@ -322,14 +352,18 @@ class ModelExecutor:
         first and run the one step program with the mask."""
         if not self.overlap_mask_fill:
             return self.forward(inputs, fill_bitmask())
-        self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
-        input_ids, meta, logits_indices, sampling = put_replicated(
-            (inputs.input_ids, inputs.meta, inputs.logits_indices, inputs.sampling), self.mesh)
-        logits, self.kv, self.last_length_bins = self._forward(
-            self.params, self.kv, input_ids, AttentionMetadata(**meta), logits_indices)
-        bitmask = put_replicated(fill_bitmask(), self.mesh)
-        tokens = self._sample_masked(logits, bitmask, SamplingArrays(**sampling))
+        logits = self.forward_logits(inputs)
+        flat, layout = pack({**inputs.sampling, "bitmask": fill_bitmask()})
+        tokens = self._sample_masked(logits, put_replicated(flat, self.mesh), layout)
         return tokens, (logits if self.config.keep_logits else None)
+
+    def forward_logits(self, inputs: StepInputs) -> jax.Array:
+        """Dispatch the forward alone (no sampler); returns the device array ``logits
+        [S_b, V]`` float32."""
+        self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
+        packed, layout = self._stage(inputs, sampling=False)
+        logits, self.kv, self.last_length_bins = self._forward(self.params, self.kv, packed, layout)
+        return logits
 
     def synthetic_inputs(self, token_bucket: int, context: int | None = None) -> StepInputs:
         """A full batch for ``token_bucket`` that writes nothing to the cache: as many
