@@ -14,7 +14,9 @@ the speedup), after checking every degree generated the same tokens.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -55,10 +57,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def shape_checkpoint(shape: dict) -> Path:
-    """A temporary checkpoint directory holding only ``shape`` as its ``config.json``
-    (for ``load_format="dummy"``: random weights of that shape)."""
-    path = Path(tempfile.mkdtemp(prefix="jaxserve-shape-"))
-    (path / "config.json").write_text(json.dumps(shape))
+    """A checkpoint directory in the temporary folder holding only ``shape`` as its
+    ``config.json`` (for ``load_format="dummy"``: random weights of that shape). Named by
+    the shape's SHA-256, so every run of the same shape reuses one directory (they used
+    to leave a new one behind each time)."""
+    text = json.dumps(shape, sort_keys=True)
+    path = Path(tempfile.gettempdir()) / f"jaxserve-shape-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    config = path / "config.json"
+    if not config.is_file() or config.read_text() != text:
+        path.mkdir(exist_ok=True)
+        staged = path / f"config.json.{os.getpid()}"   # written whole, then renamed: concurrent runs agree
+        staged.write_text(text)
+        os.replace(staged, config)
     return path
 
 

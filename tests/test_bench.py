@@ -43,3 +43,14 @@ def test_timed_pass_computes_every_prompt_token_and_compiles_nothing():
     assert result["tokens"] == 4 * 4
     assert result["cached_prompt_tokens"] == 0
     assert result["shapes_compiled_while_timed"] == 0
+
+
+def test_shape_checkpoints_are_one_directory_per_shape():
+    """Every run of a shape reuses its directory (each run used to leave a new one in /tmp)."""
+    small = dict(bench.SHAPES["llama-small"])
+    first, again = bench.shape_checkpoint(small), bench.shape_checkpoint(dict(reversed(list(small.items()))))
+    other = bench.shape_checkpoint({**small, "num_hidden_layers": 2})
+    assert first == again and first != other
+    assert json.loads((first / "config.json").read_text()) == small
+    assert json.loads((other / "config.json").read_text())["num_hidden_layers"] == 2
+    assert [p.name for p in first.iterdir()] == ["config.json"]
