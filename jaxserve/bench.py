@@ -14,9 +14,11 @@ the speedup), after checking every degree generated the same tokens.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -117,6 +119,7 @@ def random_probe_checkpoint(model_dir: str, args, load_format: str, hidden: int 
     features = np.random.default_rng(0).normal(size=(64, config.hidden_size)).astype(np.float32)
     params = init_probe(jax.random.key(0), features, hidden, bin_lengths())
     out = tempfile.mkdtemp(prefix="jaxserve-probe-")
+    atexit.register(shutil.rmtree, out, True)   # (runs used to leave one behind each)
     save_probe(out, params, model_identity(model, config, model_dir), hidden,
                {"train_mean_tokens": 100.0, "random_weights": True})
     return out

@@ -34,10 +34,12 @@ Pure Python, no JAX: ``scheduler`` only.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
 def _export_scheduler(rev: str) -> str:
     """Export git revision ``rev``'s ``scheduler/`` package to a temporary folder; returns it."""
     out = tempfile.mkdtemp(prefix="bench-scheduler-base-")
+    atexit.register(shutil.rmtree, out, True)   # (runs used to leave one behind each)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "scheduler"],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
