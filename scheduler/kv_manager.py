@@ -504,7 +504,7 @@ class KVManager:
         self.device_pool.check_invariants(expected)
         host_expected = {r.request_id: r.host_pages for r in live}
         if self.cache is not None:
-            host_expected[CACHE_OWNER] = list(self.cache.host_hash_of)
+            host_expected[CACHE_OWNER] = list(self.cache.host_page_of.values())
         self.host_pool.check_invariants(host_expected)
         assert set(self.paused_holders) == paused_holders, "paused-holder index out of step"
         assert set(self.waiting_holders) == waiting_holders, "waiting-holder index out of step"

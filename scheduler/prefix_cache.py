@@ -23,7 +23,7 @@ leaves its entry's listing stale (skipped at eviction, dropped now and then).
 The host tier (optional, run by the ``KVManager``) keeps copies of cached
 pages in host memory: a page evicted from the device is copied to a host
 page first, and a later prefix hit on it copies it back. Its books are a
-second map, hash <-> host page, in least-recently-used order (a hit or a
+second map, hash -> host page, in least-recently-used order (a hit or a
 fresh copy makes an entry the newest); host entries are never referenced by
 a request (a hit copies the page to a new device page), so every one is
 evictable, oldest first. A page can be cached on both tiers at once (the
@@ -102,9 +102,10 @@ class PrefixCache:
         self.evicted_pages = 0
         self.epoch = 0           # bumped when a page leaves a tier or a host-tier hash enters the device
         #                          (copied back or computed again; a ``match_tiers`` result can only grow otherwise)
-        # Host tier: hash <-> host page, least recently used first.
+        # Host tier: hash -> host page, least recently used first.
+        # (No reverse map: nothing asks a host page for its hash, and the simulator moves millions
+        # of pages an hour through this one.)
         self.host_page_of: OrderedDict[bytes, int] = OrderedDict()
-        self.host_hash_of: dict[int, bytes] = {}
         self.host_hit_tokens = 0      # of ``hit_tokens``, tokens copied back from the host tier
         self.host_evicted_pages = 0
         self.residence_s = float("inf")          # EMA of release-to-eviction time; inf until one is evicted
@@ -348,13 +349,12 @@ class PrefixCache:
     @property
     def num_host_pages(self) -> int:
         """Host pages holding a cached page (all evictable)."""
-        return len(self.host_hash_of)
+        return len(self.host_page_of)
 
     def host_insert(self, host_page: int, h: bytes) -> None:
         """Name ``host_page`` (a fresh copy of a device page) ``h``: the newest host entry."""
-        assert h not in self.host_page_of and host_page not in self.host_hash_of, "host page or hash cached twice"
+        assert h not in self.host_page_of, "hash cached twice on the host"
         self.host_page_of[h] = host_page
-        self.host_hash_of[host_page] = h
 
     def host_touch(self, h: bytes) -> None:
         """A hit on (or a re-eviction of) host entry ``h``: it becomes the newest."""
@@ -377,7 +377,6 @@ class PrefixCache:
             lru.move_to_end(h_kept, last=False)
         if hp is None:
             return None
-        del self.host_hash_of[hp]
         self.host_evicted_pages += 1
         self.epoch += 1
         return hp
@@ -389,7 +388,6 @@ class PrefixCache:
         host_page = self.host_evict(keep)
         if host_page is not None:
             self.host_page_of[h] = host_page   # the newest entry
-            self.host_hash_of[host_page] = h
         return host_page
 
     def host_keep(self, evicted: list[tuple[int, bytes]], budget: int, keep: set[int]) -> list[tuple[int, int]]:
@@ -399,7 +397,7 @@ class PrefixCache:
         ``budget`` lasts, takes the least recently used host entry not in
         ``keep`` (``host_replace``), and that host page joins ``keep``. Returns
         the copies ``[(device page, host page)]`` to make."""
-        lru, host_hash_of = self.host_page_of, self.host_hash_of
+        lru = self.host_page_of
         copies: list[tuple[int, int]] = []
         replaced = 0
         for page, h in evicted:
@@ -416,10 +414,8 @@ class PrefixCache:
                 if host_page is None:
                     continue
             else:
-                del host_hash_of[host_page]
                 replaced += 1
                 lru[h] = host_page
-                host_hash_of[host_page] = h
             copies.append((page, host_page))
             keep.add(host_page)
         self.host_evicted_pages += replaced
@@ -452,6 +448,4 @@ class PrefixCache:
         keys = [release for release, _ in self._lru]
         assert keys == sorted(keys), "prefix cache: LRU out of key order"
         assert set(listed) <= set(self.hash_of), "prefix cache: a request lists an uncached page as shared"
-        assert len(self.host_page_of) == len(self.host_hash_of), "prefix cache: host maps differ in size"
-        for h, hp in self.host_page_of.items():
-            assert self.host_hash_of.get(hp) == h, f"prefix cache: host page {hp} and its hash disagree"
+        assert len(set(self.host_page_of.values())) == len(self.host_page_of), "prefix cache: a host page cached twice"

@@ -228,7 +228,7 @@ def test_host_tier_keeps_evicted_pages_and_a_hit_copies_them_back():
     assert kv.cache.evicted_pages == 2 and kv.cache.num_host_pages == 2 and kv.cache.num_pages == 4
     copy_out, copy_in = kv.take_copies()
     assert copy_in is None and copy_out.request is None and copy_out.owner == CACHE_OWNER
-    assert sorted(copy_out.host_pages) == sorted(kv.cache.host_hash_of)
+    assert sorted(copy_out.host_pages) == sorted(kv.cache.host_page_of.values())
     kv.check_invariants([b], set(), set())             # host-resident cached pages are owned by the cache
     kv.free_device(b)
     kv.copies_done()
@@ -247,7 +247,7 @@ def test_host_tier_keeps_evicted_pages_and_a_hit_copies_them_back():
     assert copy_in.host_pages == host_pages and copy_in.device_pages == again.device_pages
     # The host copies stay (linking took 2 device pages: one of b's evicted pages went to the
     # last free host page, the other was dropped: the pages this step reads back are never evicted).
-    assert set(host_pages) <= set(kv.cache.host_hash_of) and kv.cache.num_host_pages == 3
+    assert set(host_pages) <= set(kv.cache.host_page_of.values()) and kv.cache.num_host_pages == 3
     kv.check_invariants([again], set(), set())
     kv.free_device(again)
     kv.copies_done()

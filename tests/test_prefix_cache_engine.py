@@ -78,7 +78,7 @@ def test_a_prefix_evicted_to_host_comes_back_by_device_put():
         if host_pages:
             assert cache.host_hit_tokens > 0 and cache.num_host_pages > 0
             executor = llm.engine.executor   # the host tier's copies are host-memory arrays
-            kinds = {executor.host_memory_kind(CACHE_OWNER, hp) for hp in cache.host_hash_of}
+            kinds = {executor.host_memory_kind(CACHE_OWNER, hp) for hp in cache.host_page_of.values()}
             assert kinds and kinds <= {"pinned_host", "unpinned_host"}
             assert again.num_cached_tokens == 7 * 8   # every full page of the prompt, from either tier
         else:
