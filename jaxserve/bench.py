@@ -68,8 +68,9 @@ def shape_checkpoint(shape: dict) -> Path:
     config = path / "config.json"
     if not config.is_file() or config.read_text() != text:
         path.mkdir(exist_ok=True)
-        staged = path / f"config.json.{os.getpid()}"   # written whole, then renamed: concurrent runs agree
-        staged.write_text(text)
+        fd, staged = tempfile.mkstemp(dir=path, prefix=".config-")   # written whole, then renamed:
+        with os.fdopen(fd, "w") as f:                                # concurrent runs agree
+            f.write(text)
         os.replace(staged, config)
     return path
 

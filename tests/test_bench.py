@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 
 from jaxserve import bench
 
@@ -45,12 +46,14 @@ def test_timed_pass_computes_every_prompt_token_and_compiles_nothing():
     assert result["shapes_compiled_while_timed"] == 0
 
 
-def test_shape_checkpoints_are_one_directory_per_shape():
+def test_shape_checkpoints_are_one_directory_per_shape(tmp_path, monkeypatch):
     """Every run of a shape reuses its directory (each run used to leave a new one in /tmp)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     small = dict(bench.SHAPES["llama-small"])
     first, again = bench.shape_checkpoint(small), bench.shape_checkpoint(dict(reversed(list(small.items()))))
     other = bench.shape_checkpoint({**small, "num_hidden_layers": 2})
     assert first == again and first != other
     assert json.loads((first / "config.json").read_text()) == small
     assert json.loads((other / "config.json").read_text())["num_hidden_layers"] == 2
-    assert [p.name for p in first.iterdir()] == ["config.json"]
+    assert first.parent == tmp_path and [p.name for p in first.iterdir()] == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])

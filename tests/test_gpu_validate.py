@@ -65,7 +65,7 @@ def test_gpu_validate_interpret_writes_every_section(tmp_path):
     (launch,) = report["step_launch"]["rows"]   # CPU: the default variant only
     assert launch["variant"] == "default" and "error" not in launch, launch
     assert 0 < launch["dispatch_ms"] <= launch["ms_per_step"] and 0 < launch["dispatch_share"] <= 1
-    assert launch["forward_only"] is False and launch["device_share"] is None   # no device timeline on CPU
+    assert launch["forward_only"] is False and launch["device_share"] is None   # --interpret traces no steps
 
     profile = CostModel.load(report["profile"]["path"])
     assert profile.fwd_per_token_s > 0 and profile.swap_bandwidth_bytes_s > 0

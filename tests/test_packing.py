@@ -7,7 +7,16 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.executor import model as executor_module
+from jaxserve.executor.model import StepInputs, step_arrays
 from jaxserve.executor.packing import pack, unpack
+from jaxserve.parallel import protocol
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, warmup=False)
+    yield engine
+    engine.engine.shutdown()
 
 
 def test_pack_unpack_round_trips_every_bit_under_jit():
@@ -19,7 +28,10 @@ def test_pack_unpack_round_trips_every_bit_under_jit():
     }
     flat, layout = pack(arrays)
     assert flat.dtype == np.int32 and flat.shape == (6 + 7 + 4 + 1,)
-    assert hash(layout) == hash(pack(arrays)[1])          # static jit argument: same buckets, same key
+    other_values = {name: np.ones_like(a) for name, a in arrays.items()}
+    other_flat, other_layout = pack(other_values)
+    assert other_layout == layout and hash(other_layout) == hash(layout)   # static jit argument: shapes decide it
+    assert other_flat.tobytes() != flat.tobytes()
     out = jax.jit(unpack, static_argnums=1)(flat, layout)
     assert set(out) == set(arrays)
     for name, want in arrays.items():
@@ -33,8 +45,20 @@ def test_pack_refuses_arrays_that_are_not_four_bytes_wide():
         pack({"ok": np.zeros(2, np.int32), "x": np.zeros(2, np.float64)})
 
 
-def test_a_step_is_staged_in_one_transfer(monkeypatch):
-    llm = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, warmup=False)
+def test_every_process_of_a_multi_host_run_packs_the_same_bytes(llm):
+    """Workers get a step's inputs through a pytree round trip, which sorts dict keys:
+    packing in name order gives them process 0's bytes and layout (so the same program)."""
+    executor = llm.engine.executor
+    inputs = executor.synthetic_inputs(executor.config.token_buckets[0], context=20)
+    leaves, treedef = jax.tree_util.tree_flatten(protocol._forward_tree(inputs))
+    input_ids, meta, logits_indices, sampling = jax.tree_util.tree_unflatten(treedef, [np.asarray(v) for v in leaves])
+    assert list(meta) != list(inputs.meta)   # the round trip did reorder them
+    worker = StepInputs(inputs.token_bucket, input_ids, meta, logits_indices, sampling, inputs.num_seqs)
+    (leader_flat, leader_layout), (worker_flat, worker_layout) = pack(step_arrays(inputs)), pack(step_arrays(worker))
+    assert worker_layout == leader_layout and worker_flat.tobytes() == leader_flat.tobytes()
+
+
+def test_a_step_is_staged_in_one_transfer(llm, monkeypatch):
     staged = []
     real = executor_module.put_replicated
 
@@ -44,6 +68,5 @@ def test_a_step_is_staged_in_one_transfer(monkeypatch):
 
     monkeypatch.setattr(executor_module, "put_replicated", counting)
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=3, temperature=0.0))[0]
-    llm.engine.shutdown()
     assert len(out.token_ids) == 3
     assert staged and all(n == 1 for n in staged)         # one array per step, not one per input

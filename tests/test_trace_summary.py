@@ -2,6 +2,7 @@
 trace read back per line with its costliest events."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,3 +44,27 @@ def test_summary_of_a_real_trace_names_the_traced_work(tmp_path, capsys):
     assert calls and all(n == pytest.approx(4 * m) and t == pytest.approx(4 * u) for n, m, t, u in calls)
     assert calls[0][0] >= 4   # at least one host event per call
     assert "busy" in capsys.readouterr().out
+
+
+def test_busiest_device_stream_ignores_host_and_xla_timelines():
+    lines = [{"plane": "/host:CPU", "line": "python3", "busy_ms": 9.0},
+             {"plane": "/device:GPU:0", "line": "XLA Modules", "busy_ms": 3.0},
+             {"plane": "/device:GPU:0", "line": "Stream #14(Compute)", "busy_ms": 1.4},
+             {"plane": "/device:GPU:0", "line": "Stream #15(MemcpyH2D)", "busy_ms": 0.01}]
+    assert trace_summary.busiest_device_stream(lines)["line"] == "Stream #14(Compute)"
+    assert trace_summary.busiest_device_stream(lines[:2]) is None   # CPU: no device stream
+
+
+def test_step_time_forward_only_with_device_busy_against_a_baseline():
+    """tools/step_time.py on CPU: the forward alone, a traced busy measure (no device stream
+    on CPU) and the same run for git revision HEAD, each in a fresh process."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "tools" / "step_time.py"), "--shape", "llama-small", "--dtype", "float32",
+           "--rows", "4", "--context", "32", "--steps", "3", "--forward-only", "--device-busy-steps", "2",
+           "--baseline", "HEAD"]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    this, base = result["this"], result["HEAD"]
+    assert this["forward_only"] is True and this["rows"] == 4 and this["ms_per_step"] > 0
+    assert this["device_stream"] is None and this["device_share"] is None
+    assert base["ms_per_step"] > 0 and result["dispatch_ratio"] > 0 and result["ms_per_step_ratio"] > 0

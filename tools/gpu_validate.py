@@ -26,9 +26,10 @@ simulator reads with ``--cost-profile``). Sections:
 - ``swap_bandwidth``: device -> ``pinned_host`` -> device round trip of KV pages
   by the engine's swap path against plain ``device_put`` copies, and the slowdown
   of a decode step that has a swap of the same pages issued with it.
-- ``step_launch``: one decode step timed in child processes under default XLA flags, XLA
-  command buffers (CUDA graphs) and the reference attention: how much of a step the host
-  spends inside the call (``tools/step_time.py``).
+- ``step_launch``: one decode step timed in child processes (``tools/step_time.py``): the
+  whole step, and the forward alone under default XLA flags, XLA command buffers (CUDA
+  graphs) and with the reference attention; each with ``device_share``, the device's busy
+  time per step (from a short trace) over the step's wall time.
 - ``profile``: ``jaxserve profile`` on this device, saved as a cost profile.
 
 Each section is timed and isolated: one that fails is recorded with its error and
@@ -59,7 +60,7 @@ REQUIRED = ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", "tran
             "jsonschema")
 SECTIONS = ("backend", "kernels", "device_tests", "attention_bandwidth", "compile", "engine_vs_transformers",
             "swap_bandwidth", "step_launch", "profile")
-# step_launch: the same decode step in a child process per (XLA_FLAGS, attention impl) variant.
+# step_launch: the same decode step in a child process per variant.
 STEP_VARIANTS = {   # name: (XLA_FLAGS added, tools/step_time.py arguments added)
     "default": ("", []),
     "forward_only": ("", ["--forward-only"]),
@@ -437,7 +438,7 @@ def section_step_launch(opts) -> dict:
             continue
         rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "forward_only", "rows", "context",
                                                                 "ms_per_step", "dispatch_ms", "dispatch_share",
-                                                                "device_busy_ms", "device_share")}})
+                                                                "device_stream", "device_busy_ms", "device_share")}})
     return {"shape": shape[1], "xla_flags": {k: v[0] or "(none)" for k, v in variants.items()}, "rows": rows}
 
 

@@ -10,11 +10,12 @@
 Builds the engine for a ``jaxserve.bench.SHAPES`` model with random weights, compiles one
 decode step shape (``rows`` one-token sequences, each over ``context`` cached tokens) and
 times ``steps`` calls of it. ``dispatch_ms`` is how long ``ModelExecutor.forward`` takes to
-return (staging the inputs included), ``ms_per_step`` how long until its tokens are ready. On
-an accelerator an asynchronous call returns before its step ends, except that XLA:GPU runs
-a ``lax.cond`` by copying its predicate to the host and waiting for it: the sampler's makes
-the whole step's call return only at its end (H200, 2026-11-26: ``dispatch_share`` 0.98 with
-the sampler, 0.63 without), so ``--forward-only`` times the forward alone. The direct
+return (staging the inputs included; ``forward_logits`` with ``--forward-only``),
+``ms_per_step`` how long until its result is ready. On an accelerator an asynchronous call
+returns before its step ends, except that XLA:GPU runs a ``lax.cond`` by copying its
+predicate to the host and waiting for it: the sampler's makes the whole step's call return
+only at its end (H200, 2026-11-26: ``dispatch_share`` 0.99-1.00 with the sampler, 0.63
+without), so ``--forward-only`` times the forward alone. The direct
 measure of where a step's time goes is ``--device-busy-steps``: the device's busy time per
 step against the step's wall time (0.42 on that H200 for a 1B decode step: the host bounds
 it). Prints one JSON line (the last line of output).
@@ -63,22 +64,24 @@ def measure(args: argparse.Namespace) -> dict:
                 out.block_until_ready()
                 dispatch.append(returned - start)
                 total.append(time.perf_counter() - start)
-        busy = device_busy_ms(call, inputs, args.device_busy_steps) if args.device_busy_steps else None
+        stream = device_busy(call, inputs, args.device_busy_steps) if args.device_busy_steps else None
+        busy = None if stream is None else stream["busy_ms"]
         return {"shape": args.shape, "dtype": args.dtype, "rows": inputs.num_seqs, "token_bucket": bucket,
                 "context": args.context, "attention_impl": runner.config.attention_impl,
                 "backend": jax.default_backend(),
                 "ms_per_step": 1e3 * statistics.median(total), "dispatch_ms": 1e3 * statistics.median(dispatch),
                 "dispatch_share": statistics.median(dispatch) / statistics.median(total),
-                "device_busy_ms": busy, "device_share": None if busy is None else busy / (1e3 * statistics.median(total)),
+                "device_stream": None if stream is None else stream["line"], "device_busy_ms": busy,
+                "device_share": None if busy is None else busy / (1e3 * statistics.median(total)),
                 "forward_only": args.forward_only, "steps": args.steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     finally:
         engine.shutdown()
 
 
-def device_busy_ms(call, inputs, steps: int) -> float | None:
-    """Milliseconds per step the device's busiest stream computes, from a ``jax.profiler``
-    trace of ``steps`` more calls (``trace_summary``); None where the trace has no device
-    timeline (CPU)."""
+def device_busy(call, inputs, steps: int) -> dict | None:
+    """The device's busiest stream over ``steps`` more calls, from a ``jax.profiler``
+    trace (``trace_summary.busiest_device_stream``): its record, milliseconds per step;
+    None where the trace has no device stream (CPU)."""
     import jax
 
     import trace_summary
@@ -87,8 +90,7 @@ def device_busy_ms(call, inputs, steps: int) -> float | None:
             for _ in range(steps):
                 call(inputs).block_until_ready()
         lines = trace_summary.summarize(trace_summary.find_xplane(Path(trace_dir)), top=1, steps=steps)
-    device = [rec["busy_ms"] for rec in lines if rec["plane"].startswith("/device:")]
-    return max(device, default=None)
+    return trace_summary.busiest_device_stream(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -67,6 +67,14 @@ def summarize(xplane: Path, top: int = 12, steps: int = 1) -> list[dict]:
     return lines
 
 
+def busiest_device_stream(lines: list[dict]) -> dict | None:
+    """Of ``summarize``'s records, the device stream (a ``/device:`` plane's line named
+    ``Stream #...``: kernels and copies, not XLA's module or op timelines, whose events
+    span idle gaps) with the most busy time; None where the trace has none (CPU)."""
+    streams = [rec for rec in lines if rec["plane"].startswith("/device:") and rec["line"].startswith("Stream")]
+    return max(streams, key=lambda rec: rec["busy_ms"], default=None)
+
+
 def render(lines: list[dict]) -> str:
     out = []
     for rec in lines:

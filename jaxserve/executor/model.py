@@ -115,15 +115,23 @@ def at_highest_precision(fn: Callable) -> Callable:
     return traced
 
 
+def step_arrays(inputs: StepInputs, sampling: bool = True) -> dict[str, np.ndarray]:
+    """The small arrays of a step, by name, as ``_stage`` packs them (with the sampling
+    settings unless ``sampling`` is False)."""
+    arrays = {"input_ids": inputs.input_ids, "logits_indices": inputs.logits_indices, **inputs.meta}
+    if sampling:
+        arrays.update(inputs.sampling)
+    return arrays
+
+
 def _sampling_arrays(arrays: dict[str, jax.Array]) -> SamplingArrays:
     """The sampling settings among unpacked step arrays."""
     return SamplingArrays(**{f.name: arrays[f.name] for f in fields(SamplingArrays)})
 
 
-def _sample_masked_packed(logits: jax.Array, packed: jax.Array, layout: Layout) -> jax.Array:
-    """``sample_masked`` with the bitmask and sampling settings packed in one array."""
-    arrays = unpack(packed, layout)
-    return sample_masked(logits, arrays["bitmask"], _sampling_arrays(arrays))
+def _sample_masked_packed(logits: jax.Array, bitmask: jax.Array, packed: jax.Array, layout: Layout) -> jax.Array:
+    """``sample_masked`` with the sampling settings packed in one array."""
+    return sample_masked(logits, bitmask, _sampling_arrays(unpack(packed, layout)))
 
 
 class ModelExecutor:
@@ -171,7 +179,7 @@ class ModelExecutor:
         self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3,))
         self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
                                 static_argnums=(3,))
-        self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(2,))
+        self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(3,))
         # Structured output on CPU: the mask is filled before one step program. A second program per
         # step costs more there (a dispatch, the XLA thread pool woken again) than filling while the
         # forward runs saves (docs/benchmarks.md, structured output); accelerators overlap the two.
@@ -239,27 +247,20 @@ class ModelExecutor:
         """``_model_fn`` over the packed step inputs."""
         return self._model_fn(params, kv, unpack(packed, layout))
 
-    def _step_fn(self, params, kv, packed: jax.Array, layout: Layout):
-        """Forward + sample over the packed step inputs; under their ``bitmask`` (int32
-        ``[S_b, ceil(V / 32)]``) when they carry one (another layout: a second compiled
-        variant of the same program)."""
+    def _step_fn(self, params, kv, packed: jax.Array, layout: Layout, bitmask: jax.Array | None = None):
+        """Forward + sample over the packed step inputs; under ``bitmask`` (int32 ``[S_b,
+        ceil(V / 32)]``) when given (a second compiled variant of the same program)."""
         arrays = unpack(packed, layout)
         logits, kv, bins = self._model_fn(params, kv, arrays)
         sampling = _sampling_arrays(arrays)
-        tokens = sample(logits, sampling) if "bitmask" not in arrays else \
-            sample_masked(logits, arrays["bitmask"], sampling)
+        tokens = sample(logits, sampling) if bitmask is None else sample_masked(logits, bitmask, sampling)
         return tokens, (logits if self.config.keep_logits else None), kv, bins
 
-    def _stage(self, inputs: StepInputs, sampling: bool = True,
-               bitmask: np.ndarray | None = None) -> tuple[jax.Array, Layout]:
-        """``inputs``' arrays (with their sampling settings, and ``bitmask`` when given)
-        packed and copied to the mesh in one transfer: ``(packed device array, layout)``."""
-        arrays = {"input_ids": inputs.input_ids, "logits_indices": inputs.logits_indices, **inputs.meta}
-        if sampling:
-            arrays.update(inputs.sampling)
-        if bitmask is not None:
-            arrays["bitmask"] = bitmask
-        flat, layout = pack(arrays)
+    def _stage(self, inputs: StepInputs, sampling: bool = True) -> tuple[jax.Array, Layout]:
+        """``step_arrays(inputs, sampling)`` packed and copied to the mesh in one transfer:
+        ``(packed device array, layout)``. (A structured-output bitmask, up to megabytes a
+        step, travels on its own: packing would copy it once more on the host.)"""
+        flat, layout = pack(step_arrays(inputs, sampling))
         return put_replicated(flat, self.mesh), layout
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
@@ -322,8 +323,10 @@ class ModelExecutor:
         """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
         ``(tokens [S_b], logits [S_b, V])`` (logits None unless ``keep_logits``)."""
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
-        packed, layout = self._stage(inputs, bitmask=bitmask)
-        tokens, logits, self.kv, self.last_length_bins = self._step(self.params, self.kv, packed, layout)
+        packed, layout = self._stage(inputs)
+        if bitmask is not None:
+            bitmask = put_replicated(bitmask, self.mesh)
+        tokens, logits, self.kv, self.last_length_bins = self._step(self.params, self.kv, packed, layout, bitmask)
         return tokens, logits
 
     def lower_step(self, inputs: StepInputs, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
@@ -353,8 +356,9 @@ class ModelExecutor:
         if not self.overlap_mask_fill:
             return self.forward(inputs, fill_bitmask())
         logits = self.forward_logits(inputs)
-        flat, layout = pack({**inputs.sampling, "bitmask": fill_bitmask()})
-        tokens = self._sample_masked(logits, put_replicated(flat, self.mesh), layout)
+        flat, layout = pack(inputs.sampling)
+        bitmask, packed = put_replicated((fill_bitmask(), flat), self.mesh)
+        tokens = self._sample_masked(logits, bitmask, packed, layout)
         return tokens, (logits if self.config.keep_logits else None)
 
     def forward_logits(self, inputs: StepInputs) -> jax.Array:
