@@ -205,8 +205,7 @@ class PrefixCache:
             return
         heapq.heappush(self._heap, (now + bonus_s, first, freed, release))
         self._queued += len(freed)
-        if self._queued > 4 * len(evictable) + 64:   # drop stale heap pages now and then
-            self._compact_heap()
+        self._compact_heap_if_stale()
 
     def _compact_lru(self) -> None:
         """Rebuild the LRU with its live pages only (same order)."""
@@ -251,16 +250,17 @@ class PrefixCache:
             want -= self._evict_heap_entry(want, lru[0][0] if lru else None, now, evicted)
         self.evicted_pages += len(evicted)
         self.epoch += len(evicted)
-        if self._queued > 4 * len(self._evictable) + 64:   # drop stale heap pages now and then
-            self._compact_heap()
+        self._compact_heap_if_stale()
         return evicted
 
-    def _compact_heap(self) -> None:
+    def _compact_heap_if_stale(self) -> None:
         """Rebuild the heap with its live pages only, one entry each (same keys, so the
-        same eviction order). Called when stale pages outnumber live evictable ones 4
-        to 1: a context re-linked after every call of a busy agent would otherwise
-        leave an entry per call behind while nothing is evicted."""
+        same eviction order), once stale pages outnumber live evictable ones 4 to 1: a
+        context re-linked after every call of a busy agent would otherwise leave an
+        entry per call behind while nothing is evicted."""
         evictable = self._evictable
+        if self._queued <= 4 * len(evictable) + 64:
+            return
         self._heap = [(s, first + j, [p], release) for s, first, run, release in self._heap
                       for j, p in enumerate(run) if evictable.get(p) is release]
         heapq.heapify(self._heap)

@@ -31,10 +31,10 @@ def pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
     """``(flat int32 [sum of sizes], layout)`` for ``arrays`` (name -> 4-byte numpy array),
     laid out in name order whatever the dict's order."""
     named = sorted(arrays.items())
+    for name, a in named:
+        if a.dtype.itemsize != _WORD.itemsize:
+            raise ValueError(f"step input {name!r} is {a.dtype}: only 4-byte dtypes can be packed")
     layout = tuple((name, a.shape, a.dtype.str) for name, a in named)
-    for name, _, dtype in layout:
-        if np.dtype(dtype).itemsize != _WORD.itemsize:
-            raise ValueError(f"step input {name!r} is {np.dtype(dtype)}: only 4-byte dtypes can be packed")
     flat = np.concatenate([np.ascontiguousarray(a).view(np.int32).ravel() for _, a in named])
     return flat, layout
 
