@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 _SRC = sys.argv[sys.argv.index("--scheduler-src") + 1] if "--scheduler-src" in sys.argv else str(REPO)
 sys.path.insert(0, _SRC)
 
+from git_export import export_revision  # noqa: E402
 from scheduler import (EventKind, PageAllocator, Request, Scheduler, SchedulerConfig, Segment,  # noqa: E402
                        StepResult, available_policies, load_profile, make_policy)
 
@@ -192,9 +193,7 @@ def _export_scheduler(rev: str) -> str:
     """Export git revision ``rev``'s ``scheduler/`` package to a temporary folder; returns it."""
     out = tempfile.mkdtemp(prefix="bench-scheduler-base-")
     atexit.register(shutil.rmtree, out, True)   # (runs used to leave one behind each)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "scheduler"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    export_revision(rev, out, ("scheduler",))
     return out
 
 

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 _SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(REPO)
 sys.path.insert(0, _SRC)
 
+from git_export import export_revision  # noqa: E402
 from jaxserve.profiles import load_profile  # noqa: E402
 from jaxserve.replay.cluster import run_resend  # noqa: E402
 from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation  # noqa: E402
@@ -105,9 +106,7 @@ def main() -> int:
 def _baseline(args: argparse.Namespace) -> dict[str, str]:
     """The digests of revision ``args.baseline``, its packages exported to a temporary folder."""
     with tempfile.TemporaryDirectory(prefix="replay-identity-") as src:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "jaxserve", "scheduler"],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+        export_revision(args.baseline, src, ("jaxserve", "scheduler"))
         cmd = [sys.executable, __file__, "--src", src, "--json", "--policies", args.policies,
                "--rate", str(args.rate), "--duration", str(args.duration), "--replicas", str(args.replicas),
                "--replica-duration", str(args.replica_duration)]

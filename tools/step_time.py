@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from git_export import export_revision
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -131,9 +133,7 @@ def compare(args: argparse.Namespace, argv: list[str]) -> dict:
     own = [a for i, a in enumerate(argv) if a != "--baseline" and (i == 0 or argv[i - 1] != "--baseline")]
     own = [a for a in own if not a.startswith("--baseline=")]
     with tempfile.TemporaryDirectory(prefix="step-time-") as src:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline, "jaxserve", "kernels",
-                                  "scheduler", "tools"], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+        export_revision(args.baseline, src, ("jaxserve", "kernels", "scheduler", "tools"))
         base = _child(Path(src), own)
     this = _child(ROOT, own)
     return {"this": this, args.baseline: base,
