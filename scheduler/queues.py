@@ -118,8 +118,10 @@ class RankedQueue:
         entry = self._key_of.pop(request.request_id, None)
         if entry is None:
             return False
-        i = bisect_left(self._keys, entry)
-        del self._keys[i]
+        keys = self._keys
+        # Admission dequeues the head, in order: no search then (a bisect compares key tuples).
+        i = 0 if keys[0] is entry else bisect_left(keys, entry)
+        del keys[i]
         del self._reqs[i]
         return True
 
