@@ -76,8 +76,9 @@ class RankedQueue:
 
     Keys are tuples of totally ordered values (numbers in practice); ties keep
     insertion order. Entries are stored flat, ``(*key, seq)``, which keeps
-    bisect's comparisons cheap. ``add`` and ``remove`` cost a bisect plus one
-    ``list.insert``/``del`` (a memmove), so thousands of entries stay cheap.
+    bisect's comparisons cheap. ``add`` and ``remove`` cost at most a bisect plus
+    one ``list.insert``/``del`` (a memmove), so thousands of entries stay cheap
+    (``remove`` of the head, admission's case, needs no bisect).
     """
 
     __slots__ = ("_keys", "_reqs", "_key_of", "_seq")
