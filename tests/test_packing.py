@@ -8,7 +8,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.executor import model as executor_module
 from jaxserve.executor.model import StepInputs, step_arrays
-from jaxserve.executor.packing import pack, unpack
+from jaxserve.executor.packing import ALIGN_WORDS, pack, unpack
 from jaxserve.parallel import protocol
 
 
@@ -27,7 +27,7 @@ def test_pack_unpack_round_trips_every_bit_under_jit():
         "one": np.array([5], np.int32),
     }
     flat, layout = pack(arrays)
-    assert flat.dtype == np.int32 and flat.shape == (6 + 7 + 4 + 1,)
+    assert flat.dtype == np.int32 and flat.shape == (4 * ALIGN_WORDS,)
     other_values = {name: np.ones_like(a) for name, a in arrays.items()}
     other_flat, other_layout = pack(other_values)
     assert other_layout == layout and hash(other_layout) == hash(layout)   # static jit argument: shapes decide it
@@ -38,6 +38,21 @@ def test_pack_unpack_round_trips_every_bit_under_jit():
         got = np.asarray(out[name])
         assert got.dtype == want.dtype and got.shape == want.shape
         assert got.tobytes() == want.tobytes(), name       # NaN payloads and -0.0 included
+
+
+def test_every_packed_array_starts_on_a_256_byte_boundary():
+    """XLA:GPU passes a slice of the packed buffer on as a view at its offset, and the Mosaic
+    GPU kernel refuses an input that is not 256-byte aligned (found on an H200)."""
+    arrays = {"a": np.arange(3, dtype=np.int32), "b": np.arange(64, dtype=np.int32) + 100,
+              "c": np.arange(65, dtype=np.int32) + 200, "d": np.full((2, 3), 7, np.int32)}
+    flat, _ = pack(arrays)
+    assert ALIGN_WORDS * 4 == 256
+    offsets = {"a": 0, "b": 64, "c": 128, "d": 256}            # 3 -> 64, 64 -> 64, 65 -> 128 words
+    assert flat.shape == (256 + 64,)
+    for name, a in arrays.items():
+        start = offsets[name]
+        assert (flat[start:start + a.size] == a.ravel()).all(), name
+    assert not flat[3:64].any() and not flat[128 + 65:256].any()   # padding is zero
 
 
 def test_pack_refuses_arrays_that_are_not_four_bytes_wide():

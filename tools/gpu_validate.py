@@ -439,7 +439,8 @@ def section_step_launch(opts) -> dict:
         rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "forward_only", "rows", "context",
                                                                 "ms_per_step", "dispatch_ms", "dispatch_share",
                                                                 "device_stream", "device_busy_ms", "device_share")}})
-    return {"shape": shape[1], "xla_flags": {k: v[0] or "(none)" for k, v in variants.items()}, "rows": rows}
+    return {"shape": shape[1], "xla_flags": {k: v[0] or "(none)" for k, v in variants.items()}, "rows": rows,
+            "passed": not any("error" in row for row in rows)}
 
 
 def section_profile(opts, out: Path) -> dict:
