@@ -127,6 +127,10 @@ class EngineConfig:
         "with --warmup, compile every step shape (token bucket x page-table width) before serving, so none "
         "compiles mid-run (timed replays; a slower start)"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
+    cuda_graphs: bool = field(default=False, metadata=_flag(
+        "NVIDIA GPUs: run each step program's kernels as CUDA graphs (XLA command buffers, the attention "
+        "kernel's custom call and the sampler's conditionals included), which cuts the host's launch time per "
+        "step; ignored on other backends (docs/benchmarks.md, 'Third GPU session')"))
     check_invariants: bool = field(default=False, metadata=_flag(
         "check the page invariants after every step (tests; slow)"))
     keep_logits: bool = field(default=False, metadata=_flag(

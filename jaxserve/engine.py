@@ -107,7 +107,7 @@ class LLMEngine:
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
             attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits,
-            min_token_bucket=min_token_bucket_for(jax.default_backend())),
+            min_token_bucket=min_token_bucket_for(jax.default_backend()), cuda_graphs=config.cuda_graphs),
             length_probe=length_probe, mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages

@@ -87,10 +87,10 @@ def test_from_cli_round_trip_and_overrides():
     parser.add_argument("model")
     EngineConfig.add_cli_arguments(parser)
     args = parser.parse_args(["demo", "--policy", "lamps", "--num-pages", "64", "--no-compilation-cache",
-                              "--handling", "swap"])
+                              "--handling", "swap", "--cuda-graphs"])
     config = EngineConfig.from_cli(args, seed=7)
     assert (config.model, config.policy, config.num_pages, config.compilation_cache, config.handling,
-            config.seed) == ("demo", "lamps", 64, False, "swap", 7)
+            config.seed, config.cuda_graphs) == ("demo", "lamps", 64, False, "swap", 7, True)
     assert config.batched_tokens == EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 

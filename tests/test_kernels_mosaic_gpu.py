@@ -207,16 +207,20 @@ def test_engine_step_lowers_one_mosaic_kernel_for_all_layers(tmp_path):
 @pytest.mark.skipif(not ON_HOPPER, reason="running a Mosaic GPU kernel compiled needs a Hopper GPU")
 def test_mosaic_gpu_compiled_engine_generates(tmp_path):
     """On an H100/H200: whole engine steps (prefill and decode, inputs packed in one array)
-    through the compiled kernel. The kernel's own tests call it on arrays of their own; this
-    one feeds it what the engine's step program hands it (slices of the packed inputs, which
+    through the compiled kernel, without and with CUDA graphs (``cuda_graphs``), which must
+    give the same tokens. The kernel's own tests call it on arrays of their own; this one
+    feeds it what the engine's step program hands it (slices of the packed inputs, which
     the kernel refused while they were not 256-byte aligned, found on an H200)."""
     from jaxserve import LLM, SamplingParams
-    llm = LLM(**_tiny_mosaic_model(tmp_path))
-    try:
-        prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]   # part of a page, one and a bit, two
-        outs = llm.generate(prompt_token_ids=prompts,
-                            sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    finally:
-        llm.engine.shutdown()
-    assert [len(out.token_ids) for out in outs] == [8, 8, 8]
-    assert all(0 <= t < 256 for out in outs for t in out.token_ids)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]   # part of a page, one and a bit, two
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for cuda_graphs in (False, True):
+        llm = LLM(**_tiny_mosaic_model(tmp_path), cuda_graphs=cuda_graphs)
+        try:
+            tokens.append([out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+        finally:
+            llm.engine.shutdown()
+    assert [len(t) for t in tokens[0]] == [8, 8, 8]
+    assert all(0 <= t < 256 for row in tokens[0] for t in row)
+    assert tokens[1] == tokens[0]

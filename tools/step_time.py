@@ -4,6 +4,7 @@
     XLA_FLAGS=--xla_gpu_... python tools/step_time.py ...     # the same step under other XLA flags
     python tools/step_time.py ... --trace DIR                  # and a jax.profiler trace of the timed steps
     python tools/step_time.py ... --forward-only               # the forward program alone, no sampler
+    python tools/step_time.py ... --cuda-graphs                # the engine's cuda_graphs option on
     python tools/step_time.py ... --baseline REV               # and the same for git revision REV, with ratios
     python tools/step_time.py ... --device-busy-steps 10       # and how much of a step the device computes
 
@@ -49,7 +50,7 @@ def measure(args: argparse.Namespace) -> dict:
     engine = LLMEngine(str(model_dir), dtype=args.dtype, load_format="dummy", page_size=16, num_pages=args.num_pages,
                        max_num_seqs=args.rows, max_num_batched_tokens=max(args.rows, 8), warmup=False,
                        max_model_len=max(2 * args.context, 64), compilation_cache=False,
-                       attention_impl=args.attention_impl)
+                       attention_impl=args.attention_impl, cuda_graphs=args.cuda_graphs)
     try:
         runner = engine.executor
         bucket = next(b for b in runner.config.token_buckets if b >= args.rows)
@@ -75,7 +76,8 @@ def measure(args: argparse.Namespace) -> dict:
                 "dispatch_share": statistics.median(dispatch) / statistics.median(total),
                 "device_stream": None if stream is None else stream["line"], "device_busy_ms": busy,
                 "device_share": None if busy is None else busy / (1e3 * statistics.median(total)),
-                "forward_only": args.forward_only, "steps": args.steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+                "forward_only": args.forward_only, "cuda_graphs": args.cuda_graphs, "steps": args.steps,
+                "xla_flags": os.environ.get("XLA_FLAGS", "")}
     finally:
         engine.shutdown()
 
@@ -108,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--forward-only", action="store_true",
                         help="time the forward program alone, without the sampler (whose lax.cond makes XLA:GPU "
                              "wait for the step before it returns)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="build the engine with cuda_graphs (XLA command buffers for the step programs)")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write a jax.profiler trace of the timed calls")
     parser.add_argument("--device-busy-steps", type=int, default=0, metavar="N",
                         help="after timing, trace N more calls and report the device's busy milliseconds per step "

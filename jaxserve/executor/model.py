@@ -55,6 +55,22 @@ def min_token_bucket_for(platform: str) -> int:
     return 2 if platform == "cpu" else 8
 
 
+# XLA:GPU's command buffers (CUDA graphs) for every kind of command a step program issues: fusions,
+# GEMMs, cuDNN, custom calls (the Pallas attention kernels), conditionals (the sampler's) and loops.
+CUDA_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,WHILE"
+
+
+def step_compiler_options(platform: str, cuda_graphs: bool) -> dict[str, str | int] | None:
+    """XLA compiler options of the step programs: with ``cuda_graphs`` on a GPU, capture
+    every command in command buffers, however short the graph (``xla_gpu_graph_min_graph_size``
+    1). A decode step of a 1B model is a few hundred kernels that the host launches one by
+    one otherwise; on an H200 the host's share was most of the step (docs/benchmarks.md).
+    None elsewhere, and without ``cuda_graphs``: XLA's defaults."""
+    if not cuda_graphs or platform != "gpu":
+        return None
+    return {"xla_gpu_enable_command_buffer": CUDA_GRAPH_COMMANDS, "xla_gpu_graph_min_graph_size": 1}
+
+
 @dataclass(frozen=True)
 class ModelExecutorConfig:
     page_size: int
@@ -68,6 +84,7 @@ class ModelExecutorConfig:
     min_token_bucket: int = 8   # smallest token bucket compiled (see ``min_token_bucket_for``)
     min_page_bucket: int = 4    # narrowest page-table width compiled (pages per sequence)
     keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
+    cuda_graphs: bool = False   # GPU: step programs as CUDA graphs (``step_compiler_options``)
 
     @property
     def pages_per_seq(self) -> int:
@@ -176,10 +193,12 @@ class ModelExecutor:
         # XLA:GPU may use TF32 (10-bit mantissa) for float32 dots, which moves logits by ~1e-3.
         traced = at_highest_precision if config.kv_dtype == jnp.float32 else (lambda fn: fn)
         # Step inputs arrive packed in one array (``jaxserve.executor.packing``); its layout is static.
-        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3,))
+        options = step_compiler_options(self.mesh.devices.flat[0].platform, config.cuda_graphs)
+        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3,),
+                             compiler_options=options)
         self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
-                                static_argnums=(3,))
-        self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(3,))
+                                static_argnums=(3,), compiler_options=options)
+        self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(3,), compiler_options=options)
         # Structured output on CPU: the mask is filled before one step program. A second program per
         # step costs more there (a dispatch, the XLA thread pool woken again) than filling while the
         # forward runs saves (docs/benchmarks.md, structured output); accelerators overlap the two.
