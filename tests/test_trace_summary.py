@@ -2,6 +2,7 @@
 trace read back per line with its costliest events."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import trace_summary  # noqa: E402
+from git_export import export_revision  # noqa: E402
 
 
 def test_busy_time_counts_nested_and_overlapping_events_once():
@@ -55,16 +57,19 @@ def test_busiest_device_stream_ignores_host_and_xla_timelines():
     assert trace_summary.busiest_device_stream(lines[:2]) is None   # CPU: no device stream
 
 
-def test_step_time_forward_only_with_device_busy_against_a_baseline():
+def test_step_time_forward_only_with_device_busy_against_a_baseline(tmp_path):
     """tools/step_time.py on CPU: the forward alone, a traced busy measure (no device stream
-    on CPU) and the same run for git revision HEAD, each in a fresh process."""
+    on CPU) and the same run for git revision HEAD, exported beforehand to a folder (as for
+    a machine without the repository's history), two pairs, each run in a fresh process."""
     root = Path(__file__).resolve().parents[1]
+    export_revision("HEAD", tmp_path, ("jaxserve", "kernels", "scheduler", "tools"))
     cmd = [sys.executable, str(root / "tools" / "step_time.py"), "--shape", "llama-small", "--dtype", "float32",
            "--rows", "4", "--context", "32", "--steps", "3", "--forward-only", "--device-busy-steps", "2",
-           "--baseline", "HEAD"]
+           "--baseline", str(tmp_path), "--pairs", "2"]
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    this, base = result["this"], result["HEAD"]
+    this, base = result["this"], result[str(tmp_path)]
     assert this["forward_only"] is True and this["rows"] == 4 and this["ms_per_step"] > 0
     assert this["device_stream"] is None and this["device_share"] is None
-    assert base["ms_per_step"] > 0 and result["dispatch_ratio"] > 0 and result["ms_per_step_ratio"] > 0
+    assert base["ms_per_step"] > 0 and len(result["pairs"]) == 2
+    assert result["ms_per_step_ratio"] == statistics.median(p["ms_per_step_ratio"] for p in result["pairs"]) > 0

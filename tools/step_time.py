@@ -6,6 +6,7 @@
     python tools/step_time.py ... --forward-only               # the forward program alone, no sampler
     python tools/step_time.py ... --cuda-graphs                # the engine's cuda_graphs option on
     python tools/step_time.py ... --baseline REV               # and the same for git revision REV, with ratios
+    python tools/step_time.py ... --baseline DIR --pairs 3     # a tree exported to DIR; 3 alternating pairs
     python tools/step_time.py ... --device-busy-steps 10       # and how much of a step the device computes
 
 Builds the engine for a ``jaxserve.bench.SHAPES`` model with random weights, compiles one
@@ -117,32 +118,63 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="after timing, trace N more calls and report the device's busy milliseconds per step "
                              "(device_share: busy / ms_per_step; near 1: the device bounds the step)")
     parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also measure git revision REV, each in a fresh process, and print the ratios")
-    return parser.parse_args(argv)
+                        help="also measure git revision REV (or the exported tree in folder REV, e.g. on a "
+                             "machine without the repository's history), each in a fresh process, and print "
+                             "the ratios")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="with --baseline: alternate baseline and this checkout this many times (the "
+                             "ratios are the pairs' medians; the same program varies ~20 %% between fresh "
+                             "processes on a GPU)")
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
+    return args
 
 
 def _child(src: Path, argv: list[str]) -> dict:
     """``src``'s tools/step_time.py with ``argv`` in a fresh process: its JSON line."""
+    path = os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))   # keep carried packages
     proc = subprocess.run([sys.executable, str(src / "tools" / "step_time.py"), *argv], cwd=src,
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(src)))
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
     if proc.returncode:
         sys.exit(f"step_time in {src} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less ``flags`` and their values (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
 def compare(args: argparse.Namespace, argv: list[str]) -> dict:
-    """The same measurement for this checkout and for git revision ``args.baseline`` (its
-    ``jaxserve``, ``kernels``, ``scheduler`` and ``tools`` exported to a temporary folder),
-    each in a fresh process, and the ratios this / baseline."""
-    own = [a for i, a in enumerate(argv) if a != "--baseline" and (i == 0 or argv[i - 1] != "--baseline")]
-    own = [a for a in own if not a.startswith("--baseline=")]
-    with tempfile.TemporaryDirectory(prefix="step-time-") as src:
-        export_revision(args.baseline, src, ("jaxserve", "kernels", "scheduler", "tools"))
-        base = _child(Path(src), own)
-    this = _child(ROOT, own)
-    return {"this": this, args.baseline: base,
-            "dispatch_ratio": this["dispatch_ms"] / base["dispatch_ms"],
-            "ms_per_step_ratio": this["ms_per_step"] / base["ms_per_step"]}
+    """The same measurement for this checkout and for ``args.baseline``: a folder holding
+    an exported tree (``jaxserve``, ``kernels``, ``scheduler``, ``tools``), or a git revision
+    whose folders are exported to a temporary one; each run in a fresh process, baseline
+    first, ``args.pairs`` times alternating. ``this`` and the baseline's entry are the last
+    pair's runs; the ratios (this / baseline) are the pairs' medians, each pair's in ``pairs``."""
+    own = _without(argv, ("--baseline", "--pairs"))
+    with tempfile.TemporaryDirectory(prefix="step-time-") as tmp:
+        src = Path(args.baseline)
+        if not (src / "tools" / "step_time.py").is_file():
+            src = Path(tmp)
+            export_revision(args.baseline, src, ("jaxserve", "kernels", "scheduler", "tools"))
+        pairs = []
+        for _ in range(args.pairs):
+            base = _child(src, own)
+            this = _child(ROOT, own)
+            pairs.append({"dispatch_ratio": this["dispatch_ms"] / base["dispatch_ms"],
+                          "ms_per_step_ratio": this["ms_per_step"] / base["ms_per_step"]})
+    return {"this": this, args.baseline: base, "pairs": pairs,
+            "dispatch_ratio": statistics.median(p["dispatch_ratio"] for p in pairs),
+            "ms_per_step_ratio": statistics.median(p["ms_per_step_ratio"] for p in pairs)}
 
 
 if __name__ == "__main__":
