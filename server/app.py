@@ -351,7 +351,8 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
     try:
         return SamplingParams(max_tokens=limit, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                               seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
-                              stop=list(body.stop or []), ignore_eos=body.ignore_eos, structured=structured)
+                              stop=list(body.stop or []), ignore_eos=body.ignore_eos,
+                              skip_special_tokens=body.skip_special_tokens, structured=structured)
     except ValueError as e:
         raise from_value_error(e, prompt_param) from None
 

@@ -89,6 +89,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True   # (vLLM's extra parameter) False: special tokens stay in the text
     presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
     user: Text | None = Field(default=None, max_length=256)

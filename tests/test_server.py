@@ -181,6 +181,20 @@ def test_completions_non_streaming_and_streaming_agree(demo):
         assert_no_nulls(c)
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(demo):
+    """The demo model writes its special tokens (``<|im_end|>``...) now and then when told to
+    ignore EOS: the default text leaves them out, ``skip_special_tokens: false`` keeps them."""
+    specials = ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>")
+    body = {"model": "demo", "prompt": ["Hello", "hi", "Paris", "zzz", "What", "Why"], "max_tokens": 60,
+            "temperature": 0, "ignore_eos": True}
+    skipped = [c["text"] for c in demo.post("/v1/completions", json=body).json()["choices"]]
+    kept = [c["text"] for c in demo.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()["choices"]]
+    assert not any(s in text for text in skipped for s in specials)
+    assert any(s in text for text in kept for s in specials)
+    bad = demo.post("/v1/completions", json={**body, "skip_special_tokens": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "skip_special_tokens"
+
+
 def test_completions_token_ids_batches_and_n(demo):
     body = {"model": "demo", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     ids = demo.post("/v1/completions", json={**body, "prompt": [72, 101, 108]}).json()
