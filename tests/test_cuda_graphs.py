@@ -26,12 +26,13 @@ def test_xla_accepts_the_gpu_options():
         jax.jit(lambda x: x, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,GRAPHS"})(1)
 
 
-def test_the_option_leaves_a_cpu_engine_as_it_was():
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = []
-    for cuda_graphs in (False, True):
-        llm = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64,
-                  warmup=False, cuda_graphs=cuda_graphs)
-        outs.append([o.token_ids for o in llm.generate(prompt_token_ids=[[5, 6, 7], [9] * 20], sampling_params=params)])
+def test_the_option_reaches_the_executor_and_a_cpu_engine_still_runs():
+    llm = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64,
+              warmup=False, cuda_graphs=True)
+    try:
+        assert llm.engine.executor.config.cuda_graphs is True
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]],
+                           sampling_params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
         llm.engine.shutdown()
-    assert outs[0] == outs[1] and all(len(t) == 5 for t in outs[0])
+    assert len(out[0].token_ids) == 3
