@@ -77,11 +77,36 @@ def make_request(rng: random.Random, i: int, now: float, token_ids: bool = False
                    segments=segs, token_ids=ids)
 
 
+# ``Scheduler.schedule``'s phases, in call order (``--phases`` times each one).
+PHASES = ("_open_plan", "_continue_swaps", "_schedule_running", "_admit_waiting", "_close_plan")
+
+
+def _time_phases(sched: Scheduler, timer) -> dict[str, list[float]]:
+    """Wrap ``sched``'s ``PHASES`` methods (on the instance) so that each call adds its
+    seconds to its list; returns the lists (the caller clears them around untimed steps).
+    The wrappers cost a little each, so the phases sum to a bit more than ``schedule()``."""
+    spent: dict[str, list[float]] = {name: [] for name in PHASES}
+
+    def wrap(method, out):
+        def timed(*args, **kwargs):
+            t0 = timer()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                out.append(timer() - t0)
+        return timed
+    for name in PHASES:
+        setattr(sched, name, wrap(getattr(sched, name), spent[name]))
+    return spent
+
+
 def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost, seed: int = 0,
-          warmup: int = 300, budget: int = 512, cache: str | None = None, clock: str = "wall") -> dict:
+          warmup: int = 300, budget: int = 512, cache: str | None = None, clock: str = "wall",
+          phases: bool = False) -> dict:
     """``cache``: None (no token ids, default config), "off" or "on" (token ids, prefix cache off/on).
     ``clock``: "wall" (``time.perf_counter``) or "cpu" (``time.thread_time``: this thread's CPU
-    time, which a loaded machine's waits for a core do not inflate)."""
+    time, which a loaded machine's waits for a core do not inflate). ``phases``: also the mean
+    µs per timed step of each of ``schedule()``'s ``PHASES`` (in ``phase_us``)."""
     timer = time.perf_counter if clock == "wall" else time.thread_time
     rng = random.Random(seed)
     ids = cache is not None
@@ -89,6 +114,7 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
                              swap_budget_tokens=2048, enable_prefix_caching=cache != "off")
     sched = Scheduler(config, make_policy(policy_name), PageAllocator(200_000, 16),
                       PageAllocator(200_000, 16, "host"), cost)
+    spent = _time_phases(sched, timer) if phases else None
     now, counter = 0.0, 0
     pending: list[tuple[float, Request, int]] = []
 
@@ -104,6 +130,9 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
         for item in [p for p in pending if p[0] <= now]:
             pending.remove(item)
             sched.api_return(item[1], item[2], now, token_ids=[5] * item[2] if ids else None)
+        if spent is not None and step == warmup:
+            for out in spent.values():
+                out.clear()   # the warm-up's calls
         gc.disable()
         t0 = timer()
         plan = sched.schedule(now)
@@ -137,7 +166,9 @@ def bench(policy_name: str, num_waiting: int, num_running: int, steps: int, cost
             "p99_us": sorted(times)[int(0.99 * (len(times) - 1))] * 1e6,
             "update_us": statistics.median(update_times) * 1e6,
             "step_ms": step_s * 1e3, "fraction": med / step_s, "tokens": mean_tokens,
-            "running_mean": statistics.fmean(running)}
+            "running_mean": statistics.fmean(running),
+            **({"phase_us": {name.strip("_"): sum(out) / steps * 1e6 for name, out in spent.items()}}
+               if spent is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time git revision REV's scheduler, row by row (before/after in one run)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time schedule() by wall clock or by this thread's CPU time (robust to a loaded machine)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print the mean µs per step of each phase of schedule() (open the plan, continue "
+                         "swaps, the running batch, admissions, close the plan; the timers add a little)")
     ap.add_argument("--scheduler-src", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json-row", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -178,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
             base = None
             for cache in caches:
                 base_row = _baseline_row(baseline_dir, args, name, n, cache) if baseline_dir else None
-                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache, clock=args.clock)
+                r = bench(name, n, args.running, args.steps, cost, budget=args.budget, cache=cache, clock=args.clock,
+                          phases=args.phases)
                 if cache == "off":
                     base = r["median_us"]
                 ratio = f"{r['median_us'] / base:>7.2f}x" if base and cache == "on" else f"{'':>8}"
@@ -187,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['running_mean']:>9.0f}{ratio}"
                       + (f"{base_row['median_us']:>9.0f}{r['median_us'] / base_row['median_us']:>8.2f}x"
                          f"{base_row.get('update_us', float('nan')):>9.0f}" if base_row else ""), flush=True)
+                if args.phases:
+                    print(f"{'':<14}phases µs/step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_us"].items()),
+                          flush=True)
 
 
 def _export_scheduler(rev: str) -> str:
