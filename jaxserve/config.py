@@ -128,9 +128,10 @@ class EngineConfig:
         "compiles mid-run (timed replays; a slower start)"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
     cuda_graphs: bool = field(default=False, metadata=_flag(
-        "NVIDIA GPUs: run each step program's kernels as CUDA graphs (XLA command buffers, the attention "
-        "kernel's custom call and the sampler's conditionals included), which cuts the host's launch time per "
-        "step; ignored on other backends (docs/benchmarks.md, 'Third GPU session')"))
+        "GPUs (tried on CUDA only): compile the step programs with XLA command buffers (CUDA graphs) for every "
+        "command kind, the attention kernel's custom call and the sampler's conditionals included, to cut the "
+        "host's launch time per step; its effect on a whole step is not yet measured (docs/engine.md); "
+        "ignored on CPU and TPU"))
     check_invariants: bool = field(default=False, metadata=_flag(
         "check the page invariants after every step (tests; slow)"))
     keep_logits: bool = field(default=False, metadata=_flag(

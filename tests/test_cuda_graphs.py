@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.executor import model as executor_module
 from jaxserve.executor.model import CUDA_GRAPH_COMMANDS, step_compiler_options
 
 
@@ -26,11 +27,24 @@ def test_xla_accepts_the_gpu_options():
         jax.jit(lambda x: x, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,GRAPHS"})(1)
 
 
-def test_the_option_reaches_the_executor_and_a_cpu_engine_still_runs():
+def test_the_option_reaches_every_step_program(monkeypatch):
+    """With the GPU's options forced on this CPU (XLA:CPU accepts them), an engine built with
+    ``cuda_graphs`` jits its three step programs (step, forward, masked sampler) with them,
+    and its steps compile and run."""
+    gpu_options = step_compiler_options("gpu", True)
+    monkeypatch.setattr(executor_module, "step_compiler_options",
+                        lambda platform, cuda_graphs: step_compiler_options("gpu", cuda_graphs))
+    passed, real_jit = [], jax.jit
+
+    def spy_jit(fn, **kwargs):
+        passed.append(kwargs.get("compiler_options"))
+        return real_jit(fn, **kwargs)
+    monkeypatch.setattr(jax, "jit", spy_jit)
     llm = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64,
               warmup=False, cuda_graphs=True)
     try:
         assert llm.engine.executor.config.cuda_graphs is True
+        assert passed.count(gpu_options) == 3, passed
         out = llm.generate(prompt_token_ids=[[5, 6, 7]],
                            sampling_params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:

@@ -60,15 +60,16 @@ def test_busiest_device_stream_ignores_host_and_xla_timelines():
 def test_step_time_forward_only_with_device_busy_against_a_baseline(tmp_path):
     """tools/step_time.py on CPU: the forward alone, a traced busy measure (no device stream
     on CPU) and the same run for git revision HEAD, exported beforehand to a folder (as for
-    a machine without the repository's history), two pairs, each run in a fresh process."""
+    a machine without the repository's history) and named by a path relative to where the
+    tool runs, two pairs, each run in a fresh process."""
     root = Path(__file__).resolve().parents[1]
     export_revision("HEAD", tmp_path, ("jaxserve", "kernels", "scheduler", "tools"))
     cmd = [sys.executable, str(root / "tools" / "step_time.py"), "--shape", "llama-small", "--dtype", "float32",
            "--rows", "4", "--context", "32", "--steps", "3", "--forward-only", "--device-busy-steps", "2",
-           "--baseline", str(tmp_path), "--pairs", "2"]
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, check=True).stdout
+           "--baseline", tmp_path.name, "--pairs", "2"]
+    out = subprocess.run(cmd, cwd=tmp_path.parent, capture_output=True, text=True, timeout=600, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    this, base = result["this"], result[str(tmp_path)]
+    this, base = result["this"], result[tmp_path.name]
     assert this["forward_only"] is True and this["rows"] == 4 and this["ms_per_step"] > 0
     assert this["device_stream"] is None and this["device_share"] is None
     assert base["ms_per_step"] > 0 and len(result["pairs"]) == 2

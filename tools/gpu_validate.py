@@ -64,6 +64,8 @@ SECTIONS = ("backend", "kernels", "device_tests", "attention_bandwidth", "compil
 STEP_VARIANTS = {   # name: (XLA_FLAGS added, tools/step_time.py arguments added)
     "default": ("", []),
     "forward_only": ("", ["--forward-only"]),
+    # (the kinds of runs 4-5, the forward alone, so figures compare across sessions; the engine's
+    # ``cuda_graphs`` adds conditionals and loops: ``jaxserve.executor.model.CUDA_GRAPH_COMMANDS``)
     "command_buffers": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                         "--xla_gpu_graph_min_graph_size=1", ["--forward-only"]),
     "cuda_graphs": ("", ["--cuda-graphs"]),   # the whole step with the engine's own option
@@ -442,7 +444,9 @@ def section_step_launch(opts) -> dict:
                                                                 "rows", "context",
                                                                 "ms_per_step", "dispatch_ms", "dispatch_share",
                                                                 "device_stream", "device_busy_ms", "device_share")}})
-    return {"shape": shape[1], "xla_flags": {k: v[0] or "(none)" for k, v in variants.items()}, "rows": rows,
+    flags = {k: v[0] or ("(per program: --cuda-graphs)" if "--cuda-graphs" in v[1] else "(none)")
+             for k, v in variants.items()}
+    return {"shape": shape[1], "xla_flags": flags, "rows": rows,
             "passed": not any("error" in row for row in rows)}
 
 

@@ -128,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.pairs > 1 and args.baseline is None:
+        parser.error("--pairs needs --baseline")
     return args
 
 
@@ -162,7 +164,7 @@ def compare(args: argparse.Namespace, argv: list[str]) -> dict:
     pair's runs; the ratios (this / baseline) are the pairs' medians, each pair's in ``pairs``."""
     own = _without(argv, ("--baseline", "--pairs"))
     with tempfile.TemporaryDirectory(prefix="step-time-") as tmp:
-        src = Path(args.baseline)
+        src = Path(args.baseline).resolve()   # (the child runs in it: a relative path would resolve twice)
         if not (src / "tools" / "step_time.py").is_file():
             src = Path(tmp)
             export_revision(args.baseline, src, ("jaxserve", "kernels", "scheduler", "tools"))

@@ -61,11 +61,12 @@ CUDA_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,WHIL
 
 
 def step_compiler_options(platform: str, cuda_graphs: bool) -> dict[str, str | int] | None:
-    """XLA compiler options of the step programs: with ``cuda_graphs`` on a GPU, capture
-    every command in command buffers, however short the graph (``xla_gpu_graph_min_graph_size``
-    1). A decode step of a 1B model is a few hundred kernels that the host launches one by
-    one otherwise; on an H200 the host's share was most of the step (docs/benchmarks.md).
-    None elsewhere, and without ``cuda_graphs``: XLA's defaults."""
+    """XLA compiler options of the step programs: with ``cuda_graphs`` on a GPU (XLA:GPU;
+    tried on CUDA only), command buffers for every command kind, conditionals and loops
+    included, however short the graph (``xla_gpu_graph_min_graph_size`` 1). XLA's defaults
+    already put part of a step in command buffers; on an H200 the host's share of a 1B
+    decode step was about half of it (docs/benchmarks.md). None elsewhere, and without
+    ``cuda_graphs``: XLA's defaults."""
     if not cuda_graphs or platform != "gpu":
         return None
     return {"xla_gpu_enable_command_buffer": CUDA_GRAPH_COMMANDS, "xla_gpu_graph_min_graph_size": 1}

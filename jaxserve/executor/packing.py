@@ -10,10 +10,11 @@ was most of it (the GPU computed 1.4 of 3.3 ms); packed, that whole step took 0.
 ``pack`` lays 4-byte arrays (int32, uint32, float32) as int32, in name order, each one
 starting on a 256-byte boundary (``ALIGN_WORDS``), and returns the layout (name order: a
 multi-host worker gets the step's inputs through a pytree round trip that sorts dict keys,
-and must pack the same bytes and compile the same program as process 0). ``unpack``, inside the jitted step, cuts them back out with static
-slices (and bitcasts the floats and unsigned ints back, bit for bit). The layout is a tuple of
-``(name, shape, dtype)``, hashable, passed to ``jax.jit`` as a static argument: it is fixed
-by the step's buckets, so it adds no compiled programs.
+and must pack the same bytes and compile the same program as process 0). ``unpack``,
+inside the jitted step, cuts them back out with static slices (and bitcasts the floats and
+unsigned ints back, bit for bit). The layout is a tuple of ``(name, shape, dtype)``,
+hashable, passed to ``jax.jit`` as a static argument: it is fixed by the step's buckets, so
+it adds no compiled programs.
 
 Why aligned: XLA:GPU hands a static slice of a parameter to the next op as a view at its
 offset, and the Mosaic GPU attention kernel's custom call refuses an input buffer that is not
