@@ -74,3 +74,17 @@ def test_step_time_forward_only_with_device_busy_against_a_baseline(tmp_path):
     assert this["device_stream"] is None and this["device_share"] is None
     assert base["ms_per_step"] > 0 and len(result["pairs"]) == 2
     assert result["ms_per_step_ratio"] == statistics.median(p["ms_per_step_ratio"] for p in result["pairs"]) > 0
+
+
+def test_step_time_structured_step():
+    """``--structured``: a step under an all-allowed token bitmask (on CPU the one program
+    with the mask; accelerators run the forward and the masked sampler apart)."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "tools" / "step_time.py"), "--shape", "llama-small", "--dtype", "float32",
+           "--rows", "4", "--context", "32", "--steps", "2"]
+    out = subprocess.run([*cmd, "--structured"], cwd=root, capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["structured"] is True and result["forward_only"] is False and result["ms_per_step"] > 0
+    both = subprocess.run([*cmd, "--structured", "--forward-only"], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert both.returncode == 2 and "choose one" in both.stderr

@@ -69,6 +69,7 @@ STEP_VARIANTS = {   # name: (XLA_FLAGS added, tools/step_time.py arguments added
     "command_buffers": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                         "--xla_gpu_graph_min_graph_size=1", ["--forward-only"]),
     "cuda_graphs": ("", ["--cuda-graphs"]),   # the whole step with the engine's own option
+    "structured": ("", ["--structured"]),      # forward, host bitmask, masked sampler (two programs)
     "reference_attention": ("", ["--forward-only", "--attention-impl", "reference"]),
 }
 # The suite's tests that mean most on an accelerator: the Mosaic GPU kernel compiled for real, and
@@ -419,7 +420,8 @@ def section_step_launch(opts) -> dict:
     alone (no sampler, whose ``lax.cond`` makes XLA:GPU's call wait for the step), with
     default flags, with XLA command buffers (CUDA graphs) including custom calls, and with
     the reference attention (no Pallas custom call); the whole step with the engine's
-    ``cuda_graphs`` option. ``device_share`` is the device's busy
+    ``cuda_graphs`` option; a structured-output step (all tokens allowed: the forward, the
+    host's bitmask, then the masked sampler). ``device_share`` is the device's busy
     time per step (from a trace of 10 more steps) over the step's wall time: near 1 the
     device bounds the step, well under 1 the host does.
     With ``--interpret``: the default variant on a small shape (proves the plumbing)."""
@@ -440,7 +442,8 @@ def section_step_launch(opts) -> dict:
         except (ValueError, IndexError):   # a child that failed (e.g. XLA refused a flag) prints no JSON
             rows.append({"variant": name, "error": (proc.stdout + proc.stderr)[-1500:]})
             continue
-        rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "forward_only", "cuda_graphs",
+        rows.append({"variant": name, **{k: result[k] for k in ("attention_impl", "forward_only", "structured",
+                                                                "cuda_graphs",
                                                                 "rows", "context",
                                                                 "ms_per_step", "dispatch_ms", "dispatch_share",
                                                                 "device_stream", "device_busy_ms", "device_share")}})

@@ -5,6 +5,7 @@
     python tools/step_time.py ... --trace DIR                  # and a jax.profiler trace of the timed steps
     python tools/step_time.py ... --forward-only               # the forward program alone, no sampler
     python tools/step_time.py ... --cuda-graphs                # the engine's cuda_graphs option on
+    python tools/step_time.py ... --structured                 # a structured-output step (all tokens allowed)
     python tools/step_time.py ... --baseline REV               # and the same for git revision REV, with ratios
     python tools/step_time.py ... --baseline DIR --pairs 3     # a tree exported to DIR; 3 alternating pairs
     python tools/step_time.py ... --device-busy-steps 10       # and how much of a step the device computes
@@ -36,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from git_export import export_revision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +58,14 @@ def measure(args: argparse.Namespace) -> dict:
         runner = engine.executor
         bucket = next(b for b in runner.config.token_buckets if b >= args.rows)
         inputs = runner.synthetic_inputs(bucket, context=args.context)
-        call = runner.forward_logits if args.forward_only else (lambda batch: runner.forward(batch)[0])
+        if args.forward_only:
+            call = runner.forward_logits
+        elif args.structured:   # every token allowed: the cost of the path, not of a grammar
+            words = -(-engine.model_config.vocab_size // 32)
+            allow_all = np.full((len(inputs.logits_indices), words), -1, np.int32)   # [S_b, ceil(V / 32)]
+            call = lambda batch: runner.forward_masked(batch, lambda: allow_all)[0]   # noqa: E731
+        else:
+            call = lambda batch: runner.forward(batch)[0]   # noqa: E731
         for _ in range(3):   # compile, then warm
             call(inputs).block_until_ready()
         dispatch, total = [], []
@@ -77,7 +86,8 @@ def measure(args: argparse.Namespace) -> dict:
                 "dispatch_share": statistics.median(dispatch) / statistics.median(total),
                 "device_stream": None if stream is None else stream["line"], "device_busy_ms": busy,
                 "device_share": None if busy is None else busy / (1e3 * statistics.median(total)),
-                "forward_only": args.forward_only, "cuda_graphs": args.cuda_graphs, "steps": args.steps,
+                "forward_only": args.forward_only, "structured": args.structured, "cuda_graphs": args.cuda_graphs,
+                "steps": args.steps,
                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     finally:
         engine.shutdown()
@@ -111,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--forward-only", action="store_true",
                         help="time the forward program alone, without the sampler (whose lax.cond makes XLA:GPU "
                              "wait for the step before it returns)")
+    parser.add_argument("--structured", action="store_true",
+                        help="time a structured-output step (every token allowed): on an accelerator the forward, "
+                             "the host's bitmask, then the masked sampler as a second program")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="build the engine with cuda_graphs (XLA command buffers for the step programs)")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write a jax.profiler trace of the timed calls")
@@ -130,6 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--pairs must be at least 1")
     if args.pairs > 1 and args.baseline is None:
         parser.error("--pairs needs --baseline")
+    if args.structured and args.forward_only:
+        parser.error("--structured and --forward-only time different programs: choose one")
     return args
 
 
