@@ -27,6 +27,14 @@ def test_xla_accepts_the_gpu_options():
         jax.jit(lambda x: x, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,GRAPHS"})(1)
 
 
+def test_the_option_is_ignored_with_a_warning_off_a_gpu(caplog):
+    with caplog.at_level("WARNING", logger="jaxserve"):
+        llm = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64,
+                  warmup=False, cuda_graphs=True)
+    llm.engine.shutdown()
+    assert "cuda_graphs is for GPUs: ignored on cpu" in caplog.text
+
+
 def test_the_option_reaches_every_step_program(monkeypatch):
     """With the GPU's options forced on this CPU (XLA:CPU accepts them), an engine built with
     ``cuda_graphs`` jits its three step programs (step, forward, masked sampler) with them,
