@@ -181,21 +181,19 @@ class PrefixCache:
         one lists become evictable with score ``now + bonus_s`` (ties go
         tail first, so a context is evicted from its end and its head stays
         matchable)."""
-        refs = self.refs
+        refs, evictable = self.refs, self._evictable
+        first = self._seq + 1
+        release = (now, first)   # its identity tells the pages its entry lists live from stale ones
         freed = []
         for p in reversed(pages):
             n = refs[p] - 1
             refs[p] = n
             if not n:
                 freed.append(p)
+                evictable[p] = release
         if not freed:
             return
-        first = self._seq + 1
         self._seq += len(freed)
-        release = (now, first)   # its identity tells the pages its entry lists live from stale ones
-        evictable = self._evictable
-        for p in freed:
-            evictable[p] = release
         if not bonus_s and now >= self._lru_last:
             self._lru.append((release, freed))
             self._lru_last = now
