@@ -103,8 +103,6 @@ class LLMEngine:
         # A dynamic token budget with beta_high > 1 may batch more than max_num_batched_tokens:
         # the executor's token buckets go up to the most it can ask for.
         step_tokens = max(batched, policy.max_step_tokens(batched))
-        if config.cuda_graphs and jax.default_backend() != "gpu":
-            log.warning("cuda_graphs is for GPUs: ignored on %s", jax.default_backend())
         executor = executor_class()(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,

@@ -32,6 +32,11 @@ from jaxserve.tool_format.base import ToolFormat
 
 log = logging.getLogger("jaxserve")
 
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row for ``vocab_size`` tokens: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + 31) // 32
+
 # Fixed separators as json.dumps / chat templates write them (what models saw most),
 # and no other whitespace (a model cannot stall in endless spaces).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -120,7 +125,7 @@ class StructuredDecoding:
         self.hf_tokenizer = tokenizer
         self.tool_format = tool_format
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32
+        self.words = bitmask_words(vocab_size)
         self.eos_token_ids = sorted(eos_token_ids)
         self._llg_tokenizer = None
         self._pristine: OrderedDict[str, object] = OrderedDict()   # constraint key -> matcher at its start

@@ -49,6 +49,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     from jaxserve.bench import SHAPES, shape_checkpoint
     from jaxserve.engine import LLMEngine
+    from jaxserve.structured import bitmask_words
     model_dir = shape_checkpoint(SHAPES[args.shape])
     engine = LLMEngine(str(model_dir), dtype=args.dtype, load_format="dummy", page_size=16, num_pages=args.num_pages,
                        max_num_seqs=args.rows, max_num_batched_tokens=max(args.rows, 8), warmup=False,
@@ -61,8 +62,8 @@ def measure(args: argparse.Namespace) -> dict:
         if args.forward_only:
             call = runner.forward_logits
         elif args.structured:   # every token allowed: the cost of the path, not of a grammar
-            words = -(-engine.model_config.vocab_size // 32)
-            allow_all = np.full((len(inputs.logits_indices), words), -1, np.int32)   # [S_b, ceil(V / 32)]
+            allow_all = np.full((len(inputs.logits_indices), bitmask_words(engine.model_config.vocab_size)), -1,
+                                np.int32)
             call = lambda batch: runner.forward_masked(batch, lambda: allow_all)[0]   # noqa: E731
         else:
             call = lambda batch: runner.forward(batch)[0]   # noqa: E731

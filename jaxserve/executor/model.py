@@ -18,6 +18,7 @@ same token.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -36,6 +37,8 @@ from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_
 from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample, sample_masked
 from scheduler import CACHE_OWNER, Request, ScheduledChunk, StepPlan, StepResult, SwapOp
+
+log = logging.getLogger("jaxserve")
 
 
 def next_power_of_two(n: int) -> int:
@@ -194,7 +197,10 @@ class ModelExecutor:
         # XLA:GPU may use TF32 (10-bit mantissa) for float32 dots, which moves logits by ~1e-3.
         traced = at_highest_precision if config.kv_dtype == jnp.float32 else (lambda fn: fn)
         # Step inputs arrive packed in one array (``jaxserve.executor.packing``); its layout is static.
-        options = step_compiler_options(self.mesh.devices.flat[0].platform, config.cuda_graphs)
+        platform = self.mesh.devices.flat[0].platform
+        options = step_compiler_options(platform, config.cuda_graphs)
+        if config.cuda_graphs and options is None:
+            log.warning("cuda_graphs is for GPUs: ignored on %s", platform)
         self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3,),
                              compiler_options=options)
         self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
