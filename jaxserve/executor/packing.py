@@ -34,6 +34,7 @@ Layout = tuple[tuple[str, tuple[int, ...], str], ...]
 _WORD = np.dtype(np.int32)
 ALIGN_WORDS = 64
 """Every packed array starts at a multiple of this many int32 words (256 bytes)."""
+_PADDING = np.zeros(ALIGN_WORDS - 1, np.int32)   # (read only: sliced into ``pack``'s parts)
 
 
 def _aligned(words: int) -> int:
@@ -46,15 +47,16 @@ def pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
     (name -> 4-byte numpy array), laid out in name order whatever the dict's order; the
     padding words are zero."""
     named = sorted(arrays.items())
+    parts = []
     for name, a in named:
         if a.dtype.itemsize != _WORD.itemsize:
             raise ValueError(f"step input {name!r} is {a.dtype}: only 4-byte dtypes can be packed")
+        parts.append(np.ascontiguousarray(a).view(np.int32).ravel())
+        pad = -a.size % ALIGN_WORDS
+        if pad:
+            parts.append(_PADDING[:pad])
     layout = tuple((name, a.shape, a.dtype.str) for name, a in named)
-    flat = np.zeros(sum(_aligned(a.size) for _, a in named), np.int32)
-    offset = 0
-    for _, a in named:
-        flat[offset:offset + a.size] = np.ascontiguousarray(a).view(np.int32).ravel()
-        offset += _aligned(a.size)
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return flat, layout
 
 
