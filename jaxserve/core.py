@@ -166,8 +166,15 @@ class EngineCore:
         return request
 
     def finish(self, request: Request, reason: str) -> None:
-        """End ``request`` with ``reason`` ("stop", "length", "abort", ...); no-op if it has ended."""
+        """End ``request`` with ``reason`` ("stop", "length", "abort", ...); no-op if it has ended,
+        except that "stop" replaces "length": a stop string completed by the token that also
+        reached ``max_tokens`` ends the request as a stop, as OpenAI reports it."""
         if request.is_finished:
+            if reason == "stop" and request.finish_reason == "length":
+                finished = self.stats.finished
+                finished["length"] -= 1
+                finished["stop"] = finished.get("stop", 0) + 1
+                request.finish_reason = "stop"
             return
         self.scheduler.finish(request, reason, self.clock.now())
         self._released(request)

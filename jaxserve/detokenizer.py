@@ -8,6 +8,11 @@ class IncrementalDetokenizer:
 
     Decodes only a short window (``prefix_offset`` … end) per token, and holds
     back a delta that ends in an incomplete UTF-8 sequence (U+FFFD).
+
+    ``text`` is everything decoded so far (cut before a stop string once one is
+    hit); ``releasable()`` is how much of it a stream may show before the
+    request ends: it stops short of a tail that could still grow into a stop
+    string, since a shown character cannot be taken back.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
@@ -43,3 +48,15 @@ class IncrementalDetokenizer:
                 self.text = self.text[:at]
                 return self.text[before:], True
         return delta, False
+
+    def releasable(self) -> int:
+        """Length of the leading part of ``text`` that no stop string can still
+        claim: all of it, less its longest tail that is a proper prefix of one
+        of ``stop`` (``text`` holds no whole stop string: ``add`` cut it)."""
+        text, held = self.text, 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        return len(text) - held

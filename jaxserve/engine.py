@@ -340,7 +340,7 @@ class LLMEngine:
             return
         delta, hit_stop = request.detokenizer.add(token)
         if hit_stop:
-            self.core.finish(request, "stop")
+            self.core.finish(request, "stop")   # (a stop string completed by the last allowed token: see finish)
             return
         grammar = request.grammar
         if grammar is not None and not request.is_finished \
@@ -422,13 +422,15 @@ class LLMEngine:
     # -------------------------------------------------------------- outputs
     def _output(self, request: Request) -> RequestOutput:
         generated = request.output_token_ids
-        text = request.detokenizer.text if request.detokenizer is not None else ""
-        new_ids = generated[request.reported_tokens:]
-        new_text = text[request.reported_text:]
-        request.reported_tokens, request.reported_text = len(generated), len(text)
         tool_calls = request.pending_tool_calls
         reason = request.finish_reason if request.is_finished else ("tool_calls" if tool_calls else None)
         final = reason is not None
+        detokenizer = request.detokenizer
+        text = "" if detokenizer is None else detokenizer.text if final else \
+            detokenizer.text[:max(detokenizer.releasable(), request.reported_text)]   # held: may start a stop string
+        new_ids = generated[request.reported_tokens:]
+        new_text = text[request.reported_text:]
+        request.reported_tokens, request.reported_text = len(generated), len(text)
         calls = [ApiCallOutput(
             api_type=rec.api_type, handling=rec.handling.value, call_time=rec.call_time,
             return_time=rec.return_time, resume_time=rec.resume_time, context_tokens=rec.context_tokens,

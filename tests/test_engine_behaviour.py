@@ -93,6 +93,68 @@ def test_stop_token_ids_and_stop_strings(llm):
         assert out.finish_reason == "stop" and needle not in out.text and text.startswith(out.text)
 
 
+def _stream(llm, p: list[int], params: SamplingParams) -> tuple[list[str], object]:
+    """The text deltas of one request, step by step, and its final output."""
+    engine = llm.engine
+    rid = engine.add_request(prompt_token_ids=p, sampling_params=params)
+    deltas, final = [], None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.delta_text)
+                final = out if out.finish_reason is not None else None
+    return deltas, final
+
+
+def test_a_stop_string_spanning_tokens_never_shows_in_the_stream(llm):
+    """A stream shows no part of a stop string that a later token completes: text that
+    could still start one is held back, and what was held is shown once it cannot."""
+    p = prompt(9, 5)
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=12, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    text = free.text
+    assert len(text) >= 9
+    needle = text[5:9]   # four characters: several tokens of the demo's byte-level tokenizer
+    deltas, out = _stream(llm, p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[needle]))
+    assert out.finish_reason == "stop" and out.text == text[:text.index(needle)]
+    assert "".join(deltas) == out.text
+    shown = ""
+    for delta in deltas:
+        shown += delta
+        assert out.text.startswith(shown), (shown, out.text)
+    # a stop string that never completes holds nothing back in the end: every character is shown
+    deltas, out = _stream(llm, p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                 stop=[text[-2:] + "\u2603"]))
+    assert out.finish_reason == "length" and "".join(deltas) == out.text == text
+
+
+def test_the_detokenizer_holds_back_exactly_a_tail_that_may_start_a_stop_string(llm):
+    from jaxserve.detokenizer import IncrementalDetokenizer
+    detok = IncrementalDetokenizer(llm.tokenizer, stop=["aab", "xyz"])
+    held = []
+    for token in llm.tokenizer.encode("caaaxy", add_special_tokens=False):
+        detok.add(token)
+        held.append(len(detok.text) - detok.releasable())
+    assert detok.text == "caaaxy"
+    assert held == [0, 1, 2, 2, 1, 2]   # "a", "aa", "aa" (of "aab"), then "x", "xy" (of "xyz")
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
+    p = prompt(9, 5)
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    text = free.text
+    needle = text[-3:]
+    assert needle.strip() and text.index(needle) == len(text) - 3, "the stop string must first occur at the end"
+    finished_before = dict(llm.engine.stats.finished)
+    deltas, out = _stream(llm, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=[needle]))
+    assert out.finish_reason == "stop"
+    assert out.text == "".join(deltas) == text[:-3]
+    finished = llm.engine.stats.finished
+    assert finished.get("stop", 0) == finished_before.get("stop", 0) + 1
+    assert finished.get("length", 0) == finished_before.get("length", 0)
+
+
 def test_eos_stops_unless_ignored(llm):
     eos = llm.tokenizer.eos_token_id
     p = prompt(9, 6)
