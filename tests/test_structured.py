@@ -173,7 +173,7 @@ def test_forced_server_side_call_runs_then_generation_continues_free(llm):
 
 
 def test_forced_parallel_server_side_calls_all_run_and_return_in_call_order(llm):
-    """Sampled (seed 1), the demo model writes several ``add`` calls in its forced turn: every one
+    """Sampled (seed 6), the demo model writes several ``add`` calls in its forced turn: every one
     runs (the first sleeps longest), and their results enter the context together, in
     call order, before decoding goes on unconstrained."""
     import time
@@ -190,7 +190,7 @@ def test_forced_parallel_server_side_calls_all_run_and_return_in_call_order(llm)
     engine.result_token_ids = lambda request, result: contexts.append(wrap(request, result)) or contexts[-1]
     try:
         spec = StructuredOutput.tool_call([tool.openai_schema()], "add")
-        out = llm.generate(["Compute"], SamplingParams(max_tokens=120, temperature=1.0, seed=1, structured=spec))[0]
+        out = llm.generate(["Compute"], SamplingParams(max_tokens=120, temperature=1.0, seed=6, structured=spec))[0]
     finally:
         engine.tools["add"] = ADD
         del engine.result_token_ids
@@ -298,6 +298,33 @@ def test_forced_call_grammar_of_each_format_allows_several_calls_only_when_paral
         refused = tok.encode("[" if name == "llama3_json" else first + second, add_special_tokens=False)
         other = decoding.start(one)
         assert "length" in [other.accept(t) for t in refused]
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
+def test_forced_call_grammar_takes_exactly_what_render_calls_writes(llm, name):
+    """A forced turn is written as ``render_calls`` re-renders it for a client's follow-up:
+    one and two calls are taken to the character, and the spellings it never writes (Hermes
+    blocks not one line apart, a Llama 3 list of one call) are refused."""
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+    fmt, tok = get_format(name), llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, fmt)
+    a, b = ("a", '{"x": 1}'), ("b", '{"s": "]}"}')
+
+    def takes(text: str, parallel: bool) -> bool:
+        grammar = decoding.start(StructuredOutput.tool_call(PARALLEL_TOOLS, parallel=parallel))
+        if any(grammar.accept(t) is not None for t in tok.encode(text, add_special_tokens=False)):
+            return False
+        if grammar.ends_with_eos and grammar.active:
+            grammar.accept(min(llm.engine.eos_token_ids))
+        return grammar.turn_complete
+
+    assert takes(fmt.render_calls([a]), parallel=False) and takes(fmt.render_calls([b]), parallel=False)
+    assert takes(fmt.render_calls([a]), parallel=True) and takes(fmt.render_calls([a, b]), parallel=True)
+    other = {"hermes": fmt.render_calls([a]) + fmt.render_calls([b]),
+             "llama3_json": "[" + fmt.render_calls([a]) + "]",
+             "mistral": fmt.render_calls([a])[:-1] + ",  " + fmt.render_calls([b])[len("[TOOL_CALLS]["):]}[name]
+    assert not takes(other, parallel=True)
 
 
 def test_unsatisfiable_within_max_tokens_ends_with_length(llm):

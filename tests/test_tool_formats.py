@@ -122,6 +122,15 @@ def test_markup_filter_hides_an_unfinished_marked_call():
     assert filt.feed('ok [TOOL_CALLS][{"name": "x", "argu') + filt.flush() == "ok "
 
 
+def test_markup_filter_hides_the_start_of_a_tag_the_turn_was_cut_in():
+    """SmolLM2 writes ``</tool_call><tool_call>`` with one ``><`` token: a turn paused on the
+    first call ends in ``<``, the start of the next tag, which is markup, not content."""
+    for cut in ("<", "\n<tool", " <tool_ca"):
+        filt = get_format("hermes").markup_filter()
+        assert filt.feed('Sure. <tool_call>{"name": "a", "arguments": {}}</tool_call' + ">" + cut) \
+            + filt.flush() == "Sure. "
+
+
 @pytest.mark.parametrize("name, template, expect", [
     ("hermes", "<|im_start|>{{ m }}", "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
     ("hermes", "[INST]", "<tool_response>42</tool_response>"),

@@ -136,9 +136,10 @@ class TaggedMarkupFilter:
         return "".join(out)
 
     def flush(self) -> str:
-        """At the end of the text: release held-back text that never became a tag
-        (whitespace after the last span stays hidden)."""
-        hidden = self._inside or (self._after_span and not self._pending.strip())
+        """At the end of the text: release held-back text that never became a tag.
+        After the last span it stays hidden: whitespace, or the start of a tag the turn
+        was cut in (a token such as ``><`` ends one call and starts the next)."""
+        hidden = self._inside or self._after_span   # (after a span only those are held)
         text, self._pending = ("" if hidden else self._pending), ""
         return text
 
@@ -236,7 +237,10 @@ class ToolFormat:
         """The lark ``start`` rule (llguidance dialect) of an assistant turn that is nothing
         but calls: ``call`` names the rule of one call object ``{"name": ..., args_key: ...}``;
         ``parallel``: one or more calls, else exactly one. ``markup(text)`` renders fixed
-        markup as a lark terminal (a special token when the tokenizer has one)."""
+        markup as a lark terminal (a special token when the tokenizer has one). Its language
+        is what ``render_calls`` writes, to the character (separators, one call bare or in
+        a list): a client's follow-up re-renders the turn, and a paused context resumes
+        only if the re-rendered turn spells what the model wrote."""
         raise NotImplementedError
 
     def turn_ends_with_eos(self, parallel: bool) -> bool:

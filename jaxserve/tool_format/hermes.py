@@ -51,7 +51,8 @@ class HermesFormat(ToolFormat):
 
     def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
         block = f"{markup(START)} {call} {markup(END)}"
-        return f'start: {block} ("\\n"? {block})*' if parallel else f"start: {block}"
+        # blocks one line apart, exactly as ``render_calls`` writes them back (a follow-up re-renders the turn)
+        return f'start: {block} ("\\n" {block})*' if parallel else f"start: {block}"
 
     def turn_ends_with_eos(self, parallel: bool) -> bool:
         return parallel   # after a block the model either opens another one or ends its turn
@@ -65,8 +66,8 @@ class HermesFormat(ToolFormat):
         return "".join(f"<tool_response>{text}</tool_response>" for text in texts)
 
     def render_calls(self, calls: list[tuple[str, str]]) -> str:
-        return "".join(f'{START}{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}{END}'
-                       for name, arguments in calls)
+        return "\n".join(f'{START}{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}{END}'
+                         for name, arguments in calls)
 
     def system_prompt(self, tools: list[dict]) -> str:
         return ("You may call one or more functions to assist with the user query. The functions are listed "

@@ -69,7 +69,8 @@ class Llama3Format(ToolFormat):
         return Llama3Parser()
 
     def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
-        return f'start: {call} | "[" {call} (", " {call})* "]"' if parallel else f"start: {call}"
+        # one call bare, several as a list: as ``render_calls`` writes them back (a follow-up re-renders the turn)
+        return f'start: {call} | "[" {call} (", " {call})+ "]"' if parallel else f"start: {call}"
 
     def markup_filter(self) -> JsonMarkupFilter:
         return JsonMarkupFilter(PYTHON_TAG, bare_at_turn_start=True)
