@@ -35,7 +35,7 @@ from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Jo
                                wait_or_disconnect)
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
-from server.parked import ParkedContexts
+from server.parked import ParkedContexts, Spelling
 from server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
                              ToolChoice, Usage)
 from server.tokenizers import TokenizerPool
@@ -115,6 +115,7 @@ class ServerState:
         # Private copies: the engine thread uses its own tokenizer for detokenization.
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_pool_size) if engine.tokenizer is not None \
             else None
+        self.spelling = Spelling(self.tokenizers.template) if self.tokenizers is not None else None
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
 
@@ -366,8 +367,9 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str
         params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages", structured=structured)
         job = Job(f"{base}-{i}", ids, params, parse)
         if body.n == 1 and parse and structured is None:   # a paused request cannot take a new grammar
-            job.resume_from = await state.parked.take(ids, sampling_key(params), owner)
-            if job.resume_from is not None:
+            taken = await state.parked.take(ids, sampling_key(params), owner, state.spelling)
+            if taken is not None:
+                job.resume_from, job.resume_at = taken
                 job.request_id = job.resume_from.request_id
                 state.metrics.resumed.inc()
                 state.metrics.resumed_context_tokens.inc(job.cached_tokens)

@@ -33,17 +33,19 @@ def sampling_key(params: SamplingParams) -> tuple:
 @dataclass
 class Job:
     """One engine request: fresh from ``prompt_ids``, or a resumption of ``resume_from``
-    whose context is a prefix of ``prompt_ids``."""
+    whose context spells ``prompt_ids[:resume_at]``."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     parse_tool_calls: bool
     resume_from: ParkedContext | None = None
+    resume_at: int = 0   # prompt tokens the resumed context covers (its own tokens may cut them differently)
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.resume_from.context_ids) if self.resume_from else 0
+        """Prompt tokens served by the resumed context (0 for a fresh request)."""
+        return self.resume_at if self.resume_from else 0
 
 
 async def job_outputs(engine, job: Job) -> AsyncIterator[RequestOutput]:

@@ -4,9 +4,13 @@ When a chat response ends with ``finish_reason: "tool_calls"`` the engine
 request stays paused (its KV cache handled by the policy: preserved, swapped
 or discarded). The client then sends the whole conversation again with the
 tool's result. If that conversation, rendered with the chat template, starts
-with the paused request's context token ids (prompt + generated), the server
-resumes the paused request with only the remaining tokens instead of
-computing the conversation from scratch. A context belongs to its ``owner``
+with the paused request's context (prompt + generated), the server resumes
+the paused request with only the remaining tokens instead of computing the
+conversation from scratch. "Starts with" is by text, token for token where
+the two agree: a model does not always cut its own output into the tokens the
+tokenizer would cut the re-rendered text into (SmolLM2 writes ``"}`` ``}``
+where the re-rendered call encodes as ``"`` ``}}``), so a stretch of a few
+tokens that differs but spells the same text (``Spelling``) still matches. A context belongs to its ``owner``
 (the API key and ``user`` that created it): another owner's follow-up never
 matches it. Contexts nobody comes back for are aborted after ``ttl_s``
 seconds, which frees their pages.
@@ -18,8 +22,76 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 log = logging.getLogger("jaxserve.server")
+
+
+class Spelling:
+    """Whether two token runs spell the same text, for one tokenizer: a run that holds
+    an added token (special or markup) spells only itself, never plain text."""
+
+    WINDOW = 16      # tokens: the longest stretch on either side that may differ
+    MAX_STRETCHES = 8
+
+    def __init__(self, tokenizer) -> None:
+        self._decode = tokenizer.decode
+        self._unsplittable = frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or ())
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self._decode(list(ids), skip_special_tokens=False)
+
+    def covered(self, context: Sequence[int], token_ids: Sequence[int]) -> int | None:
+        """How many leading tokens of ``token_ids`` spell what ``context`` spells: they
+        agree token for token, except in stretches of at most ``WINDOW`` tokens a side
+        (at most ``MAX_STRETCHES`` of them, none at the very start) whose texts are equal
+        from the last token both share. None when no prefix of ``token_ids`` does."""
+        n, m = len(context), len(token_ids)
+        i = j = 0
+        anchor = None          # (i, j) of the last token both runs share
+        stretches = 0
+        while True:
+            k = _common_run(context, token_ids, i, j)
+            if k:
+                i, j = i + k, j + k
+                anchor = (i - 1, j - 1)
+            if i == n:
+                return j
+            if j == m or anchor is None or stretches == self.MAX_STRETCHES:
+                return None
+            step = self._resync(context, token_ids, i, j, anchor)
+            if step is None:
+                return None
+            i, j = i + step[0], j + step[1]
+            stretches += 1
+
+    def _resync(self, context: Sequence[int], token_ids: Sequence[int], i: int, j: int,
+                anchor: tuple[int, int]) -> tuple[int, int] | None:
+        """The shortest ``(a, b)`` such that ``context[i:i+a]`` and ``token_ids[j:j+b]`` spell
+        the same text after the shared run ending at ``anchor``; None if none within ``WINDOW``."""
+        (ai, aj), unsplittable = anchor, self._unsplittable
+        ours: dict[str, int] = {}
+        for b in range(1, min(self.WINDOW, len(token_ids) - j) + 1):
+            if token_ids[j + b - 1] in unsplittable:
+                break
+            ours.setdefault(self.text(token_ids[aj:j + b]), b)
+        best = None
+        for a in range(1, min(self.WINDOW, len(context) - i) + 1):
+            if context[i + a - 1] in unsplittable:
+                break
+            text = self.text(context[ai:i + a])
+            b = ours.get(text)
+            if b is not None and "\ufffd" not in text and (best is None or a + b < sum(best)):
+                best = (a, b)
+        return best
+
+
+def _common_run(a: Sequence[int], b: Sequence[int], i: int, j: int) -> int:
+    """How many tokens ``a[i:]`` and ``b[j:]`` share from their start."""
+    k, limit = 0, min(len(a) - i, len(b) - j)
+    while k < limit and a[i + k] == b[j + k]:
+        k += 1
+    return k
 
 
 @dataclass
@@ -54,24 +126,32 @@ class ParkedContexts:
         self._contexts[request_id] = ParkedContext(request_id, list(context_ids), sampling_key, calls_seen,
                                                    self.clock() + self.ttl_s, owner)
 
-    async def take(self, token_ids: list[int], sampling_key: tuple, owner: str = "") -> ParkedContext | None:
-        """Remove and return ``owner``'s parked context with the longest context that is a
-        strict prefix of ``token_ids``; ``None`` when none is. A matching context
-        with other sampling settings cannot continue this request: it is aborted.
-        Other owners' contexts are neither matched nor touched."""
-        best = None
+    async def take(self, token_ids: list[int], sampling_key: tuple, owner: str = "",
+                   spelling: Spelling | None = None) -> tuple[ParkedContext, int] | None:
+        """Remove and return ``owner``'s parked context with the longest context that
+        ``token_ids`` starts with and goes beyond, with how many of ``token_ids`` it
+        covers; ``None`` when there is none. "Starts with": token for token, or, given
+        ``spelling``, the same text (``Spelling.covered``). A matching context with other
+        sampling settings cannot continue this request: it is aborted. Other owners'
+        contexts are neither matched nor touched."""
+        best, covered = None, 0
         for ctx in self._contexts.values():
             n = len(ctx.context_ids)
-            if ctx.owner == owner and n < len(token_ids) and (best is None or n > len(best.context_ids)) \
-                    and token_ids[:n] == ctx.context_ids:
-                best = ctx
+            if ctx.owner != owner or (best is not None and n <= len(best.context_ids)):
+                continue
+            if n < len(token_ids) and token_ids[:n] == ctx.context_ids:
+                best, covered = ctx, n
+            elif spelling is not None:
+                j = spelling.covered(ctx.context_ids, token_ids)
+                if j is not None and j < len(token_ids):
+                    best, covered = ctx, j
         if best is None:
             return None
         del self._contexts[best.request_id]
         if best.sampling_key != sampling_key:
             await self._abort(best.request_id)
             return None
-        return best
+        return best, covered
 
     def start(self) -> None:
         """Start the expiry loop (call from within the running event loop)."""

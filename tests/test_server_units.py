@@ -71,7 +71,8 @@ def test_parked_contexts_match_longest_prefix_check_sampling_and_expire():
         await parked.park("b", [1, 2, 3, 4, 5], ("greedy",), calls_seen=0)
         await parked.park("c", [9, 9], ("greedy",), calls_seen=0)
         assert await parked.take([1, 2, 3], ("greedy",)) is None          # must leave something to append
-        assert (await parked.take([1, 2, 3, 4, 5, 6], ("greedy",))).request_id == "b"
+        taken, covered = await parked.take([1, 2, 3, 4, 5, 6], ("greedy",))
+        assert taken.request_id == "b" and covered == 5
         assert await parked.take([1, 2, 3, 7], ("sampled",)) is None       # other sampling: aborted, not resumed
         assert engine.aborted == ["a"]
         now[0] = 11.0
@@ -175,7 +176,7 @@ def test_parked_contexts_belong_to_their_owner():
         assert await parked.take([1, 2, 3, 4], ("greedy",), owner="key-b/alice") is None
         assert await parked.take([1, 2, 3, 4], ("greedy",), owner="key-a/bob") is None
         assert engine.aborted == [] and len(parked) == 1        # untouched by the others
-        assert (await parked.take([1, 2, 3, 4], ("greedy",), owner="key-a/alice")).request_id == "alice"
+        assert (await parked.take([1, 2, 3, 4], ("greedy",), owner="key-a/alice"))[0].request_id == "alice"
     asyncio.run(run())
 
 
@@ -250,3 +251,52 @@ def test_cheap_prompt_bound_never_exceeds_the_real_token_count():
             return len(t.encode("hi"))
         return await asyncio.gather(pool.run(meet), pool.run(meet))
     assert asyncio.run(concurrent()) == [len(tok.encode("hi"))] * 2
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from jaxserve.gguf_checkpoint import load_tokenizer
+    from jaxserve.model_source import smollm2_path
+    return load_tokenizer(smollm2_path())
+
+
+def test_spelling_matches_a_context_the_model_cut_into_other_tokens(smollm2_tokenizer):
+    """SmolLM2 wrote its call ending ``"}`` ``}``; the re-rendered follow-up encodes it as
+    ``"`` ``}}``: the same text, so the paused context covers the follow-up up to its tool
+    turn. Other text, or a plain-text stretch standing for a special token, does not match."""
+    from server.parked import Spelling
+    tok = smollm2_tokenizer
+    spelling = Spelling(tok)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)   # noqa: E731
+    prompt = enc("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    model_wrote = enc('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}') + enc("}</tool_call>")
+    follow_up = prompt + enc(call + "<|im_end|>\n<|im_start|>tool\nSunny<|im_end|>\n<|im_start|>assistant\n")
+    context = prompt + model_wrote
+    assert follow_up[:len(context)] != context                       # the tokens differ...
+    covered = spelling.covered(context, follow_up)
+    assert covered == len(prompt + enc(call))                        # ...the text does not
+    assert tok.decode(follow_up[:covered]) == tok.decode(context)
+    assert spelling.covered(context, prompt + enc(call.replace("Paris", "Lyon") + "<|im_end|>")) is None
+    # "><" (end of one tag, start of the next) is not ">" followed by the special token <|im_end|>,
+    # nor is <|im_end|> spelt in plain-text pieces the special token itself
+    assert spelling.covered(prompt + enc(call[:-1]) + enc("><"), follow_up) is None
+    plain = tok.encode("<|im_end|>", add_special_tokens=False, split_special_tokens=True)
+    assert len(plain) > 1 and tok.decode(plain) == "<|im_end|>"
+    assert spelling.covered(prompt + enc(call) + plain, follow_up) is None
+
+
+def test_parked_context_is_taken_by_a_follow_up_that_spells_it_alike(smollm2_tokenizer):
+    from server.parked import Spelling
+    tok = smollm2_tokenizer
+    enc = lambda text: tok.encode(text, add_special_tokens=False)   # noqa: E731
+    context = enc("<|im_start|>assistant\n") + enc('{"a": "b"') + enc("}")
+    follow_up = enc('<|im_start|>assistant\n{"a": "b"}<|im_end|>')
+
+    async def run():
+        parked = ParkedContexts(_FakeEngine(), ttl_s=10)
+        await parked.park("x", context, ("greedy",), calls_seen=0)
+        assert await parked.take(follow_up, ("greedy",)) is None            # token for token: no
+        taken, covered = await parked.take(follow_up, ("greedy",), spelling=Spelling(tok))
+        assert taken.request_id == "x" and follow_up[covered:] == enc("<|im_end|>")
+    asyncio.run(run())
