@@ -142,6 +142,39 @@ def test_forced_tool_calls_validate_against_the_schema(llm):
     assert json.loads(weather["arguments"])["city"] == "Paris"
 
 
+def test_a_forced_turn_re_rendered_by_the_client_resumes_its_context(llm):
+    """The server resumes a paused tool-call context when the client's follow-up, rendered
+    with the chat template, spells it: with SmolLM2's own forced calls (one, and a parallel
+    turn), the re-rendered conversation is covered by prompt + generated tokens, up to the
+    tool turn, although the model cut its calls into other tokens than the encoder does."""
+    from server.parked import Spelling
+    tok, fmt = llm.tokenizer, llm.engine.tool_format
+    spelling = Spelling(tok)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}   # the call ends ``"Paris"}}``, which SmolLM2 writes ``"}`` ``}``
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city",
+                                               "parameters": city}}]
+
+    def render(messages):
+        messages, tools_in_template = prepare_chat(messages, tools, fmt, tok.chat_template)
+        return tok.encode(tok.apply_chat_template(messages, tools=tools_in_template, add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False)
+
+    user = [{"role": "user", "content": TOOL_PROMPTS[0]}]
+    prompt = render(user)
+    for parallel in (False, True):
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+            max_tokens=60, temperature=0.0, structured=StructuredOutput.tool_call(tools, parallel=parallel)))[0]
+        assert out.finish_reason == "tool_calls", out.text
+        calls = [{"id": f"call_{i}", "type": "function", "function": dict(c)} for i, c in enumerate(out.tool_calls)]
+        follow_up = render(user + [{"role": "assistant", "content": None, "tool_calls": calls}]
+                           + [{"role": "tool", "tool_call_id": c["id"], "content": "Sunny, 21 C"} for c in calls])
+        covered = spelling.covered(prompt + out.token_ids, follow_up)
+        assert covered is not None and covered < len(follow_up), (parallel, out.text)
+        rest = tok.decode(follow_up[covered:])   # the turn's end (a parallel turn ended with EOS itself), the result
+        assert rest.startswith(("\n<|im_start|>tool\nSunny" if parallel else "<|im_end|>\n<|im_start|>tool\nSunny")), rest
+
+
 def test_openai_client_chat_answer_is_english(gguf_path, tmp_path):
     """The official ``openai`` client against ``jaxserve serve smollm2-135m`` in a subprocess."""
     import openai
