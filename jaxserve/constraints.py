@@ -121,6 +121,9 @@ def check_schema(schema, param: str, what: str = "schema") -> None:
         raise ValueError(f"{param}: {what} must be a JSON object, got {type(schema).__name__}")
     try:
         key = json.dumps(schema, sort_keys=True)
+        json.dumps(schema, ensure_ascii=False).encode("utf-8")   # a lone surrogate cannot be encoded
+    except UnicodeEncodeError:
+        raise ValueError(f"{param}: {what} must be valid Unicode (no lone surrogates)") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{param}: {what} is not JSON: {e}") from None
     error = _schema_error(key)

@@ -190,6 +190,11 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     async def models():
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)]).dump()
 
+    @app.get("/v1/models/{model:path}")   # (``path``: served names may hold "/", e.g. "org/model")
+    async def model(model: str):
+        _check_model(state, model)
+        return ModelCard(id=served_model_name, max_model_len=max_model_len).dump()
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _serve(state, request, body, chat=False)
@@ -202,10 +207,14 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
 
 
 # ---------------------------------------------------------------- requests
-async def _serve(state: ServerState, request: Request, body, chat: bool):
-    if body.model != state.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+
+
+async def _serve(state: ServerState, request: Request, body, chat: bool):
+    _check_model(state, body.model)
     if not state.engine.is_alive:
         raise APIError(503, "the engine is not running", code="engine_dead")
     if state.tokenizer is None:
@@ -294,10 +303,13 @@ def _structured(state: ServerState, body) -> StructuredOutput | None:
     """The output constraint a request asks for: a forced tool call (``tool_choice``
     a named function, request's or server's; ``"required"``: one of the request's
     tools, or of the server's when it declares none; it wins over ``response_format``), else
-    ``response_format`` json_object / json_schema. Bad schemas and unknown function
-    names are 400s naming the field."""
+    ``response_format`` json_object / json_schema. Bad schemas (the request's tools'
+    included, forced or not), duplicate tool names and unknown function names are 400s
+    naming the field."""
     choice = getattr(body, "tool_choice", None)
     try:
+        if getattr(body, "tools", None):   # the request's tools are checked whether or not a call is forced
+            StructuredOutput.tool_call([t.schema_dict() for t in body.tools]).validate()
         if isinstance(choice, ToolChoice):
             spec = StructuredOutput.tool_call(_advertised_tools(state, body), choice.function.name,
                                               parallel=body.parallel_tool_calls is not False)

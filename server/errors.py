@@ -74,13 +74,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}", param="body")
-    if tuple(first.get("loc", ())) in (("body",), ()):
-        return APIError(400, "request body must be a JSON object sent with Content-Type: application/json",
-                        param="body")
-    param = _loc_to_param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
+    if tuple(first.get("loc", ())) in (("body",), ()):
+        if first.get("type") == "value_error":   # a rule over several fields: its message names the field first
+            return APIError(400, message, param=message.split(" ", 1)[0])
+        return APIError(400, "request body must be a JSON object sent with Content-Type: application/json",
+                        param="body")
+    param = _loc_to_param(tuple(first.get("loc", ())))
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 

@@ -135,7 +135,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator("echo", "logprobs", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
-        if v:
+        if v or (info.field_name == "logprobs" and v is not None):   # logprobs 0 asks for the sampled token's
             raise ValueError(f"{info.field_name} is not supported")
         return v
 

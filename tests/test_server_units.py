@@ -300,3 +300,46 @@ def test_parked_context_is_taken_by_a_follow_up_that_spells_it_alike(smollm2_tok
         taken, covered = await parked.take(follow_up, ("greedy",), spelling=Spelling(tok))
         assert taken.request_id == "x" and follow_up[covered:] == enc("<|im_end|>")
     asyncio.run(run())
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    # a rule over several fields names its field, not "the body is not an object"
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+     "stream_options", "only allowed with stream"),
+    # the request's tools are checked whether or not a call is forced
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools", "not a valid JSON Schema"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     "tools", "same name"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["\ud800"]}}}},
+     "response_format", "lone surrogates"),
+])
+def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
+    with _client(_ScriptedEngine()) as client:
+        r = client.post("/v1/chat/completions", content=json.dumps({"model": "m", **body}),
+                        headers={"content-type": "application/json"})
+        error = _error(r, 400)
+        assert error["param"] == param and message in error["message"], error
+
+
+def test_completion_logprobs_zero_is_refused_not_ignored():
+    with _client(_ScriptedEngine()) as client:
+        error = _error(client.post("/v1/completions", json={"model": "m", "prompt": "hi", "logprobs": 0}), 400)
+        assert error["param"] == "logprobs"
+
+
+def test_a_model_is_retrieved_by_its_name():
+    """``client.models.retrieve(name)``: ``GET /v1/models/{name}``."""
+    with _client(_ScriptedEngine()) as client:
+        card = client.get("/v1/models/m").json()
+        assert card["id"] == "m" and card["object"] == "model"
+        error = _error(client.get("/v1/models/other"), 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
