@@ -104,10 +104,17 @@ class AsyncEngine:
             yield out
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a live request and free its pages; False if it was not live."""
+        """Abort a live request and free its pages; False if it was not live. Its stream,
+        if one is open, gets the final output (``finish_reason == "abort"``) and ends."""
         if not self.is_alive:
             return False
-        out = await self._call(lambda: self.engine.abort(request_id))
+        return await self._call(lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> bool:
+        """On the engine thread: abort ``request_id`` and hand its stream the final output."""
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver(request_id, out)
         return out is not None
 
     async def call_on_engine(self, fn: Callable):
@@ -179,7 +186,7 @@ class AsyncEngine:
         commands run in order, so it lands after any command already queued for the request."""
         with self._closing:
             if self.is_alive:
-                self._inbox.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
+                self._inbox.put((lambda: self._abort_now(request_id), concurrent.futures.Future()))
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

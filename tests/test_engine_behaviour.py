@@ -187,6 +187,11 @@ def test_async_engine_streams_deltas_and_abort_frees_pages(llm):
         await stream.__anext__()
         assert await engine.abort("long")
         assert not await engine.abort("long")
+        # the aborted request's stream gets its final output and ends (it used to wait forever)
+        async def drain():
+            return [out async for out in stream]
+        rest = await asyncio.wait_for(drain(), timeout=30)
+        assert rest and rest[-1].finish_reason == "abort" and rest[-1].finished
         return pieces, full
 
     try:
