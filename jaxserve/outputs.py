@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -19,8 +20,8 @@ class ApiCall:
     def __post_init__(self) -> None:
         if not isinstance(self.after_tokens, int) or self.after_tokens < 1:
             raise ValueError(f"ApiCall.after_tokens must be an integer >= 1, got {self.after_tokens!r}")
-        if not isinstance(self.duration_s, (int, float)) or self.duration_s < 0:
-            raise ValueError(f"ApiCall.duration_s must be >= 0, got {self.duration_s!r}")
+        if not isinstance(self.duration_s, (int, float)) or not 0 <= self.duration_s < math.inf:
+            raise ValueError(f"ApiCall.duration_s must be a finite number >= 0, got {self.duration_s!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.returned_token_ids):
             raise ValueError("ApiCall.returned_token_ids must be non-negative integers")
 

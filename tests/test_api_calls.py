@@ -114,6 +114,9 @@ def test_resume_errors_and_bad_api_calls_leave_engine_serving():
         engine.resume("nope", token_ids=[1])
     with pytest.raises(ValueError, match="after_tokens"):
         ApiCall(after_tokens=0)
+    for duration in (-1.0, float("nan"), float("inf")):   # (a NaN or endless call used to hang generate)
+        with pytest.raises(ValueError, match="duration_s"):
+            ApiCall(after_tokens=2, duration_s=duration)
     with pytest.raises(ValueError, match="after_tokens"):
         llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=4),
                      api_calls=[[ApiCall(after_tokens=5)]])
