@@ -8,16 +8,23 @@ and kills the child when it runs over; the next call starts a fresh one. The
 child caps its own address space (``memory_bytes``) and refuses results longer
 than ``max_result_chars`` before sending them back.
 
-Workers are started with the ``spawn`` method (no fork of a process holding
-JAX threads) and import only this module and the function's module.
+Workers are fresh interpreters (``python -m jaxserve.tool_worker``: no fork of
+a process holding JAX threads) that import only this module and the function's
+module. Not ``multiprocessing``'s ``spawn``: it re-imports the parent's main
+script in the child, which runs a script's top-level code (a second model
+load) when the script has no ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import multiprocessing
+import os
+import subprocess
+import sys
 import threading
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 
 log = logging.getLogger("jaxserve")
 
@@ -70,17 +77,18 @@ class IsolatedFunction:
         self.module, self.name = module, name
         self.max_result_chars = max_result_chars
         self.memory_bytes = memory_bytes
-        self._ctx = multiprocessing.get_context("spawn")
         self._idle: list[tuple] = []          # (process, parent end of the pipe)
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
         self.kills = 0                          # workers killed for running over time (for tests, metrics)
 
     def _start(self) -> tuple:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, name=f"jaxserve-tool-{self.name}", daemon=True,
-                                 args=(child, self.module, self.name, self.max_result_chars, self.memory_bytes))
-        proc.start()
+        parent, child = Pipe()
+        # The child finds this package and the function's module where the parent found them.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "jaxserve.tool_worker", str(child.fileno()), self.module,
+                                 self.name, str(self.max_result_chars), str(self.memory_bytes or 0)],
+                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
         child.close()
         return proc, parent
 
@@ -94,7 +102,7 @@ class IsolatedFunction:
         try:
             with self._lock:
                 worker = self._idle.pop() if self._idle else None
-            if worker is None or not worker[0].is_alive():
+            if worker is None or worker[0].poll() is not None:   # (exited)
                 worker = self._start()
             proc, conn = worker
             conn.send(arg)
@@ -120,16 +128,28 @@ class IsolatedFunction:
             self._slots.release()
 
     def _kill(self, worker: tuple) -> None:
-        proc, conn = worker
         self.kills += 1
-        proc.kill()
-        proc.join(5)
-        conn.close()
+        _stop(*worker)
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for proc, conn in idle:
-            conn.close()
-            proc.kill()
-            proc.join(5)
+            _stop(proc, conn)
+
+
+def _stop(proc: subprocess.Popen, conn: Connection) -> None:
+    """Kill a worker and reap it (a few seconds at most)."""
+    conn.close()
+    proc.kill()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        log.warning("tool worker %d did not exit after a kill", proc.pid)
+
+
+if __name__ == "__main__":   # a worker: FD MODULE NAME MAX_RESULT_CHARS MEMORY_BYTES (0: no cap)
+    # Run the copy the tools import, not this ``__main__`` one: its ``ToolError`` is theirs.
+    from jaxserve.tool_worker import _worker_main as worker_main
+    _fd, _module, _name, _chars, _memory = sys.argv[1:6]
+    worker_main(Connection(int(_fd)), _module, _name, int(_chars), int(_memory) or None)

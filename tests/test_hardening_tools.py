@@ -5,8 +5,11 @@ engine thread, and the cut is reported."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +190,19 @@ def test_engine_cuts_a_huge_result_inside_the_tool_turn_wrapper():
         assert small.api_calls[-1].truncated
     finally:
         engine.shutdown()
+
+
+def test_isolated_worker_does_not_rerun_an_unguarded_script(tmp_path):
+    """A script without ``if __name__ == "__main__":`` (as README examples are written) that
+    uses the calculator: its top-level code runs once. Workers started with multiprocessing's
+    spawn re-ran it in the child (a second model load), and the call timed out."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+                      "print('top-level code ran', flush=True)\n"
+                      "from jaxserve.tool_worker import IsolatedFunction\n"
+                      "fn = IsolatedFunction('math', 'factorial', workers=1)\n"
+                      "print('result', fn.call(5, timeout_s=30), flush=True)\n"
+                      "fn.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("top-level code ran") == 1 and "result 120" in out.stdout, out.stdout
