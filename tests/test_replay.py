@@ -12,7 +12,7 @@ from jaxserve.replay.metrics import Slo, aggregate, request_metrics
 from jaxserve.replay.experiment import ReplayConfig, simulate, write_outputs
 from jaxserve.core import SimClock
 from jaxserve.executor.sim import SimExecutor
-from jaxserve.replay.simulate import SimConfig, SimulationStalled, build_scheduler, run_simulation
+from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
 from jaxserve.replay.trace import (TraceError, bundled_trace_path, entries_to_jsonl, load_trace,
                                    parse_infercept, parse_jsonl, scale_entries)
 from jaxserve.replay.workload import WorkloadSpec, arrival_times, make_workload
@@ -287,10 +287,18 @@ def test_sim_jumps_the_clock_over_api_waits_and_reports_stalls():
     call = req.api_calls[0]
     assert call.return_time - call.call_time == pytest.approx(100.0)
     assert req.finish_time > 105.0 and result.num_steps <= 6
-    big = Request("big", 0.0, prompt_len=10_000, max_tokens=1)
-    sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16, num_device_pages=10))
-    with pytest.raises(SimulationStalled, match="nothing can run"):
-        run_simulation(sched, [big])
+
+
+
+def test_a_request_larger_than_the_pool_is_refused_up_front():
+    """A context the whole device pool cannot hold could never run: alone the run stalled, and
+    beside other requests the scheduler preempted everything forever (the replay never ended)."""
+    for others in ([], [Request(f"s{i}", 0.1 * i, prompt_len=20, max_tokens=5) for i in range(3)]):
+        big = Request("big", 0.0, prompt_len=150, max_tokens=5,
+                      segments=[__import__("scheduler").Segment(3, "qa", 1.0, 20), __import__("scheduler").Segment(2)])
+        sched = build_scheduler(COST, make_policy("fcfs"), SimConfig(page_size=16, num_device_pages=10))
+        with pytest.raises(ValueError, match=r"'big' needs 11 KV pages \(175 tokens of context\).* only 10"):
+            run_simulation(sched, [big, *others])
 
 
 # ------------------------------------------------------------------ metrics

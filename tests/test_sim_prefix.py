@@ -53,6 +53,16 @@ def test_conversation_segments_list_one_set_of_names():
 
 
 # ---------------------------------------------------------------- re-send mode
+def test_resend_refuses_a_conversation_larger_than_a_replica_pool():
+    """Its last turn re-sends the whole conversation, which no replica could hold."""
+    fits = WorkloadItem("fits", 0.0, entry("a", 100, [(20, 1.0, 10), (30, None, 0)]))
+    big = WorkloadItem("big", 0.5, entry("b", 100, [(20, 1.0, 500), (30, None, 0)]))
+    small = [scheduler(True, num_device_pages=20), scheduler(True, num_device_pages=40)]
+    run_resend(small, [fits])
+    with pytest.raises(ValueError, match="'big' needs 41 KV pages .* only 20"):
+        run_resend(small, [fits, big])
+
+
 def test_resend_cache_cuts_recomputed_tokens_and_ttft(multi_workload):
     results = {}
     for cache in (False, True):

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 from jaxserve.core import EngineCore, SimClock
 from jaxserve.executor.sim import SimExecutor
 from jaxserve.replay.page_keys import PageNamer
-from jaxserve.replay.simulate import SimulationStalled, cyclic_gc_paused
+from jaxserve.replay.simulate import SimulationStalled, check_fits_pool, cyclic_gc_paused
 from jaxserve.replay.workload import WorkloadItem
 from scheduler import Request, Scheduler, Segment
 from scheduler.fast_forward import DecodeRun
@@ -204,6 +204,9 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
     """``run_resend``'s event loop."""
     if not schedulers:
         raise ValueError("need at least one replica")
+    smallest = min(schedulers, key=lambda s: s.device_pool.num_pages)
+    for w in {id(w.entry): w for w in workload}.values():   # (trace entries repeat: each checked once)
+        check_fits_pool(w.request_id, Conversation(w).total_tokens, smallest)   # its last turn re-sends it all
     page_size = schedulers[0].page_size
     caching = schedulers[0].kv.cache is not None
     namer = PageNamer(page_size)

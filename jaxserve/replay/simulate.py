@@ -152,8 +152,19 @@ def cyclic_gc_paused() -> Iterator[None]:
 
 
 class SimulationStalled(RuntimeError):
-    """Requests remain but no step can run and no event is pending (e.g. a prompt
-    larger than the whole device pool)."""
+    """Requests remain but no step can run and no event is pending."""
+
+
+def check_fits_pool(request_id: str, context_tokens: int, scheduler: Scheduler) -> None:
+    """``ValueError`` (as the engine answers such a request) unless a context of
+    ``context_tokens`` (its prompt, outputs and API returns) fits ``scheduler``'s
+    whole device pool: one that does not could never run, and the simulator would
+    preempt it and everything else forever."""
+    pool = scheduler.device_pool
+    need = pool.pages_for_tokens(context_tokens)
+    if need > pool.num_pages:
+        raise ValueError(f"request {request_id!r} needs {need} KV pages ({context_tokens} tokens of context) but "
+                         f"the device pool has only {pool.num_pages}; raise the pool (--num-pages) or shorten the trace")
 
 
 def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
@@ -171,6 +182,9 @@ def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
     ``PageNamer.fresh``) when it arrives, so a long trace never holds every
     request's names at once. ``fast_forward``: run stretches of decode-only
     steps in bulk (``EngineCore.fast_forward``; the same result, step for step)."""
+    for r in requests:
+        check_fits_pool(r.request_id, r.prompt_len + r.max_tokens + sum(s.num_returned_tokens for s in r.segments),
+                        scheduler)
     naming = sorted(requests, key=lambda r: r.arrival_time) if scheduler.kv.cache is not None else []
     name_pages = page_names or PageNamer(scheduler.page_size).fresh
     clock = SimClock()
