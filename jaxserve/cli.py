@@ -28,6 +28,16 @@ def env_var_for(option: str) -> str:
     return "JAXSERVE_" + option.lstrip("-").replace("-", "_").upper()
 
 
+class _AppendOverEnv(argparse._AppendAction):
+    """A repeatable option whose default came from ``JAXSERVE_<FLAG>``: its first use on
+    the command line replaces that default (the command line wins, as for every option)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
     """Let ``JAXSERVE_<FLAG>`` set the default of every long option of ``parser``."""
     environ = os.environ if environ is None else environ
@@ -40,6 +50,9 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] 
             continue
         if action.nargs == 0:  # store_true / store_false
             action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        elif isinstance(action, argparse._AppendAction):   # a repeatable option: the variable is one value
+            action.default = [action.type(value) if action.type else value]
+            action.__class__ = _AppendOverEnv
         else:
             action.default = action.type(value) if action.type else value
         action.required = False

@@ -18,6 +18,18 @@ def test_env_vars_set_flag_defaults_and_the_command_line_wins():
     assert cli.env_var_for("--max-model-len") == "JAXSERVE_MAX_MODEL_LEN"
 
 
+def test_env_var_of_a_repeatable_flag_is_one_value_and_the_command_line_replaces_it():
+    """``JAXSERVE_PROMPT=hey`` is the prompt "hey" (it was read as the list h, e, y), and
+    ``--prompt`` given as well replaces it (it failed appending to a string)."""
+    parser = cli.build_parser()
+    cli.apply_env_defaults(parser, {"JAXSERVE_PROMPT": "hey", "JAXSERVE_API_CALL": "1:0.01:hi"})
+    args = parser.parse_args(["generate", "demo"])
+    assert args.prompt == ["hey"] and args.api_call == ["1:0.01:hi"]
+    args = parser.parse_args(["generate", "demo", "--prompt", "a", "--prompt", "b"])
+    assert args.prompt == ["a", "b"] and args.api_call == ["1:0.01:hi"]
+    assert parser.parse_args(["generate", "demo"]).prompt == ["hey"]   # the default itself is left alone
+
+
 def test_profile_writes_a_cost_model_the_engine_can_load(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     rc = cli.main(["profile", "--num-pages", "64", "--max-num-batched-tokens", "32", "--max-model-len", "128",
