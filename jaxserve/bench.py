@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, positive_int
 
 # Llama-3.2-1B shapes, for --shape llama-1b with random ("dummy") weights.
 LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
@@ -42,17 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="benchmark a model of these shapes with random weights instead of --model")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-prompts", type=positive_int, default=64)
+    parser.add_argument("--prompt-len", type=positive_int, default=32)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--length-probe", default=None, metavar="DIR",
                         help="instead: time per step without and with the learned length probe of DIR "
                              "(--predictor learned:DIR), interleaved, same prompts; 'random': a probe of the "
                              "trained shape with random weights for this model (the cost depends on shapes only)")
-    parser.add_argument("--rounds", type=int, default=3, help="generate rounds per engine with --length-probe")
-    parser.add_argument("--probe-calls", type=int, default=60,
+    parser.add_argument("--rounds", type=positive_int, default=3, help="generate rounds per engine with --length-probe")
+    parser.add_argument("--probe-calls", type=positive_int, default=60,
                         help="interleaved calls per engine of the jitted step alone with --length-probe")
     # The benchmark sizes these from its own prompts and shape.
     EngineConfig.add_cli_arguments(parser, exclude=("max_num_seqs", "max_model_len", "load_format"))
@@ -229,7 +229,7 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
 def run_transformers(model_dir: str | None, shape: dict | None, prompts: list[list[int]], args) -> dict:
     import torch
     import transformers as tf
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"   # the same accelerator jaxserve runs on
     if shape is not None:
         with torch.device(device):   # random weights drawn where they run (a 1B model on CPU takes a while)
@@ -278,6 +278,9 @@ def run_degrees(model_dir: str, prompts: list[list[int]], args, load_format: str
 
 def main(args: argparse.Namespace) -> int:
     import jax
+
+    from jaxserve.weights import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype)   # ("auto": both engines run, and the report names, the real one)
     rng = np.random.default_rng(0)
     shape = SHAPES.get(args.shape)
     if shape is not None:

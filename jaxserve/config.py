@@ -30,6 +30,17 @@ HANDLINGS = ("preserve", "discard", "swap")
 ATTENTION_IMPLS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts and sizes that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _flag(help_text: str, *, group: str = "engine", choices: tuple | None = None, cli: bool = True) -> dict:
     return {"help": help_text, "group": group, "choices": choices, "cli": cli}
 

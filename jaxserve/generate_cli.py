@@ -4,6 +4,7 @@ including how each declared API call was handled."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -30,33 +31,53 @@ DEFAULT_PROMPTS = ["Hello, world! How are you today?", "What is 2 + 3 * (4 - 1)?
                    "The quick brown fox", "Once upon a time there was a small model"]
 
 
-def parse_api_calls(specs: list[str], tokenizer) -> list:
+def parse_api_calls(specs: list[str]) -> list:
+    """``--api-call AFTER:SECONDS:TEXT`` values -> ``ApiCall``s with the TEXT not yet tokenized
+    (``tokenize_returns``); ``ValueError`` naming the bad one (checked before a model loads)."""
     from jaxserve import ApiCall
     calls = []
     for spec in specs:
         parts = spec.split(":", 2)
         if len(parts) != 3:
-            raise SystemExit(f"--api-call must look like AFTER:SECONDS:TEXT, got {spec!r}")
+            raise ValueError(f"--api-call must look like AFTER:SECONDS:TEXT, got {spec!r}")
         after, seconds, text = parts
-        ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer else []
-        calls.append(ApiCall(after_tokens=int(after), duration_s=float(seconds), returned_token_ids=ids,
-                             api_type="cli"))
+        try:
+            calls.append((ApiCall(after_tokens=int(after), duration_s=float(seconds), api_type="cli"), text))
+        except ValueError as e:
+            raise ValueError(f"--api-call {spec!r}: {e}") from None
     return calls
+
+
+def tokenize_returns(calls: list, tokenizer) -> list:
+    """``parse_api_calls``'s result with each call's TEXT as its returned token ids."""
+    return [dataclasses.replace(call, returned_token_ids=tokenizer.encode(text, add_special_tokens=False)
+                                if tokenizer else []) for call, text in calls]
 
 
 def main(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
+    try:   # what can be checked without the model, before it loads
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        declared = parse_api_calls(args.api_call)
+        if args.prompt is not None and not all(args.prompt):
+            raise ValueError("--prompt must not be empty")
+    except ValueError as e:
+        raise SystemExit(f"jaxserve generate: {e}") from None
     llm = LLM(config=EngineConfig.from_cli(args))
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                      add_generation_prompt=True) for p in prompts]
-    calls = parse_api_calls(args.api_call, llm.tokenizer)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    calls = tokenize_returns(declared, llm.tokenizer)
     start = time.perf_counter()
-    outs = llm.generate(prompts=prompts, sampling_params=params, api_calls=[calls] * len(prompts) if calls else None)
+    try:
+        outs = llm.generate(prompts=prompts, sampling_params=params,
+                            api_calls=[calls] * len(prompts) if calls else None)
+    except ValueError as e:   # e.g. a prompt longer than the context window
+        llm.engine.shutdown()
+        raise SystemExit(f"jaxserve generate: {e}") from None
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outs):
         if args.json:

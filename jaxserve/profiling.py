@@ -30,15 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, positive_int
 from jaxserve.parallel.mesh import MODEL_AXIS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
     EngineConfig.add_cli_arguments(parser, defaults={"num_pages": 512})   # room for the swap-path test
-    parser.add_argument("--copy-mib", type=int, default=64, help="size of the host<->device copy test")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copy-mib", type=positive_int, default=64, help="size of the host<->device copy test")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--out", default=None, help="JSON path (default: ~/.cache/jaxserve/profiles/<backend>.json)")
 
 

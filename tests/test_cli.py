@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from jaxserve import cli
 from scheduler import CostModel
 
@@ -58,3 +60,33 @@ def test_generate_prints_outputs_and_api_call_handling(capsys):
     assert rc == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     assert len(line["token_ids"]) == 6 and line["api_calls"][0]["handling"] == "swap"
+
+
+def test_bench_runs_with_the_default_dtype(capsys):
+    """``--dtype auto`` (the default) is resolved for both engines; transformers' side took
+    only float32 or bfloat16 and failed on it (``KeyError: 'auto'``)."""
+    assert cli.main(["bench", "--model", "demo", "--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "4"]) == 0
+    assert "ratio jaxserve / transformers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "demo", "--max-tokens", "0"], "jaxserve generate: max_tokens must be"),
+    (["generate", "demo", "--temperature", "-1"], "jaxserve generate: temperature must be"),
+    (["generate", "demo", "--prompt", ""], "jaxserve generate: --prompt must not be empty"),
+    (["generate", "demo", "--api-call", "x:0.1:hi"], "jaxserve generate: --api-call 'x:0.1:hi'"),
+    (["generate", "demo", "--api-call", "2:inf:hi"], "duration_s must be a finite number"),
+])
+def test_generate_refuses_bad_options_in_one_line_before_loading_a_model(argv, message, monkeypatch):
+    import jaxserve.llm
+    monkeypatch.setattr(jaxserve.llm, "LLM", None)   # a model load would fail loudly: none must happen
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert str(exit_info.value).startswith(message) or message in str(exit_info.value)
+
+
+@pytest.mark.parametrize("argv", [["profile", "--repeats", "0"], ["profile", "--copy-mib", "0"],
+                                  ["bench", "--num-prompts", "0"], ["bench", "--max-tokens", "-2"]])
+def test_profile_and_bench_refuse_counts_below_one(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and "must be >= 1" in capsys.readouterr().err
