@@ -192,10 +192,13 @@ class LLMEngine:
                      arrival_time: float | None = None, predictions: dict | None = None) -> Request:
         """The validated ``Request`` record for these inputs, not yet queued
         (``add_request`` queues it; a replay hands records to ``core.run``)."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a jaxserve.SamplingParams, got {type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt, prompt_token_ids)
-        if any(not isinstance(c, ApiCall) for c in api_calls or []):
+        if api_calls is not None and not isinstance(api_calls, (list, tuple)) \
+                or any(not isinstance(c, ApiCall) for c in api_calls or []):
             raise ValueError("api_calls must be a list of jaxserve.ApiCall")
         calls = sorted(api_calls or [], key=lambda c: c.after_tokens)
         for c in calls:
@@ -270,8 +273,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
+        elif isinstance(prompt_token_ids, (list, tuple, np.ndarray)):
             ids = list(prompt_token_ids)
+        else:
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
         if not ids or (prompt is not None and not prompt):
             raise ValueError("prompt must not be empty")
         self._check_token_ids(ids, "prompt_token_ids")

@@ -42,6 +42,16 @@ def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm):
         llm.generate(prompt_token_ids=[prompt(100, 1)], sampling_params=SamplingParams(max_tokens=64))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[1, 2, 10**6]], sampling_params=ok)
+    # the wrong shapes and types are ValueErrors that say what is expected (not TypeErrors deep inside)
+    from jaxserve import ApiCall
+    with pytest.raises(ValueError, match="a list of lists"):
+        llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=ok)
+    with pytest.raises(ValueError, match="api_calls: one list"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=ok, api_calls=[ApiCall(2, 0.0)])
+    with pytest.raises(ValueError, match="sampling_params must be a jaxserve.SamplingParams"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params={"max_tokens": 4})
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list"):
+        llm.engine.add_request(prompt_token_ids=5, sampling_params=ok)
     # a batch with one bad prompt queues nothing
     with pytest.raises(ValueError):
         llm.generate(prompt_token_ids=[prompt(5, 2), []], sampling_params=ok)
