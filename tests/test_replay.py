@@ -369,6 +369,27 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
                  [str(tmp_path / "missing.json")], ["--arrival", "trace"]):
         assert replay_cli.main(_cli_args(argv + ["--out", str(tmp_path), "--quiet", "--no-plots"])) == 2, argv
     assert "jaxserve replay:" in capsys.readouterr().err
+    # options that were silently ignored or ran to a meaningless result
+    for argv, message in ((["--cv", "2"], "--cv sets the gaps of --arrival gamma"),
+                          (["--arrival", "gamma", "--cv", "0"], "--cv must be a finite number > 0"),
+                          (["--horizon", "-1"], "--horizon must be"), (["--horizon", "0"], "--horizon must be"),
+                          (["--slo-ttft", "-1"], "--slo-ttft must be"),
+                          (["--slo-norm-latency", "nan"], "--slo-norm-latency must be")):
+        assert replay_cli.main(_cli_args(argv + ["--out", str(tmp_path), "--quiet", "--no-plots"])) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+def test_cli_loads_a_tokenizer_only_for_text_and_names_one_it_cannot_load(tmp_path, capsys):
+    bad = ["--tokenizer", str(tmp_path / "no-such-tokenizer"), "--out", str(tmp_path), "--quiet", "--no-plots",
+           "--policies", "fcfs", "--rate", "2", "--num-requests", "3"]
+    token_trace = tmp_path / "tokens.jsonl"
+    token_trace.write_text(json.dumps({"id": "n", "segments": [{"prompt_tokens": 9, "completion_tokens": 4}]}) + "\n")
+    assert replay_cli.main(_cli_args([str(token_trace), *bad])) == 0   # no text: the tokenizer is never loaded
+    text_trace = tmp_path / "text.jsonl"
+    text_trace.write_text(json.dumps({"id": "t", "segments": [{"prompt": "hello there", "completion": "hi"}]}) + "\n")
+    assert replay_cli.main(_cli_args([str(text_trace), *bad])) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer" in err and "cannot be loaded" in err, err
 
 
 def test_step_model_linear_and_measured_buckets():

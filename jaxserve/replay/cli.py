@@ -27,6 +27,7 @@ DEFAULT_PROFILE = "gptj-6b-a100-40g"
 DEFAULT_RATES = "2,5,8"
 DEFAULT_DURATION_S = 1800.0       # the original InferCept driver's window
 DEFAULT_MODEL_REQUESTS = 32       # --model without --num-requests/--duration
+DEFAULT_CV = 1.5                  # gamma arrivals: coefficient of variation of the gaps
 # Engine settings a replay sets per run (--policies), takes from --profile, or never uses.
 REPLAY_EXCLUDES = ("policy", "cost_profile", "tool_call_parser", "seed")
 
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--num-requests", type=int, default=None, help="a fixed number of arrivals instead of a window")
     wl.add_argument("--arrival", choices=("poisson", "gamma", "trace"), default="poisson",
                     help="arrival process; 'trace' uses the JSONL arrival_time fields")
-    wl.add_argument("--cv", type=float, default=1.5, help="gamma arrivals: coefficient of variation of the gaps")
+    wl.add_argument("--cv", type=float, default=None,
+                    help=f"gamma arrivals: coefficient of variation of the gaps (default {DEFAULT_CV:g})")
     wl.add_argument("--seed", type=int, default=0, help="workload and predictor seed")
     wl.add_argument("--tokenizer", default=None,
                     help="tokenizer (HF name or dir) for text-form traces (default: 4 characters per token)")
@@ -136,12 +138,34 @@ def _parse_policies(text: str | None) -> list[str]:
 
 
 def _tokenizer(name: str | None):
+    """``--tokenizer``'s encode function, loaded at its first use (a token-form trace never
+    loads it); ``ValueError`` when it cannot be loaded."""
     if name is None:
         return None
-    from transformers import AutoTokenizer
+    loaded = []
 
-    tok = AutoTokenizer.from_pretrained(name)
-    return lambda text: tok.encode(text, add_special_tokens=False)
+    def encode(text: str) -> list[int]:
+        if not loaded:
+            from transformers import AutoTokenizer
+            try:
+                loaded.append(AutoTokenizer.from_pretrained(name))
+            except Exception as e:  # noqa: BLE001 - a name that is no tokenizer here: the user's input
+                raise ValueError(f"--tokenizer {name!r} cannot be loaded ({type(e).__name__}: {str(e)[:200]})") \
+                    from None
+        return loaded[0].encode(text, add_special_tokens=False)
+    return encode
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Options that are numbers with a range, and ``--cv`` only with gamma arrivals."""
+    if args.cv is not None and args.arrival != "gamma":
+        raise ValueError("--cv sets the gaps of --arrival gamma; add --arrival gamma or drop --cv")
+    positive = {"--cv": args.cv, "--horizon": args.horizon, "--slo-ttft": args.slo_ttft,
+                "--slo-norm-latency": args.slo_norm_latency, "--slo-step-factor": args.slo_step_factor,
+                "--step-time-scale": args.step_time_scale}
+    for flag, value in positive.items():
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
 
 
 def build_config(args: argparse.Namespace):
@@ -152,6 +176,7 @@ def build_config(args: argparse.Namespace):
 
     if args.model is not None and args.replicas != 1:
         raise ValueError("--replicas is a simulator setting (the real engine is one replica); drop --model")
+    _check_numbers(args)
     rates = _parse_rates(args)
     policies = _parse_policies(args.policies)
     engine = EngineConfig.from_cli(args, model=args.model or "demo", seed=args.seed)   # validates every setting
@@ -163,8 +188,6 @@ def build_config(args: argparse.Namespace):
             num = DEFAULT_MODEL_REQUESTS
         else:
             duration = DEFAULT_DURATION_S
-    if not args.step_time_scale > 0:
-        raise ValueError("--step-time-scale must be > 0")
     cache = args.sim_cache or ("off" if args.model is None or not engine.enable_prefix_caching else "on")
     caches = {"off": (False,), "on": (True,), "both": (False, True)}[cache]
     routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
@@ -174,7 +197,8 @@ def build_config(args: argparse.Namespace):
                     handling=Handling.parse(engine.handling), check_invariants=engine.check_invariants,
                     step_model=args.step_model, step_time_scale=args.step_time_scale,
                     prefill_decode_split=args.prefill_decode_split)
-    return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival, cv=args.cv, num_requests=num,
+    return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival,
+                                cv=DEFAULT_CV if args.cv is None else args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=engine.predictor,
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
                         slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor,
