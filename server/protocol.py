@@ -92,6 +92,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True   # (vLLM's extra parameter) False: special tokens stay in the text
     presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None   # refused when it biases anything (it would change the output)
     user: Text | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
 
@@ -100,6 +101,13 @@ class _SamplingFields(_Request):
     def _no_penalties(cls, v: float) -> float:
         if v != 0.0:
             raise ValueError("penalties are not supported; use 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v and any(bias != 0 for bias in v.values()):
+            raise ValueError("logit_bias is not supported")
         return v
 
     @field_validator("stop")
@@ -122,6 +130,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     suffix: Text | None = None
+    best_of: int | None = None   # refused above 1: one sample per choice is all this server draws
 
     @field_validator("prompt")
     @classmethod
@@ -132,10 +141,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("must not be empty")
         return v
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "logprobs", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
-        if v or (info.field_name == "logprobs" and v is not None):   # logprobs 0 asks for the sampled token's
+        unsupported = v is not None and v != 1 if info.field_name == "best_of" else \
+            v or (info.field_name == "logprobs" and v is not None)   # logprobs 0 asks for the sampled token's
+        if unsupported:
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
@@ -204,13 +215,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _no_logprobs(cls, v, info):
+        if v or (info.field_name == "top_logprobs" and v is not None):
+            raise ValueError(f"{info.field_name}: logprobs are not supported")
         return v
 
     @property

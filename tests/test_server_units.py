@@ -330,10 +330,18 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
         assert error["param"] == param and message in error["message"], error
 
 
-def test_completion_logprobs_zero_is_refused_not_ignored():
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/completions", "logprobs", 0), ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "top_logprobs", 0),
+    ("/v1/chat/completions", "logit_bias", {"50": -100})])
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
+    """Fields this server does not implement but that change what a client gets back
+    (logprobs, best_of, logit_bias) are 400s naming the field, never silently dropped."""
+    body = {"model": "m", field: value, **({"prompt": "hi"} if "chat" not in path
+                                           else {"messages": [{"role": "user", "content": "hi"}]})}
     with _client(_ScriptedEngine()) as client:
-        error = _error(client.post("/v1/completions", json={"model": "m", "prompt": "hi", "logprobs": 0}), 400)
-        assert error["param"] == "logprobs"
+        error = _error(client.post(path, json=body), 400)
+        assert error["param"] == field and "not supported" in error["message"]
 
 
 def test_a_model_is_retrieved_by_its_name():
