@@ -8,7 +8,7 @@ and kills the child when it runs over; the next call starts a fresh one. The
 child caps its own address space (``memory_bytes``) and refuses results longer
 than ``max_result_chars`` before sending them back.
 
-Workers are fresh interpreters (``python -m jaxserve.tool_worker``: no fork of
+Workers are fresh interpreters (``python -c`` importing this module: no fork of
 a process holding JAX threads) that import only this module and the function's
 module. Not ``multiprocessing``'s ``spawn``: it re-imports the parent's main
 script in the child, which runs a script's top-level code (a second model
@@ -86,7 +86,7 @@ class IsolatedFunction:
         parent, child = Pipe()
         # The child finds this package and the function's module where the parent found them.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "jaxserve.tool_worker", str(child.fileno()), self.module,
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, str(child.fileno()), self.module,
                                  self.name, str(self.max_result_chars), str(self.memory_bytes or 0)],
                                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
         child.close()
@@ -148,8 +148,12 @@ def _stop(proc: subprocess.Popen, conn: Connection) -> None:
         log.warning("tool worker %d did not exit after a kill", proc.pid)
 
 
-if __name__ == "__main__":   # a worker: FD MODULE NAME MAX_RESULT_CHARS MEMORY_BYTES (0: no cap)
-    # Run the copy the tools import, not this ``__main__`` one: its ``ToolError`` is theirs.
-    from jaxserve.tool_worker import _worker_main as worker_main
-    _fd, _module, _name, _chars, _memory = sys.argv[1:6]
-    worker_main(Connection(int(_fd)), _module, _name, int(_chars), int(_memory) or None)
+def worker_entry(argv: list[str]) -> None:
+    """A worker process's entry: ``argv`` = FD MODULE NAME MAX_RESULT_CHARS MEMORY_BYTES (0: no cap)."""
+    fd, module, name, chars, memory = argv
+    _worker_main(Connection(int(fd)), module, name, int(chars), int(memory) or None)
+
+
+# How a worker starts: imports this module by name (``-m`` would run a second, ``__main__`` copy of
+# it, whose ``ToolError`` is not the one tools raise, and warn that the package already imported it).
+_WORKER_COMMAND = "import sys; from jaxserve.tool_worker import worker_entry; worker_entry(sys.argv[1:])"

@@ -206,3 +206,4 @@ def test_isolated_worker_does_not_rerun_an_unguarded_script(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("top-level code ran") == 1 and "result 120" in out.stdout, out.stdout
+    assert "Warning" not in out.stderr, out.stderr   # (``-m`` warned that the package had imported the module)
