@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jaxserve.tool_format.base import partial_suffix
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
@@ -53,10 +55,4 @@ class IncrementalDetokenizer:
         """Length of the leading part of ``text`` that no stop string can still
         claim: all of it, less its longest tail that is a proper prefix of one
         of ``stop`` (``text`` holds no whole stop string: ``add`` cut it)."""
-        text, held = self.text, 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), held, -1):
-                if text.endswith(s[:n]):
-                    held = n
-                    break
-        return len(text) - held
+        return len(self.text) - max((partial_suffix(self.text, s) for s in self.stop), default=0)
