@@ -44,11 +44,10 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         before = len(self.text)
         self.text += delta
-        for s in self.stop:
-            at = self.text.find(s, max(0, before - len(s) + 1))
-            if at != -1:
-                self.text = self.text[:at]
-                return self.text[before:], True
+        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        if hits:   # cut before the earliest, whichever stop string it is
+            self.text = self.text[:min(hits)]
+            return self.text[before:], True
         return delta, False
 
     def releasable(self) -> int:

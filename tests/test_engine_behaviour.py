@@ -125,6 +125,7 @@ def test_a_stop_string_spanning_tokens_never_shows_in_the_stream(llm):
     text = free.text
     assert len(text) >= 9
     needle = text[5:9]   # four characters: several tokens of the demo's byte-level tokenizer
+    assert len(llm.tokenizer.encode(needle, add_special_tokens=False)) > 1
     deltas, out = _stream(llm, p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[needle]))
     assert out.finish_reason == "stop" and out.text == text[:text.index(needle)]
     assert "".join(deltas) == out.text
@@ -147,6 +148,22 @@ def test_the_detokenizer_holds_back_exactly_a_tail_that_may_start_a_stop_string(
         held.append(len(detok.text) - detok.releasable())
     assert detok.text == "caaaxy"
     assert held == [0, 1, 2, 2, 1, 2]   # "a", "aa", "aa" (of "aab"), then "x", "xy" (of "xyz")
+
+
+def test_the_text_is_cut_before_the_earliest_stop_string_whichever_is_listed_first():
+    """One token completes two stop strings ("\nUser:" holds "\n" and "User:"): the cut is
+    before the earlier one, not before the one listed first (which showed the "\n")."""
+    from jaxserve.detokenizer import IncrementalDetokenizer
+
+    class Pieces:   # a tokenizer whose token i is the text pieces[i]
+        pieces = {1: "hello", 2: "\nUser:", 3: " hi"}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.pieces[i] for i in ids)
+
+    detok = IncrementalDetokenizer(Pieces(), stop=["User:", "\n"])
+    assert detok.add(1) == ("hello", False)
+    assert detok.add(2) == ("", True) and detok.text == "hello"
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):

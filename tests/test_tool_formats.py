@@ -122,6 +122,19 @@ def test_markup_filter_hides_an_unfinished_marked_call():
     assert filt.feed('ok [TOOL_CALLS][{"name": "x", "argu') + filt.flush() == "ok "
 
 
+def test_partial_suffix_is_the_longest_tail_that_starts_the_tag():
+    """Checked against trying every length, on random texts and tags over a small alphabet."""
+    import random
+
+    from jaxserve.tool_format.base import partial_suffix
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab<") for _ in range(rng.randint(0, 12)))
+        tag = "".join(rng.choice("ab<") for _ in range(rng.randint(1, 8)))
+        slow = next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
+        assert partial_suffix(text, tag) == slow, (text, tag)
+
+
 def test_markup_filter_hides_the_start_of_a_tag_the_turn_was_cut_in():
     """SmolLM2 writes ``</tool_call><tool_call>`` with one ``><`` token: a turn paused on the
     first call ends in ``<``, the start of the next tag, which is markup, not content."""

@@ -85,10 +85,17 @@ def calls_from_json(obj, raw: str, args_keys: tuple[str, ...] = ("arguments", "p
 
 
 def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``. Only
+    prefixes ending in ``text``'s last character are tried (a 1,024-character stop string
+    costs a few comparisons per step, not half a million)."""
+    if not text:
+        return 0
+    last = text[-1]
+    end = tag.rfind(last, 0, min(len(tag) - 1, len(text)))
+    while end != -1:
+        if text.endswith(tag[:end + 1]):
+            return end + 1
+        end = tag.rfind(last, 0, end)
     return 0
 
 
@@ -237,10 +244,10 @@ class ToolFormat:
         """The lark ``start`` rule (llguidance dialect) of an assistant turn that is nothing
         but calls: ``call`` names the rule of one call object ``{"name": ..., args_key: ...}``;
         ``parallel``: one or more calls, else exactly one. ``markup(text)`` renders fixed
-        markup as a lark terminal (a special token when the tokenizer has one). Its language
-        is what ``render_calls`` writes, to the character (separators, one call bare or in
-        a list): a client's follow-up re-renders the turn, and a paused context resumes
-        only if the re-rendered turn spells what the model wrote."""
+        markup as a lark terminal (a special token when the tokenizer has one). It takes
+        what ``render_calls`` writes, separators included, and no other spelling where
+        refusing one costs the model nothing: a client's follow-up re-renders the turn, and
+        a paused context resumes only if the re-rendered turn spells what the model wrote."""
         raise NotImplementedError
 
     def turn_ends_with_eos(self, parallel: bool) -> bool:

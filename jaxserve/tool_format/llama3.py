@@ -69,8 +69,9 @@ class Llama3Format(ToolFormat):
         return Llama3Parser()
 
     def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
-        # one call bare, several as a list: as ``render_calls`` writes them back (a follow-up re-renders the turn)
-        return f'start: {call} | "[" {call} (", " {call})+ "]"' if parallel else f"start: {call}"
+        # (a list of one call is allowed, though ``render_calls`` writes one call bare: refusing it would make
+        # a model that opened "[" invent a second call; such a turn's follow-up is served from the prefix cache)
+        return f'start: {call} | "[" {call} (", " {call})* "]"' if parallel else f"start: {call}"
 
     def markup_filter(self) -> JsonMarkupFilter:
         return JsonMarkupFilter(PYTHON_TAG, bare_at_turn_start=True)
