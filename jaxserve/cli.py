@@ -50,7 +50,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] 
             continue
         if action.nargs == 0:  # store_true / store_false
             action.default = value.strip().lower() in ("1", "true", "yes", "on")
-        elif isinstance(action, argparse._AppendAction):   # a repeatable option: the variable is one value
+        elif type(action) is argparse._AppendAction:   # a repeatable option: the variable is one value
             action.default = [action.type(value) if action.type else value]
             action.__class__ = _AppendOverEnv
         else:

@@ -273,10 +273,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt_token_ids, (list, tuple, np.ndarray)):
-            ids = list(prompt_token_ids)
-        else:
+        elif isinstance(prompt_token_ids, (str, bytes, dict)) or not hasattr(prompt_token_ids, "__iter__"):
             raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
+        else:
+            ids = list(prompt_token_ids)
         if not ids or (prompt is not None and not prompt):
             raise ValueError("prompt must not be empty")
         self._check_token_ids(ids, "prompt_token_ids")

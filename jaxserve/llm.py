@@ -44,7 +44,7 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("prompts: give exactly one of prompts or prompt_token_ids")
         items = prompts if prompts is not None else prompt_token_ids
-        if prompt_token_ids is not None and not all(isinstance(p, (list, tuple, np.ndarray)) for p in items):
+        if prompt_token_ids is not None and any(isinstance(p, (int, np.integer, str, bytes)) for p in items):
             raise ValueError("prompt_token_ids: one list of token ids per prompt (a list of lists)")
         if api_calls is not None and not all(c is None or isinstance(c, (list, tuple)) for c in api_calls):
             raise ValueError("api_calls: one list of jaxserve.ApiCall per prompt (a list of lists)")

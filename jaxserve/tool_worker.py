@@ -41,7 +41,7 @@ class ToolTimeout(ToolError):
 def _worker_main(conn, module: str, name: str, max_result_chars: int, memory_bytes: int | None) -> None:
     """Child process: ``(arg) -> ("ok", text) | ("tool_error", message) | ("error", type name)``, forever."""
     if memory_bytes:
-        try:   # room for memory_bytes more than the child already maps (the spawn bootstrap's imports)
+        try:   # room for memory_bytes more than the child already maps (the interpreter and its imports)
             import os
             import resource
             with open("/proc/self/statm") as f:

@@ -14,6 +14,8 @@ itself are client-side: the response stops with ``finish_reason:
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -115,7 +117,7 @@ class ServerState:
         # Private copies: the engine thread uses its own tokenizer for detokenization.
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_pool_size) if engine.tokenizer is not None \
             else None
-        self.spelling = Spelling(self.tokenizers.template) if self.tokenizers is not None else None
+        self.spelling = Spelling(copy.deepcopy(self.tokenizers.template)) if self.tokenizers is not None else None
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
 
@@ -379,10 +381,14 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str
         params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages", structured=structured)
         job = Job(f"{base}-{i}", ids, params, parse)
         if body.n == 1 and parse and structured is None:   # a paused request cannot take a new grammar
-            taken = await state.parked.take(ids, sampling_key(params), owner, state.spelling)
+            room = state.max_model_len - len(ids)
+            taken = await state.parked.take(ids, sampling_key(params), owner, state.spelling, room)
             if taken is not None:
                 job.resume_from, job.resume_at = taken
                 job.request_id = job.resume_from.request_id
+                longer = len(job.resume_from.context_ids) - job.resume_at   # the model's own spelling: > 0 tokens
+                if params.max_tokens > room - longer:
+                    job.params = dataclasses.replace(params, max_tokens=room - longer)
                 state.metrics.resumed.inc()
                 state.metrics.resumed_context_tokens.inc(job.cached_tokens)
                 state.metrics.resume_appended_tokens.inc(len(ids) - job.cached_tokens)
@@ -428,7 +434,8 @@ async def _park_paused(state: ServerState, choices: list[ChoiceState], owner: st
             await state.engine.abort(c.job.request_id)
         else:
             await state.parked.park(c.job.request_id, context, sampling_key(c.job.params),
-                                    calls_seen=len(c.last.api_calls) - 1, owner=owner)
+                                    calls_seen=len(c.last.api_calls) - 1, owner=owner,
+                                    written_from=len(c.job.prompt_ids))
         c.settled = True
 
 

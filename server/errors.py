@@ -78,8 +78,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
     if tuple(first.get("loc", ())) in (("body",), ()):
-        if first.get("type") == "value_error":   # a rule over several fields: its message names the field first
-            return APIError(400, message, param=message.split(" ", 1)[0])
+        field = re.match(r"[a-z_]+(?= )", message) if first.get("type") == "value_error" else None
+        if field is not None:   # a rule over several fields: its message names the field first
+            return APIError(400, message, param=field.group())
         return APIError(400, "request body must be a JSON object sent with Content-Type: application/json",
                         param="body")
     param = _loc_to_param(tuple(first.get("loc", ())))

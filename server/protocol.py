@@ -107,7 +107,7 @@ class _SamplingFields(_Request):
     @classmethod
     def _no_logit_bias(cls, v: dict | None) -> dict | None:
         if v and any(bias != 0 for bias in v.values()):
-            raise ValueError("logit_bias is not supported")
+            raise ValueError("not supported")
         return v
 
     @field_validator("stop")
@@ -147,7 +147,7 @@ class CompletionRequest(_SamplingFields):
         unsupported = v is not None and v != 1 if info.field_name == "best_of" else \
             v or (info.field_name == "logprobs" and v is not None)   # logprobs 0 asks for the sampled token's
         if unsupported:
-            raise ValueError(f"{info.field_name} is not supported")
+            raise ValueError("not supported")
         return v
 
 
@@ -220,9 +220,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v, info):
-        if v or (info.field_name == "top_logprobs" and v is not None):
-            raise ValueError(f"{info.field_name}: logprobs are not supported")
+    def _no_logprobs(cls, v):
+        if v:   # (top_logprobs 0 asks for nothing)
+            raise ValueError("logprobs are not supported")
         return v
 
     @property

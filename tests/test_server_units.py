@@ -290,15 +290,26 @@ def test_parked_context_is_taken_by_a_follow_up_that_spells_it_alike(smollm2_tok
     from server.parked import Spelling
     tok = smollm2_tokenizer
     enc = lambda text: tok.encode(text, add_special_tokens=False)   # noqa: E731
-    context = enc("<|im_start|>assistant\n") + enc('{"a": "b"') + enc("}")
+    prompt = enc("<|im_start|>assistant\n")
+    wrote = enc('{"a": "b"') + enc("}")        # the model's own cut; the re-render encodes '{"a": "b"}'
+    context = prompt + wrote
     follow_up = enc('<|im_start|>assistant\n{"a": "b"}<|im_end|>')
+    spelling = Spelling(tok)
+    longer = len(context) - (len(follow_up) - 1)   # how many more tokens the model's spelling took
 
     async def run():
         parked = ParkedContexts(_FakeEngine(), ttl_s=10)
-        await parked.park("x", context, ("greedy",), calls_seen=0)
+        await parked.park("x", context, ("greedy",), calls_seen=0, written_from=len(prompt))
         assert await parked.take(follow_up, ("greedy",)) is None            # token for token: no
-        taken, covered = await parked.take(follow_up, ("greedy",), spelling=Spelling(tok))
+        if longer > 0:   # a window with no room for the longer spelling: not resumed (still parked)
+            assert await parked.take(follow_up, ("greedy",), spelling=spelling, room=longer) is None
+        taken, covered = await parked.take(follow_up, ("greedy",), spelling=spelling, room=longer + 1)
         assert taken.request_id == "x" and follow_up[covered:] == enc("<|im_end|>")
+        # the rendered prompt must agree token for token: only what the model wrote may be spelt otherwise
+        other_prompt = enc("<|im_start|>assist") + enc("ant\n")   # the same text, cut otherwise
+        assert other_prompt != prompt and tok.decode(other_prompt) == tok.decode(prompt)
+        await parked.park("y", other_prompt + wrote, ("greedy",), calls_seen=0, written_from=len(other_prompt))
+        assert await parked.take(follow_up, ("greedy",), spelling=spelling) is None
     asyncio.run(run())
 
 
@@ -332,7 +343,7 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
 
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/completions", "logprobs", 0), ("/v1/completions", "best_of", 2),
-    ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "top_logprobs", 0),
+    ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "top_logprobs", 2),
     ("/v1/chat/completions", "logit_bias", {"50": -100})])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
     """Fields this server does not implement but that change what a client gets back
@@ -342,6 +353,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field
     with _client(_ScriptedEngine()) as client:
         error = _error(client.post(path, json=body), 400)
         assert error["param"] == field and "not supported" in error["message"]
+        assert error["message"].count(field) == 1, error["message"]   # "logprobs: logprobs are..." read twice
 
 
 def test_a_model_is_retrieved_by_its_name():

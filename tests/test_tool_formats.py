@@ -225,3 +225,14 @@ def test_system_message_is_extended_and_tool_templates_are_left_alone():
     msgs = [{"role": "user", "content": "hi"}]
     assert prepare_chat(msgs, TOOLS, fmt, "{% if tools %}{{ tools }}{% endif %}") == (msgs, TOOLS)
     assert prepare_chat(msgs, None, fmt, NO_TOOLS_TEMPLATE) == (msgs, None)
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_a_parsed_call_renders_back_to_what_the_model_wrote_non_ascii_included(name):
+    """A follow-up re-renders the call from its parsed arguments: "München" must not come
+    back as "M\\u00fcnchen" (the paused context would no longer match)."""
+    fmt = get_format(name)
+    written = fmt.render_calls([("get_weather", '{"city": "München"}')])
+    [call] = fmt.parser().feed(written)
+    assert call.arguments == '{"city": "München"}'
+    assert fmt.render_calls([(call.name, call.arguments)]) == written

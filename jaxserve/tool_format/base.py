@@ -72,7 +72,9 @@ def call_from_json(obj, raw: str, args_keys: tuple[str, ...] = ("arguments", "pa
     if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]:
         args = next((obj[k] for k in args_keys if k in obj), {})
         if isinstance(args, (dict, str)):
-            return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args), raw)
+            # (non-ASCII as written, not \u-escaped: a follow-up re-renders the call from these arguments)
+            return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                                  raw)
     return ParsedToolCall("", raw, raw)
 
 
