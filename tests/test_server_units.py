@@ -27,7 +27,7 @@ def _feed_all(pieces: list[str]) -> str:
     (["a <tool", "_call>{}</tool", "_call> b"], "a  b"),
     (["x <tool", "box"], "x <toolbox"),                       # a held-back partial tag that never completes
     (["1 < 2 and <", "b>"], "1 < 2 and <b>"),
-    (["<tool_call>{unterminated"], ""),
+    (["<tool_call>{unterminated"], "<tool_call>{unterminated"),   # never closed: no call, shown as written
     (["p<tool_call>1</tool_call>q<tool_call>2</tool_call>r"], "pqr"),
 ])
 def test_tool_markup_filter(pieces, visible):
@@ -140,11 +140,11 @@ class _ScriptedEngine:
         return False
 
 
-def _client(engine):
+def _client(engine, max_model_len: int = 64):
     from fastapi.testclient import TestClient
 
     from server import create_app
-    return TestClient(create_app(engine, served_model_name="m", max_model_len=64))
+    return TestClient(create_app(engine, served_model_name="m", max_model_len=max_model_len))
 
 
 def test_health_is_503_and_requests_refused_when_the_engine_is_dead():
@@ -363,3 +363,25 @@ def test_a_model_is_retrieved_by_its_name():
         assert card["id"] == "m" and card["object"] == "model"
         error = _error(client.get("/v1/models/other"), 404)
         assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+class _OneAnswerEngine(_ScriptedEngine):
+    """Answers every request with ``text`` in one final output."""
+
+    text = "The tag <tool_call> starts a call."
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65, 66],
+                            text=self.text, delta_token_ids=[65, 66], delta_text=self.text, finish_reason="stop")
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto"])
+def test_chat_shows_tool_markup_the_model_quoted(tool_choice):
+    """With ``tool_choice: "none"`` nothing is parsed, so nothing is hidden; and in any mode a
+    ``<tool_call>`` never closed is text (the answer used to end at the tag)."""
+    with _client(_OneAnswerEngine(), max_model_len=2048) as client:   # (room for the tools in the prompt)
+        r = client.post("/v1/chat/completions", json={"model": "m", "tool_choice": tool_choice, "messages": [
+            {"role": "user", "content": "Repeat: The tag <tool_call> starts a call."}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == _OneAnswerEngine.text

@@ -236,3 +236,12 @@ def test_a_parsed_call_renders_back_to_what_the_model_wrote_non_ascii_included(n
     [call] = fmt.parser().feed(written)
     assert call.arguments == '{"city": "München"}'
     assert fmt.render_calls([(call.name, call.arguments)]) == written
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_markup_filter_shows_a_span_never_closed(size):
+    """The model quoted the tag (or ran out of tokens inside a call): that text was no call,
+    so it is shown at the end as written (it used to vanish with everything after it)."""
+    text = "The tag <tool_call> starts a call."
+    filt = get_format("hermes").markup_filter()
+    assert "".join(filt.feed(p) for p in pieces(text, size)) + filt.flush() == text

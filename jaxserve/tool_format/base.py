@@ -103,13 +103,16 @@ def partial_suffix(text: str, tag: str) -> int:
 
 class TaggedMarkupFilter:
     """Hide ``start … end`` spans from streamed text. Text that could be the
-    start of ``start`` is held back until decided; an unterminated span stays hidden;
-    whitespace between two spans (parallel calls) is hidden with them."""
+    start of ``start`` is held back until decided; whitespace between two spans
+    (parallel calls) is hidden with them. A span the text ends inside, never
+    closed, was no call (the model quoted the tag, or ran out of tokens): it is
+    shown at the end, as written."""
 
     def __init__(self, start: str, end: str) -> None:
         self.start, self.end = start, end
         self._pending = ""
         self._inside = False
+        self._span: list[str] = []   # the open span's text already out of ``_pending``
         self._after_span = False   # a span just ended: whitespace up to the next one is hidden
 
     def feed(self, delta: str) -> str:
@@ -120,10 +123,12 @@ class TaggedMarkupFilter:
             if self._inside:
                 end = self._pending.find(self.end)
                 if end == -1:
-                    self._pending = self._pending[-(len(self.end) - 1):] if len(self.end) > 1 else ""
+                    cut = max(0, len(self._pending) - (len(self.end) - 1))   # (the rest could start the end tag)
+                    self._span.append(self._pending[:cut])
+                    self._pending = self._pending[cut:]
                     break
                 self._pending = self._pending[end + len(self.end):]
-                self._inside, self._after_span = False, True
+                self._inside, self._after_span, self._span = False, True, []
                 continue
             if self._after_span:
                 rest = self._pending.lstrip()
@@ -136,7 +141,7 @@ class TaggedMarkupFilter:
             if start != -1:
                 out.append(self._pending[:start])
                 self._pending = self._pending[start + len(self.start):]
-                self._inside = True
+                self._inside, self._span = True, [self.start]
                 continue
             hold = partial_suffix(self._pending, self.start)
             out.append(self._pending[:len(self._pending) - hold])
@@ -145,11 +150,12 @@ class TaggedMarkupFilter:
         return "".join(out)
 
     def flush(self) -> str:
-        """At the end of the text: release held-back text that never became a tag.
-        After the last span it stays hidden: whitespace, or the start of a tag the turn
-        was cut in (a token such as ``><`` ends one call and starts the next)."""
-        hidden = self._inside or self._after_span   # (after a span only those are held)
-        text, self._pending = ("" if hidden else self._pending), ""
+        """At the end of the text: release held-back text that never became a tag, and
+        a span never closed (it was no call). After the last closed span, what is held
+        stays hidden: whitespace, or the start of a tag the turn was cut in (a token
+        such as ``><`` ends one call and starts the next)."""
+        text = "".join(self._span) + self._pending if self._inside else "" if self._after_span else self._pending
+        self._pending, self._span, self._inside = "", [], False
         return text
 
 
