@@ -131,3 +131,22 @@ def test_prefixes_are_held_to_what_the_replica_reports_it_caches():
     assert router.choose(old)[1] == "least_loaded"    # forgotten: no longer routed by its prefix
     router.set_capacity("r0", 0)                      # emptied (restarted): nothing left to follow
     assert router.choose(new)[1] == "least_loaded"
+
+
+def test_only_the_hashed_pages_text_is_tokenized():
+    """A prompt of megabytes is cut to what its hashed pages can span before the front
+    tokenizes it (a 12 MB body took ~8 s to route); the hashes are those of the full text."""
+    from jaxserve.distributed.routing import MAX_CHARS_PER_TOKEN, MAX_HASHED_PAGES
+    seen = []
+
+    def tokenize(text):
+        seen.append(len(text))
+        return [ord(c) for c in text]
+
+    huge = "word " * 400_000
+    body = {"messages": [{"role": "user", "content": huge}]}
+    hints = read_hints(body, {}, tokenize, page_size=16)
+    assert seen == [MAX_HASHED_PAGES * 16 * MAX_CHARS_PER_TOKEN]
+    from jaxserve.distributed.routing import prompt_text
+    assert hints.page_hashes == page_hashes([ord(c) for c in prompt_text(body)], 16)   # of the whole text
+    assert len(hints.page_hashes) == MAX_HASHED_PAGES

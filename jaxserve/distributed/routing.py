@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 MAX_HASHED_PAGES = 64          # prompt pages hashed per request (a prefix longer than this matches as this)
+MAX_CHARS_PER_TOKEN = 32       # the prompt text tokenized for them: at most this many characters a hashed token
 HASHES_PER_REPLICA = 50_000    # bounded map: page hashes remembered per replica (LRU)
 MAX_KEYS = 100_000             # bounded maps: session keys and parked tool-call ids (LRU)
 MAX_IMBALANCE = 8              # prefix affinity yields when its replica has this many more requests in flight
@@ -121,8 +122,8 @@ def read_hints(body: dict, headers: dict[str, str], tokenize: Callable[[str], li
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         ids = prompt
-    else:
-        text = prompt_text(body)
+    else:   # only the hashed pages' text is tokenized: a body of megabytes costs what a long prompt does
+        text = prompt_text(body)[:MAX_HASHED_PAGES * page_size * MAX_CHARS_PER_TOKEN]
         ids = tokenize(text) if tokenize is not None and text else list(text.encode("utf-8", "surrogatepass"))
     hints.page_hashes = page_hashes(ids, page_size)
     return hints
