@@ -82,3 +82,41 @@ def test_import_stops_when_the_pool_is_full(engines):
     adopted = kvm.adopt(fake)
     assert len(adopted) == free and [i for i, _ in adopted] == list(range(free))
     assert kvm.num_free_device == free   # adopted pages are evictable, as cached pages of finished requests
+
+
+def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it():
+    """A decode replica's request whose prompt pages a prefill replica just computed reports
+    none of them as cached (they were linked from the moved pages, which the decode engine's
+    cache counts as hits); a repeat of the prompt, found in the decode cache, reports them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.distributed.kv_transfer import DisaggregatedEngine, PrefillReplica, TransferMetrics
+    from prometheus_client import CollectorRegistry
+
+    prefill_side = PrefillReplica.__new__(PrefillReplica)   # (its constructor reads CLI settings)
+    prefill_side.engine = AsyncEngine(engine=LLMEngine("demo", **SETTINGS))
+
+    class Handle:   # what a Ray Serve deployment handle's ``prefill.remote(...)`` awaits to
+        async def remote(self, token_ids, skip_pages):
+            return await prefill_side.prefill(token_ids, skip_pages)
+
+    decode = DisaggregatedEngine(engine=LLMEngine("demo", **SETTINGS))
+    decode.prefill = SimpleNamespace(prefill=Handle())
+    registry = CollectorRegistry()
+    decode.metrics = TransferMetrics(registry)
+
+    async def cached_of(rid):
+        async for out in decode.generate(sampling_params=SamplingParams(max_tokens=2, temperature=0.0),
+                                         request_id=rid, prompt_token_ids=PROMPT):
+            pass
+        return out.num_cached_tokens
+
+    try:
+        assert asyncio.run(cached_of("first")) == 0
+        assert registry.get_sample_value("jaxserve:remote_prefills_total") == 1   # the pages did move
+        assert asyncio.run(cached_of("again")) == 64   # 4 full pages, now in the decode replica's cache
+    finally:
+        decode.shutdown()
+        prefill_side.engine.shutdown()

@@ -30,6 +30,7 @@ itself (counted in ``jaxserve:remote_prefill_fallbacks``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 
@@ -110,27 +111,34 @@ class DisaggregatedEngine(AsyncEngine):
 
     async def generate(self, prompt=None, sampling_params=None, request_id=None, *, prompt_token_ids=None,
                        **kwargs):
+        cached = None
         if prompt_token_ids is not None and self.prefill is not None:
-            await self._fetch_prompt_kv(list(prompt_token_ids))
+            cached = await self._fetch_prompt_kv(list(prompt_token_ids))
         async for out in super().generate(prompt, sampling_params, request_id, prompt_token_ids=prompt_token_ids,
                                           **kwargs):
+            if cached is not None and out.num_cached_tokens > cached:   # the moved pages were computed for it
+                out = dataclasses.replace(out, num_cached_tokens=cached)
             yield out
 
-    async def _fetch_prompt_kv(self, token_ids: list[int]) -> None:
+    async def _fetch_prompt_kv(self, token_ids: list[int]) -> int | None:
+        """Bring the prompt's missing full pages from the prefill replica. Returns how many
+        prompt tokens were cached before this request on either side (what its usage may
+        call cached: the pages the prefill replica computed now were not), None when
+        nothing moved."""
         cached, wanted = await self.call_on_engine(lambda: cached_pages(self.engine, token_ids))
         if wanted == 0 or cached == wanted:
-            return
+            return None
         start = time.perf_counter()
         try:
             reply = await self.prefill.prefill.remote(token_ids, cached)   # only the pages it lacks come back
         except Exception as e:  # noqa: BLE001 - a failed prefill replica costs speed, not the request
             log.warning("remote prefill failed (%s: %s); computing the prompt here", type(e).__name__, e)
             self.metrics.fallbacks.inc()
-            return
+            return None
         received = time.perf_counter()
         if reply["kv"] is None:
             self.metrics.fallbacks.inc()
-            return
+            return None
         written = await self.call_on_engine(lambda: import_pages(self.engine, reply["hashes"], reply["kv"]))
         m = self.metrics
         m.remote_prefills.inc()
@@ -140,6 +148,7 @@ class DisaggregatedEngine(AsyncEngine):
         m.seconds.labels("export").inc(reply["export_s"])
         m.seconds.labels("transfer").inc(max(0.0, received - start - reply["prefill_s"] - reply["export_s"]))
         m.seconds.labels("import").inc(time.perf_counter() - received)
+        return max(cached * self.engine.scheduler.page_size, reply["cached_tokens"])
 
 
 class PrefillReplica:
@@ -150,17 +159,19 @@ class PrefillReplica:
         self.engine = AsyncEngine(config=config)
 
     async def prefill(self, token_ids: list[int], skip_pages: int = 0) -> dict:
-        """Compute ``token_ids``' KV; ``{"hashes", "kv" (numpy or None), "prefill_s", "export_s"}``
-        for its full pages after the first ``skip_pages`` (the caller holds those)."""
+        """Compute ``token_ids``' KV; ``{"hashes", "kv" (numpy or None), "prefill_s", "export_s",
+        "cached_tokens"}`` for its full pages after the first ``skip_pages`` (the caller holds
+        those); ``cached_tokens``: prompt tokens this replica's cache already held."""
         start = time.perf_counter()
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        async for _ in self.engine.generate(prompt_token_ids=token_ids, sampling_params=params,
-                                            parse_tool_calls=False):
+        async for out in self.engine.generate(prompt_token_ids=token_ids, sampling_params=params,
+                                              parse_tool_calls=False):
             pass
         computed = time.perf_counter()
         hashes, kv = await self.engine.call_on_engine(lambda: export_pages(self.engine.engine, token_ids,
                                                                             skip_pages))
-        return {"hashes": hashes, "kv": kv, "prefill_s": computed - start, "export_s": time.perf_counter() - computed}
+        return {"hashes": hashes, "kv": kv, "prefill_s": computed - start, "export_s": time.perf_counter() - computed,
+                "cached_tokens": out.num_cached_tokens}   # (of the prompt: from this replica's own cache)
 
     async def health(self) -> dict:
         return {"alive": self.engine.is_alive}
