@@ -170,13 +170,18 @@ def test_parallel_tool_calls_false_gives_exactly_one_call_sampled_n8(client):
 
 def test_forced_parallel_server_side_calls_all_run_then_the_answer_continues(client):
     """``calculator`` is the server's: a forced turn of several calls to it runs them all
-    in the server, and the response is the text written after their results."""
+    in the server, and the response is the text written after their results: no call's
+    markup (the random model may open another call it never closes before ``max_tokens``:
+    that is no call, and is shown as written)."""
     r = client.post("/v1/chat/completions", json=body("Add things", tool_choice={
         "type": "function", "function": {"name": "calculator"}}, max_tokens=120))
     assert r.status_code == 200, r.text
     [choice] = r.json()["choices"]
     assert choice["finish_reason"] in ("stop", "length") and "tool_calls" not in choice["message"]
-    assert "<tool_call>" not in choice["message"]["content"]
+    content = choice["message"]["content"]
+    assert "</tool_call>" not in content
+    if "<tool_call>" in content:
+        assert choice["finish_reason"] == "length" and content.count("<tool_call>") == 1
 
 
 def test_unsatisfiable_within_max_tokens_is_length_not_an_error(client):
