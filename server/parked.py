@@ -10,9 +10,9 @@ conversation from scratch. "Starts with" is by text, token for token where
 the two agree: a model does not always cut its own output into the tokens the
 tokenizer would cut the re-rendered text into (SmolLM2 writes ``"}`` ``}``
 where the re-rendered call encodes as ``"`` ``}}``), so a stretch of a few
-tokens that differs but spells the same text (``Spelling``) still matches. A context belongs to its ``owner``
-(the API key and ``user`` that created it): another owner's follow-up never
-matches it. Contexts nobody comes back for are aborted after ``ttl_s``
+tokens that differs but spells the same text (``Spelling``) still matches. A
+context belongs to its ``owner`` (the API key and ``user`` that created it):
+another owner's follow-up never matches it. Contexts nobody comes back for are aborted after ``ttl_s``
 seconds, which frees their pages.
 """
 
