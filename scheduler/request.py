@@ -179,6 +179,11 @@ class Request:
         return None
 
     @property
+    def max_context_tokens(self) -> int:
+        """Tokens its context can reach: the prompt, every output token and every API return."""
+        return self.prompt_len + self.max_tokens + sum(s.num_returned_tokens for s in self.segments)
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.prompt_len]
 

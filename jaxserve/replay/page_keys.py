@@ -61,8 +61,7 @@ class PageNamer:
 
     def fresh(self, request: Request) -> list[int]:
         """Fresh names for every full page ``request``'s context can reach."""
-        total = request.prompt_len + request.max_tokens + sum(s.num_returned_tokens for s in request.segments)
-        return self.conversation(total)
+        return self.conversation(request.max_context_tokens)
 
     def blocks(self, hash_ids: Sequence[int], input_length: int, total_tokens: int) -> list[int]:
         """Names of the full pages of a ``total_tokens`` context whose first

@@ -183,8 +183,7 @@ def run_simulation(scheduler: Scheduler, requests: Sequence[Request], *,
     request's names at once. ``fast_forward``: run stretches of decode-only
     steps in bulk (``EngineCore.fast_forward``; the same result, step for step)."""
     for r in requests:
-        check_fits_pool(r.request_id, r.prompt_len + r.max_tokens + sum(s.num_returned_tokens for s in r.segments),
-                        scheduler)
+        check_fits_pool(r.request_id, r.max_context_tokens, scheduler)
     naming = sorted(requests, key=lambda r: r.arrival_time) if scheduler.kv.cache is not None else []
     name_pages = page_names or PageNamer(scheduler.page_size).fresh
     clock = SimClock()
