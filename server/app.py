@@ -228,8 +228,8 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         owner = _owner(request, body)
         jobs = await (_chat_jobs(state, body, owner) if chat else _completion_jobs(state, body))
         merger = ChoiceMerger(state.engine, jobs)
-        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start), hide_tool_markup=chat and job.parse_tool_calls,
-                               tool_format=state.tool_format)
+        choices = [ChoiceState(i, job, new_timer(state.metrics, job, start),
+                               hide_tool_markup=chat and job.parse_tool_calls, tool_format=state.tool_format)
                    for i, job in enumerate(jobs)]
         try:
             await wait_or_disconnect(request, merger.prime())
