@@ -92,6 +92,9 @@ class KVManager:
         self._copy_ins: list[tuple[int, int]] = []        # (host page, device page) to copy before the forward
         self._host_busy: set[int] = set()   # host pages this step's copies read or write: kept this step
         self._host_busy_lists: list[list[int]] = []   # more of them, folded in when ``_busy_host_pages`` is read
+        # device page -> its hash, for pages ``adopt`` cached and no request has linked yet: their
+        # first link is not a cache hit (another engine computed them for that very request)
+        self._adopted: dict[int, bytes] = {}
 
     # ------------------------------------------------------------ allocation
     def pages_needed(self, request: Request, num_new_tokens: int) -> int:
@@ -348,6 +351,8 @@ class KVManager:
         request.service_offset -= request.num_computed_tokens   # served by the cache, not computed
         cache.query_tokens += request.num_tokens
         cache.hit_tokens += request.num_computed_tokens
+        if self._adopted:
+            cache.hit_tokens -= self._first_links(pages) * self.page_size
 
     def commit(self, request: Request) -> None:
         """Hand ``request``'s computed full private pages to the cache. A page whose
@@ -372,6 +377,8 @@ class KVManager:
                 cache.insert(page, h)
             else:
                 cache.acquire([cached])
+                if self._adopted:
+                    self._first_links([cached])
                 pool.free(rid, [page])
                 pages[i] = cached
             request.num_shared_pages = i + 1
@@ -381,7 +388,9 @@ class KVManager:
         each of ``hashes`` (a context's chained page hashes, page 0 first) not yet
         cached gets a device page named by it, left unreferenced (evictable, as
         after a finished request). Returns ``(index in hashes, page)`` of the pages
-        whose KV the caller must write now; stops when no page is free."""
+        whose KV the caller must write now; stops when no page is free. The first
+        request that links an adopted page does not count it as a cache hit
+        (``PrefixCache.hit_tokens``): the other engine computed it for that request."""
         cache = self.cache
         if cache is None:
             return []
@@ -394,8 +403,15 @@ class KVManager:
             page = self._take(CACHE_OWNER, 1)[0]   # held (refs 1) until the end: not evicted by the next take
             cache.insert(page, h)
             adopted.append((i, page))
+            self._adopted[page] = h
         cache.release([p for _, p in adopted], self.now)
         return adopted
+
+    def _first_links(self, pages: list[int]) -> int:
+        """Of ``pages`` (device pages a request now lists), how many ``adopt`` cached
+        and no request listed since; they leave the adopted books."""
+        adopted, hash_of = self._adopted, self.cache.hash_of
+        return sum(1 for p in pages if adopted.pop(p, None) is hash_of[p])   # (else a stale entry: page reused)
 
     # ---------------------------------------------------------------- holders
     def hold_paused(self, request: Request) -> None:
@@ -449,6 +465,8 @@ class KVManager:
         self._swapped_runs.pop(request.request_id, None)
         if hits:
             cache.acquire(hits)
+            if self._adopted:
+                self._first_links(hits)
             self.relinked_swap_pages += len(hits)
         request.device_pages = hits + self._take(request.request_id, n - len(hits))
         request.num_shared_pages = len(hits)

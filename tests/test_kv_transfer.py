@@ -50,9 +50,13 @@ def test_moved_pages_are_used_and_give_the_same_tokens(engines):
     pages = decode.scheduler.kv.cache.match(hashes)
     np.testing.assert_array_equal(decode.executor.read_pages(pages), kv)
     assert import_pages(decode, hashes, kv) == 0                         # already cached: nothing written
-    hits_before = decode.scheduler.kv.cache.hit_tokens
+    cache = decode.scheduler.kv.cache
+    hits_before, queries_before = cache.hit_tokens, cache.query_tokens
     assert _run(decode, "d", 12) == expected
-    assert decode.scheduler.kv.cache.hit_tokens - hits_before == 64       # the moved pages, not recomputed
+    assert cache.query_tokens - queries_before == len(PROMPT)
+    assert cache.hit_tokens == hits_before   # moved pages are linked, not recomputed, but are no cache hit
+    assert _run(decode, "d-again", 12) == expected
+    assert cache.hit_tokens - hits_before == 64   # the same prompt again: its pages were cached before it
 
 
 def test_only_the_pages_the_receiver_lacks_move(engines):
@@ -70,7 +74,7 @@ def test_only_the_pages_the_receiver_lacks_move(engines):
     assert cached_pages(decode, prompt) == (4, 4)
     hits_before = decode.scheduler.kv.cache.hit_tokens
     assert _run_prompt(decode, "d2", prompt, 8) == expected
-    assert decode.scheduler.kv.cache.hit_tokens - hits_before == 64
+    assert decode.scheduler.kv.cache.hit_tokens - hits_before == 32   # turn 1's pages; the moved ones are no hit
     assert export_pages(prefill, prompt, skip=4) == ([], None)            # the receiver holds them all
 
 
