@@ -2,12 +2,12 @@
 
 from jaxserve.config import EngineConfig
 from jaxserve.constraints import StructuredOutput
-from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
+from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tools import Tool
 
 __all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "ApiCall", "ApiCallOutput",
-           "RequestOutput", "StructuredOutput", "Tool"]
+           "RequestOutput", "StructuredOutput", "TokenLogprob", "Tool"]
 
 
 def __getattr__(name: str):

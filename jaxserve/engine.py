@@ -237,6 +237,8 @@ class LLMEngine:
             parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else \
             (self.config.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**32
+        if params.logprobs is not None and self.config.num_processes > 1:
+            raise ValueError(f"logprobs: not supported across hosts (num_processes={self.config.num_processes}) yet")
         stop_ids = self._stop_ids(params)
         if grammar is not None and grammar.ends_with_eos:
             stop_ids -= self.eos_token_ids   # its EOS ends the turn of calls (a pause), not the request
@@ -244,7 +246,7 @@ class LLMEngine:
             request_id, arrival_time if arrival_time is not None else now, prompt_len=len(ids),
             max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,
             predictions=dict(predictions or {}), token_ids=list(ids), stop_token_ids=frozenset(stop_ids),
-            sampling_params=params, seed=seed,
+            sampling_params=params, seed=seed, logprobs=None if params.logprobs is None else [],
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar)
@@ -454,7 +456,8 @@ class LLMEngine:
                              token_ids=list(generated), text=text, delta_token_ids=new_ids,
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
                              tool_calls=[dict(c) for c in tool_calls], error=request.error, metrics=metrics,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens,
+                             logprobs=None if request.logprobs is None else list(request.logprobs))
 
     # ------------------------------------------------------------ helpers
     def next_wakeup(self) -> float | None:

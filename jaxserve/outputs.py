@@ -45,6 +45,18 @@ class ApiCallOutput:
     truncated: bool = False        # the result was cut to fit (jaxserve.tools.truncate_tool_result)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability (natural log, under the model's own
+    distribution: ``SamplingParams.logprobs``) and ``top``: the most likely tokens
+    ``(token id, log-probability)``, most likely first (as many as asked; ties in
+    the order the device's top-k gives)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """Cumulative state of one request, plus what is new since the last output.
@@ -56,7 +68,8 @@ class RequestOutput:
     engine failed this request alone, ``error`` says why; ``AsyncEngine``
     raises it to the caller) or None while running. ``num_cached_tokens``: prompt tokens
     whose KV came from the prefix cache when the request was first scheduled
-    (whole pages).
+    (whole pages). ``logprobs``: with ``SamplingParams.logprobs``, one
+    ``TokenLogprob`` per entry of ``token_ids`` (else None).
     """
 
     request_id: str
@@ -71,6 +84,7 @@ class RequestOutput:
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

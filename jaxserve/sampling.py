@@ -69,3 +69,14 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 def sample_masked(logits: jax.Array, bitmask: jax.Array, params: SamplingArrays) -> jax.Array:
     """``sample`` over the tokens ``bitmask`` allows (greedy: the best allowed token)."""
     return sample(apply_token_bitmask(logits, bitmask), params)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The model's log-probabilities for ``tokens [S]`` under ``logits [S, V]``
+    (log-softmax, float32) and each row's ``num_top`` most likely tokens:
+    ``(sampled [S] float32, top ids [S, num_top] int32, top log-probabilities
+    [S, num_top] float32)``, most likely first."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    sampled = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_values, top_ids = jax.lax.top_k(logprobs, num_top)
+    return sampled, top_ids.astype(jnp.int32), top_values

@@ -14,6 +14,7 @@ INT32_MAX = 2**31 - 1
 MAX_TEMPERATURE = 100.0     # far above any useful value, far below float32's range
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_LOGPROBS = 20           # alternatives per token (OpenAI's top_logprobs limit; one compiled variant)
 
 
 @dataclass
@@ -27,6 +28,11 @@ class SamplingParams:
     ``structured`` constrains the output (JSON Schema, JSON object, forced tool
     call; see ``jaxserve.constraints``); a constraint that cannot be completed
     within ``max_tokens`` ends with ``finish_reason == "length"``.
+    ``logprobs`` (None: off) keeps, for every generated token, its
+    log-probability and the ``logprobs`` most likely tokens' (0 to
+    ``MAX_LOGPROBS``) under the model's own distribution: the log-softmax of
+    its logits, before temperature, top-k/top-p and any structured-output mask
+    (``RequestOutput.logprobs``).
     """
 
     max_tokens: int = 16
@@ -39,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +73,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise ValueError("structured must be a jaxserve.StructuredOutput")

@@ -132,11 +132,15 @@ class StepResult:
     ``token_ids[i]`` is the token sampled for ``plan.chunks[i]`` (read only for
     chunks that sample); ``None`` when the executor has no token ids (the
     simulator). ``elapsed_s`` is the step's duration when the executor computes it
-    (the simulator); 0 means the core measures it on its clock.
+    (the simulator); 0 means the core measures it on its clock. ``logprobs[i]``:
+    the log-probability record of that token (opaque here: the engine's
+    ``TokenLogprob``) for chunks whose request keeps them (``Request.logprobs``
+    not None), appended there with the token; ``None`` when no chunk's request does.
     """
 
     token_ids: Sequence[int] | None = None
     elapsed_s: float = 0.0
+    logprobs: Sequence | None = None
 
 
 class EventKind(enum.Enum):

@@ -112,6 +112,7 @@ class Request:
     tool_parser: object | None = None
     grammar: object | None = None           # structured-output state (kept across API pauses)
     pending_tool_calls: list[dict] = field(default_factory=list)   # client-side calls the caller must answer
+    logprobs: list | None = None            # one record per generated token when asked (``StepResult.logprobs``)
     max_computed_tokens: int = 0            # high-water mark of computed context (recompute accounting)
     reported_tokens: int = 0                # streamed so far: generated tokens, text characters
     reported_text: int = 0

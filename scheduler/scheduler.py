@@ -701,7 +701,7 @@ class Scheduler:
         tool calls need text, so the engine's front end applies those to
         ``TOKEN`` events.)"""
         self.kv.copies_done()
-        ids = result.token_ids
+        ids, logprobs = result.token_ids, result.logprobs
         if ids is not None and not isinstance(ids, list):
             ids = ids.tolist() if hasattr(ids, "tolist") else list(map(int, ids))   # Python ints, in one call
         running_state = RequestState.RUNNING
@@ -736,6 +736,8 @@ class Scheduler:
                 token = ids[i]
                 request.token_ids.append(token)
                 request.output_token_ids.append(token)
+                if logprobs is not None and request.logprobs is not None:
+                    request.logprobs.append(logprobs[i])
             produced.append((request, token))
         self._running_tokens += len(produced)
         events = []

@@ -35,6 +35,7 @@ from jaxserve.tools import Tool, normalize_tools
 from server.errors import APIError, from_value_error, install_handlers, sse_error_event
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
                                wait_or_disconnect)
+from server.logprobs import TokenSpellings, chat_logprobs, completion_logprobs
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
@@ -118,6 +119,7 @@ class ServerState:
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_pool_size) if engine.tokenizer is not None \
             else None
         self.spelling = Spelling(copy.deepcopy(self.tokenizers.template)) if self.tokenizers is not None else None
+        self.token_spellings = TokenSpellings(self.tokenizers.template) if self.tokenizers is not None else None
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
 
@@ -227,6 +229,8 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
     try:
         owner = _owner(request, body)
         jobs = await (_chat_jobs(state, body, owner) if chat else _completion_jobs(state, body))
+        if jobs[0].params.logprobs is not None:
+            await state.token_spellings.ready()
         merger = ChoiceMerger(state.engine, jobs)
         choices = [ChoiceState(i, job, new_timer(state.metrics, job, start),
                                hide_tool_markup=chat and job.parse_tool_calls, tool_format=state.tool_format)
@@ -367,7 +371,8 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
         return SamplingParams(max_tokens=limit, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                               seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
                               stop=list(body.stop or []), ignore_eos=body.ignore_eos,
-                              skip_special_tokens=body.skip_special_tokens, structured=structured)
+                              skip_special_tokens=body.skip_special_tokens, structured=structured,
+                              logprobs=body.num_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs)
     except ValueError as e:
         raise from_value_error(e, prompt_param) from None
 
@@ -479,11 +484,22 @@ def _full_response(state: ServerState, body, chat: bool, choices: list[ChoiceSta
                 message["content"] = c.text
             if c.tool_calls:
                 message["tool_calls"] = _tool_call_dicts(c)
-            out["choices"].append({"index": c.index, "message": message, "finish_reason": reason})
+            choice = {"index": c.index, "message": message, "finish_reason": reason}
         else:
-            out["choices"].append({"index": c.index, "text": c.text, "finish_reason": reason})
+            choice = {"index": c.index, "text": c.text, "finish_reason": reason}
+        if c.logprobs is not None:
+            choice["logprobs"] = _logprobs(state, chat, c, c.logprobs)
+        out["choices"].append(choice)
     out["usage"] = _usage(choices).dump()
     return out
+
+
+def _logprobs(state: ServerState, chat: bool, c: ChoiceState, records: list) -> dict:
+    """The OpenAI ``logprobs`` object of ``records``, the next of choice ``c``'s tokens."""
+    if chat:
+        return chat_logprobs(records, state.token_spellings)
+    obj, c.logprob_offset = completion_logprobs(records, state.token_spellings, c.logprob_offset)
+    return obj
 
 
 # --------------------------------------------------------------- streaming
@@ -519,8 +535,12 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
             index, out = item
             c = choices[index]
             text = c.on_output(out)
-            if text:
-                yield chunk({"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text})
+            logprobs = c.logprobs is not None and c.new_logprobs
+            if text or logprobs:
+                piece = {"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text}
+                if logprobs:
+                    piece["logprobs"] = _logprobs(state, chat, c, c.new_logprobs)
+                yield chunk(piece)
             if c.finish_reason is None:
                 continue
             for position, call in enumerate(c.tool_calls if chat else []):   # tool_calls[i] of the message

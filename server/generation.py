@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 from server.metrics import ResponseTimer, ServerMetrics
 from server.parked import ParkedContext
@@ -27,7 +27,7 @@ from jaxserve.tool_format import ToolFormat, get_format
 def sampling_key(params: SamplingParams) -> tuple:
     """The sampling settings a resumed continuation must share with the paused request."""
     return (params.temperature, params.top_k, params.top_p, params.seed, tuple(params.stop),
-            tuple(params.stop_token_ids), params.ignore_eos, params.skip_special_tokens)
+            tuple(params.stop_token_ids), params.ignore_eos, params.skip_special_tokens, params.logprobs)
 
 
 @dataclass
@@ -152,11 +152,17 @@ class ChoiceState:
     last: RequestOutput | None = None
     settled: bool = False        # a paused tool call was parked for the follow-up, or aborted
     tool_format: ToolFormat = field(default_factory=lambda: get_format("hermes"))
+    # With logprobs asked: one record per generated token of this response, and the last output's
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprob_offset: int = 0       # completions: characters of token text listed so far (text_offset)
     _filter: object | None = None   # the format's markup filter when hiding markup
 
     def __post_init__(self) -> None:
         if self.hide_tool_markup:
             self._filter = self.tool_format.markup_filter()
+        if self.job.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def text(self) -> str:
@@ -167,6 +173,9 @@ class ChoiceState:
         self.last = out
         self.timer.on_output(out, time.monotonic())
         self.completion_tokens += len(out.delta_token_ids)
+        if self.logprobs is not None:
+            self.new_logprobs = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs else []
+            self.logprobs += self.new_logprobs
         text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
         if out.finished:
             if self._filter:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling_params import INT32_MAX, MAX_STOP_CHARS
+from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_CHARS
 
 MAX_N = 16
 
@@ -128,7 +128,7 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: Union[Text, list[Text], list[TokenId], list[list[TokenId]]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # alternatives per token (0: the token's own)
     suffix: Text | None = None
     best_of: int | None = None   # refused above 1: one sample per choice is all this server draws
 
@@ -141,11 +141,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("must not be empty")
         return v
 
-    @field_validator("echo", "logprobs", "suffix", "best_of")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
-        unsupported = v is not None and v != 1 if info.field_name == "best_of" else \
-            v or (info.field_name == "logprobs" and v is not None)   # logprobs 0 asks for the sampled token's
+        unsupported = v is not None and v != 1 if info.field_name == "best_of" else v
         if unsupported:
             raise ValueError("not supported")
         return v
@@ -215,15 +214,19 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:   # (top_logprobs 0 asks for nothing)
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed with logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: alternatives per token, or None when not asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

@@ -24,6 +24,7 @@ def prompt(n: int, seed: int) -> list[int]:
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(seed=-1), "seed"),
+    (dict(logprobs=-1), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -137,3 +137,33 @@ def test_float32_engine_multiplies_at_full_precision(dtype, every_product_exact)
     assert products
     wrong = [line.strip()[:300] for line in products if ("HIGHEST" in line) != every_product_exact]
     assert not wrong, wrong[:5]
+
+
+def test_logprobs_match_transformers_log_softmax(hf_checkpoints):
+    """Each generated token's logprob and its top alternatives are transformers' log-softmax
+    at that position (teacher-forced over the whole generated sequence), for a greedy and a
+    sampled row batched with a row that asks for none: the model's own distribution, not the
+    temperature-scaled one, and each row's records are its own."""
+    model, path = hf_checkpoints["llama"]
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=64, max_num_batched_tokens=64, max_model_len=128,
+              check_invariants=True, warmup=False)
+    ids = prompts(3)[:3]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    assert outs[2].logprobs is None
+    for out, prompt, p in zip(outs[:2], ids, params):
+        assert len(out.logprobs) == len(out.token_ids) == 6
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0], dim=-1).numpy()
+        for i, (token, record) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = ref[len(prompt) - 1 + i]
+            assert record.token_id == token
+            np.testing.assert_allclose(record.logprob, row[token], atol=1e-4)
+            assert len(record.top) == p.logprobs
+            top_ids = [t for t, _ in record.top]
+            assert top_ids == np.argsort(-row, kind="stable")[:p.logprobs].tolist()
+            np.testing.assert_allclose([v for _, v in record.top], row[top_ids], atol=1e-4)
+        if p.temperature == 0.0:
+            assert all(r.top[0][0] == r.token_id for r in out.logprobs)   # greedy: the most likely token

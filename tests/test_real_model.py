@@ -175,10 +175,18 @@ def test_a_forced_turn_re_rendered_by_the_client_resumes_its_context(llm):
         assert rest.startswith(("\n<|im_start|>tool\nSunny" if parallel else "<|im_end|>\n<|im_start|>tool\nSunny")), rest
 
 
-def test_openai_client_chat_answer_is_english(gguf_path, tmp_path):
-    """The official ``openai`` client against ``jaxserve serve smollm2-135m`` in a subprocess."""
+def test_openai_client_chat_answer_is_english(gguf_path, tmp_path, llm):
+    """The official ``openai`` client against ``jaxserve serve smollm2-135m`` in a subprocess;
+    logprobs: a completion's as the in-process engine computes them (which match transformers:
+    tests/test_engine_parity.py), a chat's in OpenAI's shape, streamed as not."""
     import openai
     from conftest_server import ServerProcess
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    text = llm.tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    expected = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        max_tokens=24, temperature=0.0, logprobs=3))[0]   # (also puts the logprobs step in the compile cache)
 
     # The module engine's sizes, so the step shapes it compiled come from JAX's persistent cache.
     server = ServerProcess("smollm2-135m", ["--max-model-len", "512", "--num-pages", "64", "--page-size", "16",
@@ -194,6 +202,40 @@ def test_openai_client_chat_answer_is_english(gguf_path, tmp_path):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop" and choice.message.role == "assistant"
         assert choice.message.content.strip() == "The capital of France is Paris."
+        assert choice.logprobs is None
+
+        completion = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=24, temperature=0,
+                                               logprobs=3).choices[0]
+        assert completion.text == expected.text
+        assert completion.logprobs.tokens[-1] == "<|im_end|>"   # the end of the turn is listed too
+        assert "".join(completion.logprobs.tokens[:-1]) == completion.text
+        assert completion.logprobs.text_offset[-1] == len(completion.text)
+        assert len(completion.logprobs.token_logprobs) == len(expected.logprobs)
+        for got, top, record in zip(completion.logprobs.token_logprobs, completion.logprobs.top_logprobs,
+                                    expected.logprobs):
+            assert abs(got - record.logprob) < 1e-4
+            assert len(top) == 3 and max(top.values()) == pytest.approx(record.top[0][1], abs=1e-4)
+
+        with_logprobs = client.chat.completions.create(
+            model="smollm2-135m", messages=question, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+        choice = with_logprobs.choices[0]
+        assert choice.message.content == reply.choices[0].message.content
+        content = choice.logprobs.content
+        assert len(content) == with_logprobs.usage.completion_tokens
+        assert "".join(t.token for t in content[:-1]) == choice.message.content   # each token's own text
+        assert content[-1].token == "<|im_end|>"
+        for item in content:
+            assert bytes(item.bytes).decode() == item.token and item.logprob <= 0
+            assert [t.token for t in item.top_logprobs][0] == item.token   # greedy: the most likely one
+            assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs),
+                                                                    reverse=True)
+            assert len(item.top_logprobs) == 3
+        streamed = [chunk.choices[0].logprobs.content for chunk in client.chat.completions.create(
+            model="smollm2-135m", messages=question, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3,
+            stream=True) if chunk.choices and chunk.choices[0].logprobs is not None]
+        assert [t.model_dump() for part in streamed for t in part] == [t.model_dump() for t in content]
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model="smollm2-135m", messages=question, top_logprobs=2)
         assert "Traceback" not in server.log_tail() and "WARNING" not in server.log_tail()
     finally:
         server.stop()

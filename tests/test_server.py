@@ -181,6 +181,28 @@ def test_completions_non_streaming_and_streaming_agree(demo):
         assert_no_nulls(c)
 
 
+def test_completion_logprobs_streamed_as_not_and_per_choice(demo):
+    """Legacy completions ``logprobs``: one entry per generated token, ``text_offset`` into
+    the choice's text, each choice its own; the stream's pieces add up to the whole."""
+    body = {"model": "demo", "prompt": "Hello, world!", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "n": 2}
+    full = demo.post("/v1/completions", json=body).json()
+    first, second = (c["logprobs"] for c in full["choices"])
+    assert first == second   # greedy: both choices the same tokens
+    assert len(first["tokens"]) == len(first["token_logprobs"]) == len(first["top_logprobs"]) == 8
+    assert first["text_offset"] == [sum(map(len, first["tokens"][:i])) for i in range(8)]
+    for token_logprob, top in zip(first["token_logprobs"], first["top_logprobs"]):
+        assert len(top) <= 2 and token_logprob == max(top.values()) <= 0   # greedy: the likeliest token
+    plain = demo.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert "logprobs" not in plain and plain["text"] == full["choices"][0]["text"]
+    pieces = [e["choices"][0] for e in stream(demo, "/v1/completions", {**body, "n": 1})[:-1]]
+    streamed = {key: [v for p in pieces if "logprobs" in p for v in p["logprobs"][key]] for key in first}
+    # (the same tokens; the values to float32 rounding: the repeat's prompt comes from the prefix cache)
+    assert streamed["tokens"] == first["tokens"] and streamed["text_offset"] == first["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(first["token_logprobs"], abs=1e-5)
+    assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in first["top_logprobs"]]
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text(demo):
     """The demo model writes its special tokens (``<|im_end|>``...) now and then when told to
     ignore EOS: the default text leaves them out, ``skip_special_tokens: false`` keeps them."""
@@ -337,7 +359,7 @@ def test_malformed_json_and_schema_errors_are_400_naming_the_field(demo):
     for body, param in cases:
         assert_error(demo.post("/v1/chat/completions", json=body), 400, param=param)
     assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": ""}), 400, param="prompt")
-    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": "x", "logprobs": 2}), 400,
+    assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": "x", "logprobs": 21}), 400,
                  param="logprobs")
     # token ids outside the vocabulary: the engine's ValueError, mapped to the field
     assert_error(demo.post("/v1/completions", json={"model": "demo", "prompt": [10**6]}), 400, param="prompt")

@@ -342,18 +342,32 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/completions", "logprobs", 0), ("/v1/completions", "best_of", 2),
-    ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "top_logprobs", 2),
-    ("/v1/chat/completions", "logit_bias", {"50": -100})])
+    ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "logit_bias", {"50": -100})])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
     """Fields this server does not implement but that change what a client gets back
-    (logprobs, best_of, logit_bias) are 400s naming the field, never silently dropped."""
+    (echo, best_of, logit_bias) are 400s naming the field, never silently dropped."""
     body = {"model": "m", field: value, **({"prompt": "hi"} if "chat" not in path
                                            else {"messages": [{"role": "user", "content": "hi"}]})}
     with _client(_ScriptedEngine()) as client:
         error = _error(client.post(path, json=body), 400)
         assert error["param"] == field and "not supported" in error["message"]
         assert error["message"].count(field) == 1, error["message"]   # "logprobs: logprobs are..." read twice
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs")])
+def test_bad_logprobs_fields_are_400s_naming_the_field(path, body, field):
+    """At most 20 alternatives (OpenAI's limit), top_logprobs only with logprobs: true, and
+    chat's logprobs a boolean."""
+    with _client(_ScriptedEngine()) as client:
+        error = _error(client.post(path, json={"model": "m", **body}), 400)
+        assert error["param"] == field, error
 
 
 def test_a_model_is_retrieved_by_its_name():

@@ -92,19 +92,29 @@ def test_json_schema_answers_validate_greedy_and_sampled_in_one_batch(llm):
 
 def test_both_mask_paths_give_the_same_tokens(llm):
     """The mask filled before one step program (the CPU path) and filled while the forward
-    runs, sampled by a second program (the accelerator path): same tokens, greedy and seeded."""
+    runs, sampled by a second program (the accelerator path): same tokens, greedy and seeded,
+    and the same logprobs, which are the model's own, before the mask."""
     executor = llm.engine.executor
-    params = [SamplingParams(max_tokens=60, temperature=t, seed=3, structured=StructuredOutput.json(PERSON))
-              for t in (0.0, 1.0)]
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=3, structured=StructuredOutput.json(PERSON),
+                             logprobs=2 if t else None) for t in (0.0, 1.0)]
     default = executor.overlap_mask_fill
-    answers = {}
+    answers, logprobs = {}, {}
     try:
         for overlap in (False, True):
             executor.overlap_mask_fill = overlap
-            answers[overlap] = [o.token_ids for o in llm.generate(["Who?", "Who?"], params)]
+            outs = llm.generate(["Who?", "Who?"], params)
+            answers[overlap] = [o.token_ids for o in outs]
+            logprobs[overlap] = outs[1].logprobs
+            assert outs[0].logprobs is None
     finally:
         executor.overlap_mask_fill = default
     assert answers[False] == answers[True]
+    assert [r.token_id for r in logprobs[True]] == answers[True][1]
+    for a, b in zip(logprobs[False], logprobs[True]):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    # Unmasked: the likeliest tokens may be ones the grammar forbids, so some sampled token is not among them.
+    assert any(r.token_id not in [t for t, _ in r.top] for r in logprobs[False])
 
 
 def test_unconstrained_neighbours_are_untouched(llm):

@@ -62,6 +62,20 @@ def test_logits_within_1e_4_of_tp1_at_every_step(kind, tp_runs):
 NEW_STEPS = 12    # tp_cases.NEW_TOKENS: at least one step per generated token
 
 
+def test_logprobs_within_1e_4_of_tp1_with_vocabulary_sharded_logits(tp_runs):
+    """The log-softmax and top-k over logits whose vocabulary is split across devices
+    (gathered first), at every TP degree and under preemption."""
+    base = tp_runs["runs"]["llama-tp1"]["logprobs"]
+    assert len(base) == NEW_STEPS and all(len(top) == 3 for _, _, top in base)
+    for name in [f"llama-tp{tp}" for tp in TP_DEGREES[1:]] + ["llama-tp4-tight"]:
+        got = tp_runs["runs"][name]["logprobs"]
+        assert [r[0] for r in got] == [r[0] for r in base], name
+        assert [[t for t, _ in r[2]] for r in got] == [[t for t, _ in r[2]] for r in base], name
+        np.testing.assert_allclose([r[1] for r in got], [r[1] for r in base], atol=1e-4, rtol=0, err_msg=name)
+        np.testing.assert_allclose([[v for _, v in r[2]] for r in got], [[v for _, v in r[2]] for r in base],
+                                   atol=1e-4, rtol=0, err_msg=name)
+
+
 def test_tight_pool_preempts_and_stays_exact(tp_runs):
     run = tp_runs["runs"]["llama-tp4-tight"]
     assert run["preemptions"] > 0

@@ -44,8 +44,10 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def run(path: Path, tp: int, num_pages: int, api_calls=None, handling: str | None = None) -> dict:
-    """Step an engine by hand over ``prompts()``; record tokens, each step's logits and counters."""
+def run(path: Path, tp: int, num_pages: int, api_calls=None, handling: str | None = None,
+        logprobs: int | None = None) -> dict:
+    """Step an engine by hand over ``prompts()``; record tokens, each step's logits and counters
+    (and with ``logprobs``, the first request's, which asks for them: ``[token, logprob, top]``)."""
     from jaxserve import LLMEngine, SamplingParams
 
     cpu_start = time.process_time()
@@ -54,16 +56,20 @@ def run(path: Path, tp: int, num_pages: int, api_calls=None, handling: str | Non
                        check_invariants=True, handling=handling, swap_budget_tokens=16)
     params = SamplingParams(max_tokens=NEW_TOKENS, **GREEDY)
     for i, ids in enumerate(prompts()):
-        engine.add_request(f"r{i}", prompt_token_ids=ids, sampling_params=params,
+        engine.add_request(f"r{i}", prompt_token_ids=ids, sampling_params=params if i or logprobs is None else
+                           SamplingParams(max_tokens=NEW_TOKENS, logprobs=logprobs, **GREEDY),
                            api_calls=None if api_calls is None else api_calls[i])
     tokens: dict[str, list[int]] = {}
     logits = []
+    records = None
     while engine.has_unfinished():
         outs = engine.step()
         if engine.last_logits is not None and outs:
             logits.append(np.asarray(engine.last_logits).tolist())
         for out in outs:
             tokens.setdefault(out.request_id, []).extend(out.delta_token_ids)
+            if out.request_id == "r0" and out.logprobs is not None:
+                records = [[r.token_id, r.logprob, [list(t) for t in r.top]] for r in out.logprobs]
         if not outs:
             time.sleep(0.001)      # an API call in flight
     executor = engine.executor
@@ -74,7 +80,7 @@ def run(path: Path, tp: int, num_pages: int, api_calls=None, handling: str | Non
                   host_memory_kind=executor.host_sharding.memory_kind,
                   host_chunk_spec=str(executor.host_sharding.spec),
                   free_pages=engine.scheduler.kv.num_free_device, num_pages=engine.scheduler.device_pool.num_pages,
-                  cpu_s=time.process_time() - cpu_start)
+                  logprobs=records, cpu_s=time.process_time() - cpu_start)
     engine.shutdown()
     return result
 
@@ -90,9 +96,9 @@ def main(out_path: str) -> None:
             model.save_pretrained(path)
             results["references"][kind] = [hf_greedy(model, p) for p in prompts()]
             for tp in TP_DEGREES:
-                results["runs"][f"{kind}-tp{tp}"] = run(path, tp, num_pages=64)
+                results["runs"][f"{kind}-tp{tp}"] = run(path, tp, num_pages=64, logprobs=3 if kind == "llama" else None)
         # 9 pages of 8 tokens for four requests of up to 42 tokens: preemption by recompute.
-        results["runs"]["llama-tp4-tight"] = run(Path(tmp) / "llama", 4, num_pages=9)
+        results["runs"]["llama-tp4-tight"] = run(Path(tmp) / "llama", 4, num_pages=9, logprobs=3)
         calls = [[ApiCall(2 + i, 0.01, [7, 8, 9][:i + 1], "x")] for i in range(len(PROMPT_LENS))]
         for tp, handling in ((1, "preserve"), (8, "swap"), (2, "swap")):
             results["runs"][f"qwen2-tp{tp}-{handling}"] = run(Path(tmp) / "qwen2", tp, num_pages=64,

@@ -206,7 +206,9 @@ class LeaderExecutor(ModelExecutor):
                 raise WorkerLostError(self.failure) from e
             raise
 
-    def forward(self, inputs: StepInputs):
+    def forward(self, inputs: StepInputs, bitmask=None, with_logprobs: bool = False):
+        if bitmask is not None or with_logprobs:   # (the engine refuses requests that would need them)
+            raise ValueError("the multi-host protocol broadcasts the plain step only")
         self._send(FORWARD, _forward_tree(inputs), (inputs.token_bucket, inputs.num_seqs))
         return super().forward(inputs)
 
