@@ -151,7 +151,10 @@ class AsyncEngine:
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(stream.get(), timeout=1.0)
+                    # Not ``asyncio.wait_for``: on Python 3.11 it returns the output and drops a cancel that
+                    # lands as the output arrives (CPython gh-86296): the request would run to its end.
+                    async with asyncio.timeout(1.0):
+                        out = await stream.get()
                 except asyncio.TimeoutError:
                     if not self.is_alive:   # e.g. a multi-host worker died while a step waits on it
                         done = True

@@ -115,7 +115,8 @@ class ChoiceMerger:
             elif self._open == 0:
                 return None
             else:
-                index, item = await asyncio.wait_for(self._queue.get(), timeout)
+                async with asyncio.timeout(timeout):   # (not ``wait_for``: see ``AsyncEngine._drain``)
+                    index, item = await self._queue.get()
             if item is _END:
                 self._open -= 1
                 continue

@@ -89,6 +89,43 @@ def test_cancel_after_the_add_command_ran_leaves_no_orphan(engine):
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("hops", [0, 1, 2, 3])
+def test_a_cancel_that_lands_as_an_output_arrives_still_aborts(engine, hops):
+    """A consumer cancelled ``hops`` event-loop turns after an output was put on its stream
+    (the server's non-streamed path cancels its reader at a moment unrelated to the outputs:
+    a client gone mid-generation). ``asyncio.wait_for`` on Python 3.11 returned that output
+    and dropped the cancel: the request ran to ``max_tokens``, the handler waiting for it."""
+    async def scenario():
+        rid = f"landing-{hops}"
+        outs = []
+
+        async def consume():
+            async for out in engine.generate(prompt="hello there", request_id=rid,
+                                             sampling_params=SamplingParams(max_tokens=200, ignore_eos=True)):
+                outs.append(out)
+        task = asyncio.ensure_future(consume())
+        while len(outs) < 3:
+            await asyncio.sleep(0.001)
+        loop = asyncio.get_running_loop()
+        queue = engine._streams[rid].queue
+        put = queue.put_nowait
+
+        def after(n, fn):
+            loop.call_soon(fn) if n == 0 else loop.call_soon(after, n - 1, fn)
+
+        def put_then_cancel(item):   # the engine thread's delivery of the next output
+            put(item)
+            queue.put_nowait = put
+            after(hops, task.cancel)
+        queue.put_nowait = put_then_cancel
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled(), f"the cancel was lost: {len(outs[-1].token_ids)} tokens, {outs[-1].finish_reason}"
+        assert not outs[-1].finished
+        await _wait_idle(engine)
+        assert engine.is_alive
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("point", ["waiting", "running", "paused", "swapping"])
 def test_cancellation_is_safe_at_every_point_of_a_request_life(engine, point):
     """Cancel requests while they wait for a slot, run, sit paused in an API call
