@@ -117,11 +117,6 @@ def test_markup_filter_leaves_ordinary_text_alone(name, text):
         assert "".join(filt.feed(p) for p in pieces(text, size)) + filt.flush() == text
 
 
-def test_markup_filter_hides_an_unfinished_marked_call():
-    filt = get_format("mistral").markup_filter()
-    assert filt.feed('ok [TOOL_CALLS][{"name": "x", "argu') + filt.flush() == "ok "
-
-
 def test_partial_suffix_is_the_longest_tail_that_starts_the_tag():
     """Checked against trying every length, on random texts and tags over a small alphabet."""
     import random
@@ -245,3 +240,91 @@ def test_markup_filter_shows_a_span_never_closed(size):
     text = "The tag <tool_call> starts a call."
     filt = get_format("hermes").markup_filter()
     assert "".join(filt.feed(p) for p in pieces(text, size)) + filt.flush() == text
+
+
+MARKED_CALL = {   # a call after prose, in the marked form of each JSON format
+    "mistral": PROSE["mistral"] + CALL_TEXT["mistral"],
+    "llama3_json": "Let me compute. <|python_tag|>" + CALL_TEXT["llama3_json"],
+}
+
+
+def _visible(name: str, text: str, sizes) -> tuple[str, list]:
+    """What the markup filter shows of ``text`` fed in pieces of ``sizes`` (cycled), and
+    the calls the parser reports for the same pieces."""
+    filt, parser = get_format(name).markup_filter(), get_format(name).parser()
+    out, calls, i, k = [], [], 0, 0
+    while i < len(text):
+        piece = text[i:i + sizes[k % len(sizes)]]
+        out.append(filt.feed(piece))
+        calls += parser.feed(piece)
+        i, k = i + len(piece), k + 1
+    return "".join(out) + filt.flush(), calls
+
+
+@pytest.mark.parametrize("name", sorted(MARKED_CALL))
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_json_markup_filter_shows_a_call_cut_off_mid_json(name, size):
+    """The output ended inside the call's JSON (finish by length): the parser reports no call,
+    so the filter shows the text as written at the end (it used to vanish)."""
+    text = MARKED_CALL[name]
+    marker = "[TOOL_CALLS]" if name == "mistral" else "<|python_tag|>"
+    after_marker = text.index(marker) + len(marker)
+    in_string = text.index(" and a") + 1   # just after the "}" inside the note string
+    for cut in (after_marker, after_marker + 1, after_marker + 5, in_string, len(text) - 1):
+        visible, calls = _visible(name, text[:cut], [size])
+        assert calls == [] and visible == text[:cut], cut
+
+
+@pytest.mark.parametrize("name, text", [
+    ("mistral", MARKED_CALL["mistral"]),
+    ("mistral", PROSE["mistral"] + PARALLEL_TEXT["mistral"]),
+    ("mistral", "Let me compute. [TOOL_CALLS][{bad json}]"),               # a malformed call: hidden too
+    ("llama3_json", MARKED_CALL["llama3_json"]),
+    ("llama3_json", 'Let me compute. <|python_tag|>{"nam": "x"}'),          # a malformed call: hidden too
+    ("llama3_json", '{"name": "x", "parameters": {}, "arguments": 5}'),     # "parameters" first, as the parser
+])
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_json_markup_filter_hides_a_complete_call_the_parser_reports(name, text, size):
+    visible, calls = _visible(name, text, [size])
+    assert calls and visible == ("Let me compute. " if "Let me" in text else "")
+
+
+@pytest.mark.parametrize("name, text, expect", [
+    ("mistral", f'Before. {CALL_TEXT["mistral"]} After. [TOOL_CALLS][{{"name": "b", "argu',
+     'Before.  After. [TOOL_CALLS][{"name": "b", "argu'),
+    ("llama3_json", f'Before. <|python_tag|>{CALL_TEXT["llama3_json"]} After. <|python_tag|>{{"name": "b"',
+     'Before.  After. <|python_tag|>{"name": "b"'),
+    ("llama3_json", f'{CALL_TEXT["llama3_json"]} After. {{"name": "b", "parameters": {{}}}} is quoted. {{"na',
+     ' After. {"name": "b", "parameters": {}} is quoted. {"na'),
+])
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_json_markup_filter_shows_text_before_and_after_a_call(name, text, expect, size):
+    """Only the complete call is hidden: prose before and after it is shown, and so is a
+    second call the output was cut in."""
+    visible, calls = _visible(name, text, [size])
+    assert [c.name for c in calls] == ["calculator"] and visible == expect
+
+
+@pytest.mark.parametrize("name, text, expect, n_calls", [
+    ("mistral", MARKED_CALL["mistral"], PROSE["mistral"], 1),
+    ("mistral", MARKED_CALL["mistral"][:-9], MARKED_CALL["mistral"][:-9], 0),
+    ("mistral", "ok [TOOL_CALLS]  ", "ok [TOOL_CALLS]  ", 0),
+    ("mistral", "Brackets [like this] and [TOOL_CALL are fine.", "Brackets [like this] and [TOOL_CALL are fine.", 0),
+    ("mistral", "[TOOL_CALLS] no json here", " no json here", 1),       # a malformed call (the marker alone)
+    ("llama3_json", CALL_TEXT["llama3_json"], "", 1),
+    ("llama3_json", CALL_TEXT["llama3_json"][:-9], CALL_TEXT["llama3_json"][:-9], 0),
+    ("llama3_json", MARKED_CALL["llama3_json"], "Let me compute. ", 1),
+    ("llama3_json", MARKED_CALL["llama3_json"][:-9], MARKED_CALL["llama3_json"][:-9], 0),
+    ("llama3_json", "<|python_tag|>print(6*7)", "<|python_tag|>print(6*7)", 0),   # no JSON: no call to the parser
+    ("llama3_json", '{"city": "Paris"} is JSON.', '{"city": "Paris"} is JSON.', 0),
+])
+def test_json_markup_filter_streams_small_deltas_as_one_feed(name, text, expect, n_calls):
+    """Deltas of 1-3 characters, split anywhere, show what one feed shows; what is hidden is
+    exactly what the parser reports as calls."""
+    import random
+
+    rng = random.Random(0)
+    splits = [[1], [2], [3], [1000]] + [[rng.randint(1, 3) for _ in range(len(text))] for _ in range(20)]
+    for sizes in splits:
+        visible, calls = _visible(name, text, sizes)
+        assert (visible, len(calls)) == (expect, n_calls), sizes

@@ -163,15 +163,26 @@ class JsonMarkupFilter:
     """Hide ``marker`` + the JSON value after it (Mistral ``[TOOL_CALLS][…]``,
     Llama 3 ``<|python_tag|>{…}``). With ``bare_at_turn_start`` a JSON object or
     list that opens a turn is held back too and hidden if it is a call or a list of
-    calls (Llama 3 writes its calls as bare JSON); JSON that is not is released."""
+    calls (Llama 3 writes its calls as bare JSON, arguments under ``args_keys``,
+    tried in order as the parser does); JSON that is not is released.
 
-    def __init__(self, marker: str, bare_at_turn_start: bool = False) -> None:
+    What is hidden is what the format's parser reports as a call. A span the text
+    ends inside, its JSON never closed, was no call (the model ran out of tokens, or
+    the brackets never balanced): it is shown at the end, as written, marker included.
+    A marker not followed by JSON is hidden when the parser reports it as a malformed
+    call (``marker_alone_is_call``, Mistral) and shown when it reports nothing (Llama 3)."""
+
+    def __init__(self, marker: str, bare_at_turn_start: bool = False, marker_alone_is_call: bool = True,
+                 args_keys: tuple[str, ...] = ("arguments", "parameters")) -> None:
         self.marker = marker
         self.bare = bare_at_turn_start
+        self.marker_alone_is_call = marker_alone_is_call
+        self.args_keys = args_keys
         self._pending = ""
         self._at_turn_start = bare_at_turn_start
         self._in_json = False     # _pending starts with the JSON of a span being decided
         self._bare_span = False   # that span opened a turn without a marker
+        self._marker_held = ""    # the marker of that span, held back with it ("" for a bare span)
 
     def feed(self, delta: str) -> str:
         """Next text delta in -> the part a chat client may see now."""
@@ -180,13 +191,15 @@ class JsonMarkupFilter:
         while self._pending:
             if self._in_json:
                 end = json_extent(self._pending, 0)
-                if end is None:
+                if end is None:          # the JSON may still close (a call) or never (no call): hold it
                     break
-                self._in_json = False
-                if end == -1:            # a marker not followed by JSON: only the marker is hidden
+                self._in_json, marker, self._marker_held = False, self._marker_held, ""
+                if end == -1:            # a marker not followed by JSON: the text after it is released
+                    if not self.marker_alone_is_call:
+                        out.append(marker)
                     continue
                 body, self._pending = self._pending[:end], self._pending[end:]
-                if self._bare_span and not _is_call_json(body):
+                if self._bare_span and not self._is_call_json(body):
                     out.append(body)     # plain JSON content, not a call
                 else:
                     self._at_turn_start = self.bare   # the call's result opens a new turn
@@ -204,7 +217,7 @@ class JsonMarkupFilter:
             if at != -1:
                 out.append(self._pending[:at])
                 self._pending = self._pending[at + len(self.marker):]
-                self._in_json, self._bare_span = True, False
+                self._in_json, self._bare_span, self._marker_held = True, False, self.marker
                 continue
             hold = partial_suffix(self._pending, self.marker)
             out.append(self._pending[:len(self._pending) - hold])
@@ -213,17 +226,18 @@ class JsonMarkupFilter:
         return "".join(out)
 
     def flush(self) -> str:
-        """At the end of the text: an unfinished marked call stays hidden, other held text is released."""
-        text = "" if self._in_json and not self._bare_span else self._pending
-        self._pending, self._in_json = "", False
+        """At the end of the text: release everything held. A call's JSON that never closed
+        was no call (the parser reports none), so it is shown as written, its marker included;
+        otherwise what is held is whitespace at a turn start, or the start of a marker."""
+        text = self._marker_held + self._pending
+        self._pending, self._marker_held, self._in_json, self._bare_span = "", "", False, False
         return text
 
-
-def _is_call_json(body: str) -> bool:
-    try:
-        return all(call.name for call in calls_from_json(json.loads(body), body))
-    except ValueError:
-        return False
+    def _is_call_json(self, body: str) -> bool:
+        try:
+            return all(call.name for call in calls_from_json(json.loads(body), body, self.args_keys))
+        except ValueError:
+            return False
 
 
 def chatml_tool_turns(texts: list[str]) -> str:

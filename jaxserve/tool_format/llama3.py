@@ -74,7 +74,9 @@ class Llama3Format(ToolFormat):
         return f'start: {call} | "[" {call} (", " {call})* "]"' if parallel else f"start: {call}"
 
     def markup_filter(self) -> JsonMarkupFilter:
-        return JsonMarkupFilter(PYTHON_TAG, bare_at_turn_start=True)
+        # (arguments looked up as the parser does; a tag not followed by JSON is no call to the parser: shown)
+        return JsonMarkupFilter(PYTHON_TAG, bare_at_turn_start=True, marker_alone_is_call=False,
+                                args_keys=("parameters", "arguments"))
 
     def wrap_results(self, texts: list[str], chat_template: str | None) -> str:
         if CHATML_START in (chat_template or ""):
