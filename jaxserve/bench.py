@@ -51,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: time per step without and with the learned length probe of DIR "
                              "(--predictor learned:DIR), interleaved, same prompts; 'random': a probe of the "
                              "trained shape with random weights for this model (the cost depends on shapes only)")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="generate rounds per engine with --length-probe")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="K",
+                        help="instead: time per engine step of the same generate without and with "
+                             "SamplingParams(logprobs=K) (0..20) on one engine, interleaved rounds")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="generate rounds per engine (per side with --logprobs) with --length-probe or --logprobs")
     parser.add_argument("--probe-calls", type=positive_int, default=60,
                         help="interleaved calls per engine of the jitted step alone with --length-probe")
     # The benchmark sizes these from its own prompts and shape.
@@ -226,6 +230,49 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
             "same_tokens": outputs["with"] == outputs["without"]}
 
 
+def run_logprobs_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
+    """Cost of log-probabilities: one engine generates ``prompts`` greedily without and
+    with ``SamplingParams(logprobs=args.logprobs)``, ``args.rounds`` rounds each,
+    interleaved with the order flipped every round (both sides warmed first: every
+    step shape of both variants compiled, every prompt in the prefix cache as in each
+    round). Wall and process-CPU seconds per engine step; the overhead is the median
+    of the paired ratios (round i with / round i without)."""
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(config=EngineConfig.from_cli(args, model=model_dir, max_num_seqs=max(len(prompts), 1),
+                                           max_model_len=args.prompt_len + args.max_tokens + args.page_size,
+                                           load_format=load_format))
+    params = {"without": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
+              "with": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                                     logprobs=args.logprobs)}
+    for p in params.values():
+        for _ in range(2):
+            llm.generate(prompt_token_ids=prompts, sampling_params=p)
+    rounds = {k: ([], []) for k in params}
+    outputs = {}
+    order = list(params)
+    for _ in range(args.rounds):
+        for name in order:
+            steps0, wall0, cpu0 = llm.engine.stats.steps, time.perf_counter(), time.process_time()
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params[name])
+            steps = max(llm.engine.stats.steps - steps0, 1)
+            rounds[name][0].append((time.perf_counter() - wall0) / steps)
+            rounds[name][1].append((time.process_time() - cpu0) / steps)
+            outputs[name] = [o.token_ids for o in outs]
+        order.reverse()
+    llm.engine.shutdown()
+    return {"logprobs": args.logprobs, "rounds": args.rounds,
+            "engine_step_wall": _paired(rounds["with"][0], rounds["without"][0]),
+            "engine_step_cpu": _paired(rounds["with"][1], rounds["without"][1]),
+            "same_tokens": outputs["with"] == outputs["without"]}
+
+
+def _overhead_line(label: str, m: dict) -> str:
+    """One ``_paired`` result as a line: both medians and the overhead [interquartile range]."""
+    lo, hi = m["overhead_iqr"]
+    return (f"{label}: without {m['median_without_ms']:.3f} ms, with {m['median_with_ms']:.3f} ms, "
+            f"overhead {m['overhead']:+.2%} [{lo:+.2%}, {hi:+.2%}]")
+
+
 def run_transformers(model_dir: str | None, shape: dict | None, prompts: list[list[int]], args) -> dict:
     import torch
     import transformers as tf
@@ -279,7 +326,10 @@ def run_degrees(model_dir: str, prompts: list[list[int]], args, load_format: str
 def main(args: argparse.Namespace) -> int:
     import jax
 
+    from jaxserve.sampling_params import MAX_LOGPROBS
     from jaxserve.weights import resolve_dtype
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise SystemExit(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     args.dtype = resolve_dtype(args.dtype)   # ("auto": both engines run, and the report names, the real one)
     rng = np.random.default_rng(0)
     shape = SHAPES.get(args.shape)
@@ -287,19 +337,26 @@ def main(args: argparse.Namespace) -> int:
         model_dir, load_format, vocab = str(shape_checkpoint(shape)), "dummy", shape["vocab_size"]
     else:
         from jaxserve.model_source import resolve_model
+        from jaxserve.weights import read_config
         model_dir, load_format = str(resolve_model(args.model)), "safetensors"
-        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        vocab = read_config(Path(model_dir)).vocab_size   # (a checkpoint directory or a .gguf file)
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
+    if args.logprobs is not None:
+        cost = run_logprobs_cost(model_dir, prompts, args, load_format)
+        print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, "
+              f"logprobs={args.logprobs}; overhead = median of paired ratios with/without - 1 [interquartile range]")
+        print(_overhead_line(f"engine step, wall ({args.rounds} interleaved generate rounds)", cost["engine_step_wall"]))
+        print(_overhead_line(f"engine step, CPU ({args.rounds} interleaved generate rounds)", cost["engine_step_cpu"]))
+        print(f"same tokens: {cost['same_tokens']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(cost, indent=2))
+        return 0
     if args.length_probe:
         cost = run_probe_cost(model_dir, prompts, args, load_format)
         print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, probe "
               f"{cost['probe']}; overhead = median of paired ratios with/without - 1 [interquartile range]")
-
-        def line(label: str, m: dict) -> str:
-            lo, hi = m["overhead_iqr"]
-            return (f"{label}: without {m['median_without_ms']:.3f} ms, with {m['median_with_ms']:.3f} ms, "
-                    f"overhead {m['overhead']:+.2%} [{lo:+.2%}, {hi:+.2%}]")
+        line = _overhead_line
         rows, calls = cost["jitted_rows"], args.probe_calls
         print(line(f"engine step, wall ({args.rounds} interleaved generate rounds)", cost["engine_step_wall"]))
         print(line(f"engine step, CPU ({args.rounds} interleaved generate rounds)", cost["engine_step_cpu"]))

@@ -57,3 +57,39 @@ def test_shape_checkpoints_are_one_directory_per_shape(tmp_path, monkeypatch):
     assert json.loads((other / "config.json").read_text())["num_hidden_layers"] == 2
     assert first.parent == tmp_path and [p.name for p in first.iterdir()] == ["config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+
+
+def test_logprobs_cost_reports_paired_figures_and_same_tokens(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "cost.json"
+    args = parser.parse_args(["--logprobs", "3", "--num-prompts", "4", "--prompt-len", "8", "--max-tokens", "4",
+                              "--rounds", "2", "--json", str(out)])
+    assert bench.main(args) == 0
+    cost = json.loads(out.read_text())
+    assert cost["same_tokens"] is True and cost["logprobs"] == 3   # logprobs never change what is generated
+    for key in ("engine_step_wall", "engine_step_cpu"):
+        m = cost[key]
+        assert m["median_without_ms"] > 0 and m["median_with_ms"] > 0
+        lo, hi = m["overhead_iqr"]
+        assert lo <= m["overhead"] <= hi
+
+
+def test_bad_logprobs_and_a_gguf_model_are_handled_before_loading(monkeypatch):
+    """``--logprobs 21`` is refused before anything loads; a ``.gguf`` model (the built-in
+    ``smollm2-135m``) has its vocabulary read from the file, not from a config.json beside it."""
+    import pytest
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--logprobs"):
+        bench.main(parser.parse_args(["--logprobs", "21"]))
+    class Stop(Exception):
+        pass
+
+    def stop_before_loading(model_dir, prompts, *args, **kwargs):
+        raise Stop(max(max(p) for p in prompts))
+    monkeypatch.setattr(bench, "run_jaxserve", stop_before_loading)
+    with pytest.raises(Stop) as stopped:
+        bench.main(parser.parse_args(["--model", "smollm2-135m", "--num-prompts", "64"]))
+    assert 3 <= stopped.value.args[0] < 49152   # prompts drawn from SmolLM2's vocabulary
