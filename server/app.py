@@ -498,8 +498,7 @@ def _logprobs(state: ServerState, chat: bool, c: ChoiceState, records: list) -> 
     """The OpenAI ``logprobs`` object of ``records``, the next of choice ``c``'s tokens."""
     if chat:
         return chat_logprobs(records, state.token_spellings)
-    obj, c.logprob_offset = completion_logprobs(records, state.token_spellings, c.logprob_offset)
-    return obj
+    return completion_logprobs(records, state.token_spellings, c.text_offsets)
 
 
 # --------------------------------------------------------------- streaming

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
+from server.logprobs import TextOffsets
 from server.metrics import ResponseTimer, ServerMetrics
 from server.parked import ParkedContext
 from jaxserve.tool_format import ToolFormat, get_format
@@ -156,7 +157,7 @@ class ChoiceState:
     # With logprobs asked: one record per generated token of this response, and the last output's
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    logprob_offset: int = 0       # completions: characters of token text listed so far (text_offset)
+    text_offsets: TextOffsets | None = None   # completions: where each token starts in the text
     _filter: object | None = None   # the format's markup filter when hiding markup
 
     def __post_init__(self) -> None:
@@ -164,6 +165,7 @@ class ChoiceState:
             self._filter = self.tool_format.markup_filter()
         if self.job.params.logprobs is not None:
             self.logprobs = []
+            self.text_offsets = TextOffsets(self.job.params.skip_special_tokens)
 
     @property
     def text(self) -> str:

@@ -143,17 +143,19 @@ def test_logprobs_match_transformers_log_softmax(hf_checkpoints):
     """Each generated token's logprob and its top alternatives are transformers' log-softmax
     at that position (teacher-forced over the whole generated sequence), for a greedy and a
     sampled row batched with a row that asks for none: the model's own distribution, not the
-    temperature-scaled one, and each row's records are its own."""
+    temperature-scaled one, and each row's records are its own. The greedy row's 41-token
+    prompt is computed in chunks of a 16-token budget, beside rows that decode, so steps mix
+    chunks that sample and chunks that do not."""
     model, path = hf_checkpoints["llama"]
-    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=64, max_num_batched_tokens=64, max_model_len=128,
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=64, max_num_batched_tokens=16, max_model_len=128,
               check_invariants=True, warmup=False)
-    ids = prompts(3)[:3]
-    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5),
-              SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    ids = [prompts(3)[1], prompts(3)[0], prompts(3)[5]]   # 9, 3 and 41 tokens: the last one admitted last
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)]
     outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
-    assert outs[2].logprobs is None
-    for out, prompt, p in zip(outs[:2], ids, params):
+    assert outs[1].logprobs is None
+    for out, prompt, p in [(outs[0], ids[0], params[0]), (outs[2], ids[2], params[2])]:
         assert len(out.logprobs) == len(out.token_ids) == 6
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0], dim=-1).numpy()

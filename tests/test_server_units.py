@@ -399,3 +399,58 @@ def test_chat_shows_tool_markup_the_model_quoted(tool_choice):
             {"role": "user", "content": "Repeat: The tag <tool_call> starts a call."}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == _OneAnswerEngine.text
+
+
+@pytest.fixture(scope="module")
+def smollm2_spellings():
+    from jaxserve.model_source import load_tokenizer, smollm2_path
+    from server.logprobs import TokenSpellings
+
+    tokenizer = load_tokenizer(smollm2_path())
+    spell = TokenSpellings(tokenizer)
+    asyncio.run(spell.ready())
+    return tokenizer, spell
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_completion_logprobs_text_offsets_follow_the_text_through_split_characters(smollm2_spellings, skip_special):
+    """SmolLM2 splits "😀" over two tokens (the first spelled " \\ufffd"): each token's offset is
+    where its text starts in the completion's text, fed in two stream pieces; a special
+    token counts nothing when the text leaves it out."""
+    from jaxserve.outputs import TokenLogprob
+    from server.logprobs import TextOffsets, completion_logprobs
+
+    tokenizer, spell = smollm2_spellings
+    ids = tokenizer.encode("héllo wörld 😀 ok<|im_end|> 日本", add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special)
+    records = [TokenLogprob(t, -1.0) for t in ids]
+    offsets = TextOffsets(skip_special)
+    pieces = [completion_logprobs(records[:5], spell, offsets), completion_logprobs(records[5:], spell, offsets)]
+    tokens = [t for p in pieces for t in p["tokens"]]
+    starts = [o for p in pieces for o in p["text_offset"]]
+    assert "\ufffd" in "".join(tokens) and "<|im_end|>" in tokens
+    assert starts == sorted(starts) and starts[-1] < len(text)
+    for token, start in zip(tokens, starts):
+        if "\ufffd" not in token and (token != "<|im_end|>" or not skip_special):
+            assert text[start:start + len(token)] == token, (token, start)
+    # A character the model never finished shows as U+FFFD before the next token's text.
+    broken = [ids[tokens.index(" \ufffd")], tokenizer.encode("The", add_special_tokens=False)[0]]
+    text = tokenizer.decode(broken)
+    starts = completion_logprobs([TokenLogprob(t, -1.0) for t in broken], spell, TextOffsets(True))["text_offset"]
+    assert text[starts[1]:] == "The" and starts[0] == 0
+
+
+def test_completion_top_logprobs_keep_the_likeliest_of_alike_spellings_and_the_sampled_token(smollm2_spellings):
+    """Two alternatives both spelled "\\ufffd" (parts of characters) keep the likelier value; the
+    sampled token is always a key (OpenAI's up to logprobs + 1), also with no alternatives."""
+    from jaxserve.outputs import TokenLogprob
+    from server.logprobs import TextOffsets, completion_logprobs
+
+    _, spell = smollm2_spellings
+    partial = [t for t in range(49152) if spell(t)[0] == "\ufffd"][:2]
+    the = next(t for t in range(49152) if spell(t)[0] == "The")
+    record = TokenLogprob(the, -3.0, ((partial[0], -0.5), (partial[1], -1.0)))
+    top = completion_logprobs([record], spell, TextOffsets(True))["top_logprobs"][0]
+    assert top == {"\ufffd": -0.5, "The": -3.0}
+    alone = completion_logprobs([TokenLogprob(the, -3.0)], spell, TextOffsets(True))["top_logprobs"][0]
+    assert alone == {"The": -3.0}

@@ -89,7 +89,7 @@ class ModelExecutorConfig:
     interpret: bool = False
     min_token_bucket: int = 8   # smallest token bucket compiled (see ``min_token_bucket_for``)
     min_page_bucket: int = 4    # narrowest page-table width compiled (pages per sequence)
-    keep_logits: bool = False   # also return the [S, vocab] logits (tests, debugging); costs memory
+    keep_logits: bool = False   # keep the last step's [S, vocab] logits (tests, debugging); costs memory
     cuda_graphs: bool = False   # GPU: step programs as CUDA graphs (``step_compiler_options``)
 
     @property
@@ -203,13 +203,13 @@ class ModelExecutor:
         options = step_compiler_options(platform, config.cuda_graphs)
         if config.cuda_graphs and options is None:
             log.warning("cuda_graphs is for GPUs: ignored on %s", platform)
-        # (static: the layout, and whether the step also gives log-probabilities: a second variant,
-        # compiled only when a batch has a row that asks for them)
-        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3, 5),
+        self._step = jax.jit(traced(self._step_fn), donate_argnums=(1,), static_argnums=(3,),
                              compiler_options=options)
         self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
                                 static_argnums=(3,), compiler_options=options)
         self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(3,), compiler_options=options)
+        # Log-probabilities: a small program of their own over the step's logits, so a request that
+        # asks compiles one program per row bucket, never a variant of every step shape mid-serving.
         self._logprobs = jax.jit(token_logprobs, static_argnums=(2,), compiler_options=options)
         # Structured output on CPU: the mask is filled before one step program. A second program per
         # step costs more there (a dispatch, the XLA thread pool woken again) than filling while the
@@ -222,7 +222,6 @@ class ModelExecutor:
         self.dispatch_s = 0.0
         self.device_wait_s = 0.0
         self.last_logits = None
-        self.last_logprobs = None   # the last step's ``token_logprobs`` device arrays when a row asked
         self.step_shapes: set[tuple[int, int]] = set()  # (token bucket, page-table width) run so far
         # Structured output (``jaxserve.structured.StructuredDecoding``, set by the engine): gives the
         # token bitmask of a batch's constrained rows; None, or no constrained row: the plain step.
@@ -243,22 +242,25 @@ class ModelExecutor:
         start = time.perf_counter()
         fill = self.constraints and self.constraints.bitmask_fn(   # rows that sample a token only
             [c.request.grammar if c.samples else None for c in plan.chunks], len(inputs.logits_indices))
+        device_tokens, logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
+        self.last_logits = logits if self.config.keep_logits else None
         with_logprobs = any(c.request.logprobs is not None for c in plan.chunks if c.samples)
-        device_tokens, self.last_logits = self.forward_masked(inputs, fill, with_logprobs) if fill else \
-            self.forward(inputs, with_logprobs=with_logprobs)
+        logprob_arrays = self._logprobs(logits, device_tokens, MAX_LOGPROBS) if with_logprobs else None
         waited = time.perf_counter()
         tokens = to_host(device_tokens)
-        logprobs = self._logprob_records(plan.chunks, tokens) if with_logprobs else None
+        logprobs = self._logprob_records(plan.chunks, tokens, logprob_arrays) if with_logprobs else None
         self.dispatch_s += waited - start
         self.device_wait_s += time.perf_counter() - waited
         if self.length_probe is not None:   # before update(): the predictions are for the segment this row starts
             self.length_probe.record(plan.chunks, self.last_length_bins)
         return StepResult(token_ids=tokens, logprobs=logprobs)
 
-    def _logprob_records(self, chunks: list[ScheduledChunk], tokens: np.ndarray) -> list[TokenLogprob | None]:
-        """``StepResult.logprobs`` from the step's ``last_logprobs``: a ``TokenLogprob`` for
-        each chunk that samples for a request keeping them, with as many alternatives as it asked."""
-        sampled, top_ids, top_values = (np.asarray(a) for a in jax.device_get(self.last_logprobs))
+    @staticmethod
+    def _logprob_records(chunks: list[ScheduledChunk], tokens: np.ndarray,
+                         arrays: tuple[jax.Array, jax.Array, jax.Array]) -> list[TokenLogprob | None]:
+        """``StepResult.logprobs`` from the step's ``token_logprobs`` ``arrays``: a ``TokenLogprob``
+        for each chunk that samples for a request keeping them, with as many alternatives as it asked."""
+        sampled, top_ids, top_values = (np.asarray(a) for a in jax.device_get(arrays))
         records: list[TokenLogprob | None] = [None] * len(chunks)
         for i, c in enumerate(chunks):
             if c.samples and c.request.logprobs is not None:
@@ -294,17 +296,16 @@ class ModelExecutor:
         """``_model_fn`` over the packed step inputs."""
         return self._model_fn(params, kv, unpack(packed, layout))
 
-    def _step_fn(self, params, kv, packed: jax.Array, layout: Layout, bitmask: jax.Array | None = None,
-                 with_logprobs: bool = False):
+    def _step_fn(self, params, kv, packed: jax.Array, layout: Layout, bitmask: jax.Array | None = None):
         """Forward + sample over the packed step inputs; under ``bitmask`` (int32 ``[S_b,
-        ceil(V / 32)]``) when given (a second compiled variant of the same program). With
-        ``with_logprobs``, also ``token_logprobs`` of the sampled tokens (``MAX_LOGPROBS`` top)."""
+        ceil(V / 32)]``) when given (a second compiled variant of the same program). The
+        logits come back too (the sampler reads them from memory anyway): kept with
+        ``keep_logits``, read by the log-probabilities program, else dropped at once."""
         arrays = unpack(packed, layout)
         logits, kv, bins = self._model_fn(params, kv, arrays)
         sampling = _sampling_arrays(arrays)
         tokens = sample(logits, sampling) if bitmask is None else sample_masked(logits, bitmask, sampling)
-        logprobs = token_logprobs(logits, tokens, MAX_LOGPROBS) if with_logprobs else None
-        return tokens, (logits if self.config.keep_logits else None), kv, bins, logprobs
+        return tokens, logits, kv, bins
 
     def _stage(self, inputs: StepInputs, sampling: bool = True) -> tuple[jax.Array, Layout]:
         """``step_arrays(inputs, sampling)`` packed and copied to the mesh in one transfer:
@@ -369,17 +370,14 @@ class ModelExecutor:
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
         return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks))
 
-    def forward(self, inputs: StepInputs, bitmask: np.ndarray | None = None,
-                with_logprobs: bool = False) -> tuple[jax.Array, jax.Array]:
+    def forward(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
-        ``(tokens [S_b], logits [S_b, V])`` (logits None unless ``keep_logits``). With
-        ``with_logprobs``, the sampled tokens' log-probabilities land in ``last_logprobs``."""
+        ``(tokens [S_b], logits [S_b, V])``."""
         self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
         packed, layout = self._stage(inputs)
         if bitmask is not None:
             bitmask = put_replicated(bitmask, self.mesh)
-        tokens, logits, self.kv, self.last_length_bins, self.last_logprobs = self._step(
-            self.params, self.kv, packed, layout, bitmask, with_logprobs)
+        tokens, logits, self.kv, self.last_length_bins = self._step(self.params, self.kv, packed, layout, bitmask)
         return tokens, logits
 
     def lower_step(self, inputs: StepInputs, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
@@ -399,21 +397,20 @@ class ModelExecutor:
         lowered.compile()
         return lowered_at - start, time.perf_counter() - lowered_at
 
-    def forward_masked(self, inputs: StepInputs, fill_bitmask: Callable[[], np.ndarray],
-                       with_logprobs: bool = False) -> tuple[jax.Array, jax.Array]:
+    def forward_masked(self, inputs: StepInputs,
+                       fill_bitmask: Callable[[], np.ndarray]) -> tuple[jax.Array, jax.Array]:
         """``forward`` with the sampler restricted by a token bitmask ``fill_bitmask() ->
         int32 [S_b, ceil(V / 32)]``. With ``overlap_mask_fill`` (accelerators): dispatch
         the forward, fill the mask on the host while the device computes (dispatch is
         asynchronous), then sample under it in a second program; otherwise (CPU) fill
         first and run the one step program with the mask."""
         if not self.overlap_mask_fill:
-            return self.forward(inputs, fill_bitmask(), with_logprobs)
+            return self.forward(inputs, fill_bitmask())
         logits = self.forward_logits(inputs)
         flat, layout = pack(inputs.sampling)
         bitmask, packed = put_replicated((fill_bitmask(), flat), self.mesh)
         tokens = self._sample_masked(logits, bitmask, packed, layout)
-        self.last_logprobs = self._logprobs(logits, tokens, MAX_LOGPROBS) if with_logprobs else None
-        return tokens, (logits if self.config.keep_logits else None)
+        return tokens, logits
 
     def forward_logits(self, inputs: StepInputs) -> jax.Array:
         """Dispatch the forward alone (no sampler); returns the device array ``logits

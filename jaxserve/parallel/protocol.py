@@ -206,9 +206,7 @@ class LeaderExecutor(ModelExecutor):
                 raise WorkerLostError(self.failure) from e
             raise
 
-    def forward(self, inputs: StepInputs, bitmask=None, with_logprobs: bool = False):
-        if bitmask is not None or with_logprobs:   # (the engine refuses requests that would need them)
-            raise ValueError("the multi-host protocol broadcasts the plain step only")
+    def forward(self, inputs: StepInputs):
         self._send(FORWARD, _forward_tree(inputs), (inputs.token_bucket, inputs.num_seqs))
         return super().forward(inputs)
 
