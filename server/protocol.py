@@ -1,6 +1,7 @@
 """Request and response bodies of the OpenAI-compatible routes (pydantic v2).
 
-Requests ignore unknown fields (clients send many); fields we know but do
+Requests ignore unknown fields (clients send many) and read a field sent as
+``null`` as its default (OpenAI types them "or null"); fields we know but do
 not implement are rejected when set to a non-default value, so a client is
 never silently given something other than what it asked for. Types are
 strict, as the OpenAI contract says, not Python's truthiness: ``"yes"`` is not
@@ -37,6 +38,13 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """A field sent as ``null`` takes its default, as OpenAI's API reads it (clients that
+        serialize every field send ``"logprobs": null``, ``"temperature": null``...)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Request):
@@ -219,7 +227,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed with logprobs: true")
         return self
 

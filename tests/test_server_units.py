@@ -361,6 +361,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs")])
 def test_bad_logprobs_fields_are_400s_naming_the_field(path, body, field):
     """At most 20 alternatives (OpenAI's limit), top_logprobs only with logprobs: true, and
@@ -399,6 +400,40 @@ def test_chat_shows_tool_markup_the_model_quoted(tool_choice):
             {"role": "user", "content": "Repeat: The tag <tool_call> starts a call."}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == _OneAnswerEngine.text
+
+
+class _LogprobsEngine(_OneAnswerEngine):
+    """Answers with two tokens and their log-probabilities when asked."""
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput, TokenLogprob
+        records = None if sampling_params.logprobs is None else [
+            TokenLogprob(65, -0.25, ((65, -0.25), (66, -2.0))[:sampling_params.logprobs]),
+            TokenLogprob(66, -0.5, ((66, -0.5), (65, -1.5))[:sampling_params.logprobs])]
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65, 66],
+                            text="bc", delta_token_ids=[65, 66], delta_text="bc", finish_reason="stop",
+                            logprobs=records)
+
+
+def test_null_fields_take_their_defaults_and_logprobs_come_back():
+    """Clients that serialize every field send ``null`` for the ones they leave alone (OpenAI
+    types them "or null"): each takes its default, ``"logprobs": null`` included. A
+    non-streamed answer with logprobs (built off the event loop) has OpenAI's shape."""
+    nulls = {"logprobs": None, "top_logprobs": None, "temperature": None, "top_p": None, "n": None,
+             "stream": None, "presence_penalty": None, "stop": None, "seed": None, "max_tokens": None}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi", "name": None}]}
+    engine = _LogprobsEngine()
+    b, c = (engine.tokenizer.decode([t]) for t in (65, 66))
+    with _client(engine, max_model_len=2048) as client:
+        r = client.post("/v1/chat/completions", json={**chat, **nulls})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "bc" and "logprobs" not in r.json()["choices"][0]
+        r = client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 1})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert [(item["token"], item["logprob"]) for item in content] == [(b, -0.25), (c, -0.5)]
+        assert [[t["token"] for t in item["top_logprobs"]] for item in content] == [[b], [c]]
+        assert content[0]["bytes"] == list(b.encode())
 
 
 @pytest.fixture(scope="module")
