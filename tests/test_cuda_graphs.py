@@ -37,8 +37,8 @@ def test_the_option_is_ignored_with_a_warning_off_a_gpu(caplog):
 
 def test_the_option_reaches_every_step_program(monkeypatch):
     """With the GPU's options forced on this CPU (XLA:CPU accepts them), an engine built with
-    ``cuda_graphs`` jits its three step programs (step, forward, masked sampler) with them,
-    and its steps compile and run."""
+    ``cuda_graphs`` jits its four step programs (step, forward, masked sampler, log-probabilities)
+    with them, and its steps compile and run."""
     gpu_options = step_compiler_options("gpu", True)
     monkeypatch.setattr(executor_module, "step_compiler_options",
                         lambda platform, cuda_graphs: step_compiler_options("gpu", cuda_graphs))
@@ -52,9 +52,9 @@ def test_the_option_reaches_every_step_program(monkeypatch):
               warmup=False, cuda_graphs=True)
     try:
         assert llm.engine.executor.config.cuda_graphs is True
-        assert passed.count(gpu_options) == 3, passed
+        assert passed.count(gpu_options) == 4, passed
         out = llm.generate(prompt_token_ids=[[5, 6, 7]],
-                           sampling_params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+                           sampling_params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1))
     finally:
         llm.engine.shutdown()
-    assert len(out[0].token_ids) == 3
+    assert len(out[0].token_ids) == len(out[0].logprobs) == 3
