@@ -149,6 +149,30 @@ def interleaved_step_times(runners: dict, batches: dict, calls: int) -> dict[str
     return times
 
 
+def interleaved_rounds(sides: dict, prompts: list[list[int]], rounds: int) -> tuple[dict, dict]:
+    """``rounds`` greedy ``generate`` rounds of ``prompts`` per side (``sides``: name ->
+    ``(LLM, SamplingParams)``), interleaved with the order flipped every round, after
+    two warm passes each (every step shape compiled; the second finds the prompts in the
+    prefix cache, as every round does). Returns ``(name -> ([wall s per engine step],
+    [CPU s per engine step]) by round, name -> the last round's token ids)``."""
+    for llm, params in sides.values():
+        for _ in range(2):
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    times: dict = {name: ([], []) for name in sides}
+    outputs: dict = {}
+    order = list(sides)
+    for _ in range(rounds):
+        for name in order:
+            llm, params = sides[name]
+            steps0, wall0, cpu0 = llm.engine.stats.steps, time.perf_counter(), time.process_time()
+            outputs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            steps = max(llm.engine.stats.steps - steps0, 1)
+            times[name][0].append((time.perf_counter() - wall0) / steps)
+            times[name][1].append((time.process_time() - cpu0) / steps)
+        order.reverse()
+    return times, outputs
+
+
 def _paired(with_s: list[float], without_s: list[float]) -> dict:
     """Median of each side and median of the paired ratios (call i with / call i without), minus 1."""
     ratios = [w / wo for w, wo in zip(with_s, without_s)]
@@ -185,21 +209,7 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
     engines = {"without": LLM(model_dir, **common),
                "with": LLM(model_dir, predictor=f"learned:{probe_dir}", **common)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for llm in engines.values():   # warm: compile every shape the rounds use
-        for _ in range(2):   # the second pass finds the prompts in the prefix cache, as every round does
-            llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    rounds = {k: ([], []) for k in engines}   # per round: (wall s per step, CPU s per step)
-    order = list(engines)
-    for _ in range(args.rounds):
-        for name in order:
-            llm = engines[name]
-            steps0, wall0, cpu0 = llm.engine.stats.steps, time.perf_counter(), time.process_time()
-            outputs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-            steps = max(llm.engine.stats.steps - steps0, 1)
-            rounds[name][0].append((time.perf_counter() - wall0) / steps)
-            rounds[name][1].append((time.process_time() - cpu0) / steps)
-        order.reverse()
+    rounds, outputs = interleaved_rounds({k: (llm, params) for k, llm in engines.items()}, prompts, args.rounds)
     runners = {k: llm.engine.executor for k, llm in engines.items()}
     buckets = runners["with"].config.token_buckets
     bucket = next((b for b in buckets if b >= len(prompts)), buckets[-1])
@@ -244,21 +254,7 @@ def run_logprobs_cost(model_dir: str, prompts: list[list[int]], args, load_forma
     params = {"without": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
               "with": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                                      logprobs=args.logprobs)}
-    for p in params.values():
-        for _ in range(2):
-            llm.generate(prompt_token_ids=prompts, sampling_params=p)
-    rounds = {k: ([], []) for k in params}
-    outputs = {}
-    order = list(params)
-    for _ in range(args.rounds):
-        for name in order:
-            steps0, wall0, cpu0 = llm.engine.stats.steps, time.perf_counter(), time.process_time()
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params[name])
-            steps = max(llm.engine.stats.steps - steps0, 1)
-            rounds[name][0].append((time.perf_counter() - wall0) / steps)
-            rounds[name][1].append((time.process_time() - cpu0) / steps)
-            outputs[name] = [o.token_ids for o in outs]
-        order.reverse()
+    rounds, outputs = interleaved_rounds({k: (llm, p) for k, p in params.items()}, prompts, args.rounds)
     llm.engine.shutdown()
     return {"logprobs": args.logprobs, "rounds": args.rounds,
             "engine_step_wall": _paired(rounds["with"][0], rounds["without"][0]),
