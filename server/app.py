@@ -540,7 +540,7 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
             index, out = item
             c = choices[index]
             text = c.on_output(out)
-            logprobs = c.logprobs is not None and c.new_logprobs
+            logprobs = c.new_logprobs
             if text or logprobs:
                 piece = {"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text}
                 if logprobs:

@@ -154,31 +154,39 @@ class ChoiceState:
     last: RequestOutput | None = None
     settled: bool = False        # a paused tool call was parked for the follow-up, or aborted
     tool_format: ToolFormat = field(default_factory=lambda: get_format("hermes"))
-    # With logprobs asked: one record per generated token of this response, and the last output's
-    logprobs: list[TokenLogprob] | None = None
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    text_offsets: TextOffsets | None = None   # completions: where each token starts in the text
+    text_offsets: TextOffsets | None = None   # with logprobs, completions: where each token starts in the text
     _filter: object | None = None   # the format's markup filter when hiding markup
 
     def __post_init__(self) -> None:
         if self.hide_tool_markup:
             self._filter = self.tool_format.markup_filter()
         if self.job.params.logprobs is not None:
-            self.logprobs = []
             self.text_offsets = TextOffsets(self.job.params.skip_special_tokens)
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With logprobs asked, the records of the tokens this response generated (a resumed
+        request's output lists earlier turns' too), else None."""
+        if self.job.params.logprobs is None:
+            return None
+        records = self.last.logprobs if self.last is not None else None
+        return records[len(records) - self.completion_tokens:] if records else []
+
+    @property
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The records of the last output's new tokens (empty without logprobs)."""
+        out = self.last
+        return out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out and out.logprobs else []
+
     def on_output(self, out: RequestOutput) -> str:
         """Account for an output; returns the new visible text."""
         self.last = out
         self.timer.on_output(out, time.monotonic())
         self.completion_tokens += len(out.delta_token_ids)
-        if self.logprobs is not None:
-            self.new_logprobs = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs else []
-            self.logprobs += self.new_logprobs
         text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
         if out.finished:
             if self._filter:
