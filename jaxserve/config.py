@@ -138,11 +138,11 @@ class EngineConfig:
         "with --warmup, compile every step shape (token bucket x page-table width) before serving, so none "
         "compiles mid-run (timed replays; a slower start)"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
-    cuda_graphs: bool = field(default=False, metadata=_flag(
+    cuda_graphs: bool | None = field(default=None, metadata=_flag(
         "GPUs (tried on CUDA only): compile the step programs with XLA command buffers (CUDA graphs) for every "
         "command kind, the attention kernel's custom call and the sampler's conditionals included, to cut the "
-        "host's launch time per step; its effect on a whole step is not yet measured (docs/engine.md); "
-        "ignored on CPU and TPU"))
+        "host's launch time per step (0.91x a 1B decode step on an H200, docs/engine.md); default: on on GPUs, "
+        "off elsewhere; --no-cuda-graphs turns it off; asked for on CPU or TPU it is ignored with a warning"))
     check_invariants: bool = field(default=False, metadata=_flag(
         "check the page invariants after every step (tests; slow)"))
     keep_logits: bool = field(default=False, metadata=_flag(
@@ -275,7 +275,7 @@ class EngineConfig:
             default = defaults.get(f.name, f.default)
             help_text = meta["help"] + (f" (default: {default})" if default is not None
                                         and "default:" not in meta["help"] else "")
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                    help=meta["help"])
                 continue

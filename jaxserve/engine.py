@@ -25,7 +25,8 @@ from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.executor.model import ModelExecutor, ModelExecutorConfig, kv_pool_pages, min_token_bucket_for
+from jaxserve.executor.model import (ModelExecutor, ModelExecutorConfig, cuda_graphs_for, kv_pool_pages,
+                                     min_token_bucket_for)
 from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
@@ -106,7 +107,8 @@ class LLMEngine:
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
             attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits,
-            min_token_bucket=min_token_bucket_for(jax.default_backend()), cuda_graphs=config.cuda_graphs),
+            min_token_bucket=min_token_bucket_for(jax.default_backend()),
+            cuda_graphs=cuda_graphs_for(jax.default_backend(), config.cuda_graphs)),
             length_probe=length_probe, mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages

@@ -92,6 +92,9 @@ def test_from_cli_round_trip_and_overrides():
     assert (config.model, config.policy, config.num_pages, config.compilation_cache, config.handling,
             config.seed, config.cuda_graphs) == ("demo", "lamps", 64, False, "swap", 7, True)
     assert config.batched_tokens == EngineConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # cuda_graphs: unset means "on on GPUs" (None); --no-cuda-graphs turns it off
+    assert [EngineConfig.from_cli(parser.parse_args(argv)).cuda_graphs
+            for argv in (["demo"], ["demo", "--no-cuda-graphs"])] == [None, False]
 
 
 def test_prefix_cache_settings_flags_and_validation():

@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.executor import model as executor_module
-from jaxserve.executor.model import CUDA_GRAPH_COMMANDS, step_compiler_options
+from jaxserve.executor.model import CUDA_GRAPH_COMMANDS, cuda_graphs_for, step_compiler_options
 
 
 def test_options_only_on_a_gpu_and_only_when_asked():
@@ -16,6 +16,12 @@ def test_options_only_on_a_gpu_and_only_when_asked():
     options = step_compiler_options("gpu", True)
     assert options == {"xla_gpu_enable_command_buffer": CUDA_GRAPH_COMMANDS, "xla_gpu_graph_min_graph_size": 1}
     assert {"CUSTOM_CALL", "CONDITIONAL"} <= set(CUDA_GRAPH_COMMANDS.split(","))   # the kernel, the sampler
+
+
+def test_on_by_default_on_gpus_only_and_a_user_choice_wins():
+    assert cuda_graphs_for("gpu", None) is True
+    assert cuda_graphs_for("cpu", None) is False and cuda_graphs_for("tpu", None) is False
+    assert cuda_graphs_for("gpu", False) is False and cuda_graphs_for("cpu", True) is True
 
 
 def test_xla_accepts_the_gpu_options():
@@ -33,6 +39,14 @@ def test_the_option_is_ignored_with_a_warning_off_a_gpu(caplog):
                   warmup=False, cuda_graphs=True)
     llm.engine.shutdown()
     assert "cuda_graphs is for GPUs: ignored on cpu" in caplog.text
+
+
+def test_the_default_on_cpu_builds_without_graphs_and_says_nothing(caplog):
+    with caplog.at_level("WARNING", logger="jaxserve"):
+        llm = LLM("demo", num_pages=32, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64, warmup=False)
+    llm.engine.shutdown()
+    assert llm.engine.config.cuda_graphs is None and llm.engine.executor.config.cuda_graphs is False
+    assert "cuda_graphs" not in caplog.text
 
 
 def test_the_option_reaches_every_step_program(monkeypatch):

@@ -62,7 +62,7 @@ SECTIONS = ("backend", "kernels", "device_tests", "attention_bandwidth", "compil
             "swap_bandwidth", "step_launch", "profile")
 # step_launch: the same decode step in a child process per variant.
 STEP_VARIANTS = {   # name: (XLA_FLAGS added, tools/step_time.py arguments added)
-    "default": ("", []),
+    "default": ("", []),   # the whole step, ``cuda_graphs`` off (step_time's baseline; the engine's default is on)
     "forward_only": ("", ["--forward-only"]),
     # (the kinds of runs 4-5, the forward alone, so figures compare across sessions; the engine's
     # ``cuda_graphs`` adds conditionals and loops: ``jaxserve.executor.model.CUDA_GRAPH_COMMANDS``)
@@ -416,7 +416,7 @@ def section_swap_bandwidth(opts) -> dict:
 
 def section_step_launch(opts) -> dict:
     """``tools/step_time.py`` (one 32-row decode step of the 1B shape at 256 tokens of
-    context) in a child process per ``STEP_VARIANTS`` entry: the whole step; the forward
+    context) in a child process per ``STEP_VARIANTS`` entry: the whole step (``cuda_graphs`` off); the forward
     alone (no sampler, whose ``lax.cond`` makes XLA:GPU's call wait for the step), with
     default flags, with XLA command buffers (CUDA graphs) including custom calls, and with
     the reference attention (no Pallas custom call); the whole step with the engine's
