@@ -126,8 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="time a structured-output step (every token allowed): on an accelerator the forward, "
                              "the host's bitmask, then the masked sampler as a second program")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="build the engine with cuda_graphs (XLA command buffers for the step programs); without it "
-                             "the engine is built with them off, to compare (the engine's own default is on on GPUs)")
+                        help="build the engine with cuda_graphs (XLA command buffers for the step programs); "
+                             "without it they are off, to compare (the engine's own default is on on GPUs)")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write a jax.profiler trace of the timed calls")
     parser.add_argument("--device-busy-steps", type=int, default=0, metavar="N",
                         help="after timing, trace N more calls and report the device's busy milliseconds per step "
