@@ -10,6 +10,7 @@ so the weights match the Hugging Face layout the model code uses.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -41,19 +42,29 @@ def is_gguf_path(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path):
-    """A ``gguf.GGUFReader`` for ``path``; a missing or non-GGUF file is a ``ValueError``."""
-    import gguf
+    """A ``gguf.GGUFReader`` for ``path``; a missing or non-GGUF file is a ``ValueError``.
 
+    Readers are kept per file version (path, modification time, size): parsing the
+    metadata (SmolLM2's ~100,000 vocabulary and merge strings, one by one) takes ~4 s,
+    and an engine reads the config and then the weights."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
-    with path.open("rb") as f:
+    stat = path.stat()
+    return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int):
+    import gguf
+
+    with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
+            raise ValueError(f"{path!r} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - truncated or corrupt file: say which
-        raise ValueError(f"cannot read GGUF file {str(path)!r}: {type(e).__name__}: {e}") from None
+        raise ValueError(f"cannot read GGUF file {path!r}: {type(e).__name__}: {e}") from None
 
 
 def _field(reader, key: str, default=None):

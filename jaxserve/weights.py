@@ -126,8 +126,11 @@ def load_model(model_dir: str | Path, dtype: str = "auto", attention_impl: str =
     jdtype = parse_dtype(dtype)
     graphdef, state = nnx.split(abstract_model(cfg, jdtype, attention_impl, mesh))
     flat = list(nnx.to_flat_state(state))
-    _, checkpoint_state = nnx.split(abstract_model(checkpoint_cfg, jdtype, attention_impl))
-    checkpoint_flat = list(nnx.to_flat_state(checkpoint_state))   # the tensors as the file holds them
+    if cfg == checkpoint_cfg:   # no tensor parallelism across KV heads: the file's shapes are the model's
+        checkpoint_flat = flat
+    else:
+        _, checkpoint_state = nnx.split(abstract_model(checkpoint_cfg, jdtype, attention_impl))
+        checkpoint_flat = list(nnx.to_flat_state(checkpoint_state))   # the tensors as the file holds them
     checkpoint_shapes = [tuple(var.get_value().shape) for _, var in checkpoint_flat]
     if load_format == "dummy":
         values = _dummy_values(flat, checkpoint_shapes, seed)

@@ -8,6 +8,23 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The test modules that take longest with a cold compilation cache (CI's case; cold run of
+# 2026-11-26, docs/benchmarks.md "The whole suite in two workers"), longest first. The test
+# command runs modules whole in two workers (``-n 2 --dist loadfile``) in collection order, so
+# these go first and the workers finish together instead of one running the last long module alone.
+SLOWEST_MODULES = ("test_real_model.py", "test_engine_parity.py", "test_api_calls.py", "test_tensor_parallel.py",
+                   "test_server.py", "test_replicas.py", "test_gpu_validate.py", "test_trace_summary.py",
+                   "test_multihost.py", "test_prefix_cache_engine.py", "test_structured.py", "test_policies_engine.py",
+                   "test_hardening_server.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Slowest modules first (``SLOWEST_MODULES``); every other module, and the order
+    within a module, as collected."""
+    rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             initializer_range=0.25, bos_token_id=0, eos_token_id=None, pad_token_id=0)

@@ -66,6 +66,31 @@ def test_config_from_metadata(tmp_path):
         load_model(path, progress=False)
 
 
+def test_a_file_is_parsed_once_per_version(tmp_path):
+    """An engine reads a GGUF's config, then its weights: one parse of the metadata (~4 s for
+    SmolLM2); a file written anew is parsed anew."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    first = gguf_checkpoint.open_gguf(path)
+    assert gguf_checkpoint.open_gguf(str(path)) is first
+    write_gguf(path, arch="gpt2")
+    assert gguf_checkpoint.open_gguf(path) is not first
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        read_config(path)
+
+
+def test_the_model_is_traced_once_without_tensor_parallelism(hf_checkpoints, monkeypatch):
+    """``load_model`` builds the abstract model (an ``nnx.eval_shape``, ~2 s for SmolLM2's 30
+    layers) once when the checkpoint's shapes are the model's; only TP's repeated KV heads
+    need the file's shapes apart."""
+    from jaxserve import weights
+    calls = []
+    real = weights.abstract_model
+    monkeypatch.setattr(weights, "abstract_model", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    model, cfg = load_model(hf_checkpoints["llama"][1], "float32", progress=False)
+    assert calls == [cfg]
+
+
 def test_unsupported_quantization_type(tmp_path):
     path = tmp_path / "q81.gguf"
     write_gguf(path, tensor_type=gguf.GGMLQuantizationType.Q8_1)
