@@ -83,11 +83,13 @@ def test_device_tests_section_keeps_the_failures(tmp_path, monkeypatch):
     gpu_validate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_validate)
     failing = tmp_path / "test_device_choice.py"
-    failing.write_text("def test_backend_selection_is_wrong():\n    assert 'pallas_gpu' == 'reference'\n")
+    failing.write_text("def test_backend_selection_is_wrong():\n    assert 'pallas_gpu' == 'reference'\n\n\n"
+                       "def test_backend_selection_compiles_at_the_default_level():   # not the suite's level 0\n"
+                       "    import os\n    assert os.environ['JAXSERVE_TEST_XLA_OPTIMIZE'] == '1'\n")
     monkeypatch.setattr(gpu_validate, "DEVICE_TESTS", (str(failing),))
     body = gpu_validate.section_device_tests(SimpleNamespace(interpret=True))
     assert body["passed"] is False and body["returncode"] == 1
-    assert "1 failed" in body["summary"]
+    assert "1 failed, 1 passed" in body["summary"]
     assert "assert 'pallas_gpu' == 'reference'" in body["output_tail"]
     assert "```" in gpu_validate.render_markdown({"device_tests": body})
 

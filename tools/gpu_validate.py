@@ -229,9 +229,10 @@ def section_device_tests(opts) -> dict:
     """``DEVICE_TESTS`` under pytest in a child process on this device (``-k
     DEVICE_TESTS_SELECTED``; with ``--interpret`` only the kernel-choice tests, which
     proves the plumbing). The child does not preallocate device memory (this process
-    has); the report keeps pytest's summary and, on failure, the end of its output."""
+    has) and compiles at XLA's default optimization (``JAXSERVE_TEST_XLA_OPTIMIZE``); the
+    report keeps pytest's summary and, on failure, the end of its output."""
     selected = "backend_selection" if opts.interpret else DEVICE_TESTS_SELECTED
-    env = _child_env()
+    env = _child_env(JAXSERVE_TEST_XLA_OPTIMIZE="1")   # the suite's conftest would compile at LLVM level 0
     cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", "-k", selected,
            *DEVICE_TESTS]
     try:
