@@ -141,8 +141,8 @@ class EngineConfig:
     cuda_graphs: bool | None = field(default=None, metadata=_flag(
         "GPUs (tried on CUDA only): compile the step programs with XLA command buffers (CUDA graphs) for every "
         "command kind, the attention kernel's custom call and the sampler's conditionals included, to cut the "
-        "host's launch time per step (0.91x a 1B decode step on an H200, docs/engine.md); default: on on GPUs, "
-        "off elsewhere; --no-cuda-graphs turns it off; asked for on CPU or TPU it is ignored with a warning"))
+        "host's launch time per step (0.91x a 1B decode step on an H200, docs/engine.md); default: on on NVIDIA "
+        "GPUs, off elsewhere; --no-cuda-graphs turns it off; asked for on CPU or TPU it is ignored with a warning"))
     check_invariants: bool = field(default=False, metadata=_flag(
         "check the page invariants after every step (tests; slow)"))
     keep_logits: bool = field(default=False, metadata=_flag(

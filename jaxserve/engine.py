@@ -108,7 +108,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
             attention_impl=attention_impl, interpret=interpret, keep_logits=config.keep_logits,
             min_token_bucket=min_token_bucket_for(jax.default_backend()),
-            cuda_graphs=cuda_graphs_for(jax.default_backend(), config.cuda_graphs)),
+            cuda_graphs=cuda_graphs_for(jax.devices()[0], config.cuda_graphs)),
             length_probe=length_probe, mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
         host_pages = num_pages if config.num_host_pages is None else config.num_host_pages

@@ -44,18 +44,25 @@ def is_gguf_path(path: str | Path) -> bool:
 def open_gguf(path: str | Path):
     """A ``gguf.GGUFReader`` for ``path``; a missing or non-GGUF file is a ``ValueError``.
 
-    Readers are kept per file version (path, modification time, size): parsing the
-    metadata (SmolLM2's ~100,000 vocabulary and merge strings, one by one) takes ~4 s,
-    and an engine reads the config and then the weights."""
+    Readers are kept per file version (path, inode, change and modification times, size)
+    until ``release_readers``: parsing the metadata (SmolLM2's ~100,000 vocabulary and
+    merge strings, one by one) takes ~4 s, and an engine reads the config and then the
+    weights."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     stat = path.stat()
-    return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    return _reader(str(path.resolve()), stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
+
+
+def release_readers() -> None:
+    """Forget the kept readers, unmapping their files (``load_model`` calls it once the
+    weights are on the devices)."""
+    _reader.cache_clear()
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
+def _reader(path: str, inode: int, ctime_ns: int, mtime_ns: int, size: int):
     import gguf
 
     with open(path, "rb") as f:

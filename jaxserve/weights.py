@@ -111,7 +111,15 @@ def load_model(model_dir: str | Path, dtype: str = "auto", attention_impl: str =
     or mis-shaped tensor, an unsupported GGUF architecture or quantization, or a
     TP degree that cannot shard the model (before any weight is read).
     """
-    model_dir = Path(model_dir)
+    try:
+        return _load_model(Path(model_dir), dtype, attention_impl, load_format, seed, progress, mesh)
+    finally:
+        if gguf_checkpoint.is_gguf_path(model_dir):
+            gguf_checkpoint.release_readers()   # the weights are on the devices: unmap the file
+
+
+def _load_model(model_dir: Path, dtype: str, attention_impl: str, load_format: str, seed: int, progress: bool,
+                mesh: Mesh | None):
     reader = gguf_checkpoint.open_gguf(model_dir) if gguf_checkpoint.is_gguf_path(model_dir) else None
     if reader is not None:
         raw = gguf_checkpoint.hf_config(reader)

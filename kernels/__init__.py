@@ -28,6 +28,7 @@ from kernels.validate import IMPLS, check_attention_args, check_impl_tiling
 
 __all__ = [
     "IMPLS",
+    "compute_capability",
     "default_impl",
     "ragged_paged_attention",
     "select_impl",
@@ -111,7 +112,7 @@ def default_impl(dtype=None, tiling: tuple[int, int, int] | None = None) -> str:
     platform = jax.default_backend()
     capability = None
     if platform == "gpu":
-        capability = _compute_capability(jax.devices()[0])
+        capability = compute_capability(jax.devices()[0])
     name = None if dtype is None else jax.numpy.dtype(dtype).name
     impl, reason = select_impl(platform, capability, name,
                                triton_available() if platform == "gpu" else False, tiling)
@@ -120,8 +121,9 @@ def default_impl(dtype=None, tiling: tuple[int, int, int] | None = None) -> str:
     return impl
 
 
-def _compute_capability(device) -> float | None:
-    """``device.compute_capability`` ("9.0") as a float; None if absent or unparsable."""
+def compute_capability(device) -> float | None:
+    """``device.compute_capability`` ("9.0") as a float; None if absent or unparsable (off
+    NVIDIA GPUs)."""
     try:
         return float(device.compute_capability)
     except (AttributeError, TypeError, ValueError):

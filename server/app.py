@@ -271,10 +271,12 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         finally:
             await _abort_unsettled(state, choices)
         # Built and serialized off the event loop: n=16 x 1,000 tokens x 20 alternatives of logprobs
-        # take ~1 s to build and ~0.7 s to serialize, n=16 x 200 tokens of text ~0.4 s, which would
-        # stall every other client's stream meanwhile.
-        content = await asyncio.to_thread(
-            lambda: json.dumps(_full_response(state, body, chat, choices, response_id)).encode())
+        # take ~1 s to build and ~0.7 s to serialize, which would stall every other client's stream
+        # meanwhile (the C encoder holds the GIL while it writes, so the building is what moves).
+        # Encoded as FastAPI's JSONResponse does: UTF-8, compact, no NaN.
+        content = await asyncio.to_thread(lambda: json.dumps(
+            _full_response(state, body, chat, choices, response_id), ensure_ascii=False, allow_nan=False,
+            separators=(",", ":")).encode())
         return Response(content, media_type="application/json")
     finally:
         if slot is not None:

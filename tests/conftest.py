@@ -13,8 +13,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # "The whole suite in two workers"). The programs (HLO) are the same, only their machine code is
 # less optimized: every parity and exactness test passes either way, and timed goals are measured
 # by tools/, never here. Processes the tests start inherit it. JAXSERVE_TEST_XLA_OPTIMIZE=1 keeps
-# XLA's default (tools/gpu_validate.py's device tests: on a GPU the level reaches its kernels too).
-if os.environ.get("JAXSERVE_TEST_XLA_OPTIMIZE") != "1":
+# XLA's default: set it when running tests on a GPU (tools/gpu_validate.py's device tests do), where
+# the level reaches the kernels too.
+# A level already in XLA_FLAGS is left as it is.
+if (os.environ.get("JAXSERVE_TEST_XLA_OPTIMIZE") != "1"
+        and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 # The test modules that take longest with a cold compilation cache (CI's case; cold run of

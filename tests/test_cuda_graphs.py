@@ -18,10 +18,15 @@ def test_options_only_on_a_gpu_and_only_when_asked():
     assert {"CUSTOM_CALL", "CONDITIONAL"} <= set(CUDA_GRAPH_COMMANDS.split(","))   # the kernel, the sampler
 
 
-def test_on_by_default_on_gpus_only_and_a_user_choice_wins():
-    assert cuda_graphs_for("gpu", None) is True
-    assert cuda_graphs_for("cpu", None) is False and cuda_graphs_for("tpu", None) is False
-    assert cuda_graphs_for("gpu", False) is False and cuda_graphs_for("cpu", True) is True
+def test_on_by_default_on_cuda_gpus_only_and_a_user_choice_wins():
+    from types import SimpleNamespace
+
+    cuda, rocm = SimpleNamespace(platform="gpu", compute_capability="9.0"), \
+        SimpleNamespace(platform="gpu", compute_capability="gfx90a")
+    assert cuda_graphs_for(cuda, None) is True and cuda_graphs_for(rocm, None) is False
+    assert cuda_graphs_for(jax.devices()[0], None) is False   # this CPU
+    assert cuda_graphs_for(SimpleNamespace(platform="tpu"), None) is False
+    assert cuda_graphs_for(cuda, False) is False and cuda_graphs_for(jax.devices()[0], True) is True
 
 
 def test_xla_accepts_the_gpu_options():

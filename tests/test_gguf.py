@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import gguf
 import numpy as np
@@ -73,10 +74,18 @@ def test_a_file_is_parsed_once_per_version(tmp_path):
     write_gguf(path)
     first = gguf_checkpoint.open_gguf(path)
     assert gguf_checkpoint.open_gguf(str(path)) is first
-    write_gguf(path, arch="gpt2")
+    write_gguf(path, arch="gpt2")   # (the same size: the metadata's padding absorbs the shorter name)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))   # as a coarse clock's next tick
     assert gguf_checkpoint.open_gguf(path) is not first
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         read_config(path)
+    # load_model lets go of the file when done, loaded or not
+    write_gguf(path)
+    kept = gguf_checkpoint.open_gguf(path)
+    with pytest.raises(ValueError, match="missing tensor"):
+        load_model(path, progress=False)
+    assert gguf_checkpoint.open_gguf(path) is not kept
 
 
 def test_the_model_is_traced_once_without_tensor_parallelism(hf_checkpoints, monkeypatch):

@@ -38,6 +38,7 @@ from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_
 from jaxserve.predictor.probe import probe_predict
 from jaxserve.sampling import SamplingArrays, sample, sample_masked, token_logprobs
 from jaxserve.sampling_params import MAX_LOGPROBS
+from kernels import compute_capability
 from scheduler import CACHE_OWNER, Request, ScheduledChunk, StepPlan, StepResult, SwapOp
 
 log = logging.getLogger("jaxserve")
@@ -60,12 +61,15 @@ def min_token_bucket_for(platform: str) -> int:
     return 2 if platform == "cpu" else 8
 
 
-def cuda_graphs_for(platform: str, asked: bool | None) -> bool:
+def cuda_graphs_for(device, asked: bool | None) -> bool:
     """Whether the step programs are compiled as CUDA graphs (``step_compiler_options``):
-    ``asked`` when given (``EngineConfig.cuda_graphs``), else on GPUs only. On an H200 a
-    1B decode step took 0.91x the time with them (three fresh-process pairs at 32 rows,
-    0.94x at 128; docs/benchmarks.md, fourth GPU session), same tokens as without."""
-    return platform == "gpu" if asked is None else asked
+    ``asked`` when given (``EngineConfig.cuda_graphs``), else on NVIDIA GPUs (a GPU
+    ``jax.Device`` with a CUDA compute capability; not ROCm, never tried). On an H200 a 1B decode step took 0.91x
+    the time with them (three fresh-process pairs at 32 rows, 0.94x at 128;
+    docs/benchmarks.md, fourth GPU session), same tokens as without."""
+    if asked is not None:
+        return asked
+    return device.platform == "gpu" and compute_capability(device) is not None
 
 
 # XLA:GPU's command buffers (CUDA graphs) for every kind of command a step program issues: fusions,
