@@ -64,9 +64,9 @@ def min_token_bucket_for(platform: str) -> int:
 def cuda_graphs_for(device, asked: bool | None) -> bool:
     """Whether the step programs are compiled as CUDA graphs (``step_compiler_options``):
     ``asked`` when given (``EngineConfig.cuda_graphs``), else on NVIDIA GPUs (a GPU
-    ``jax.Device`` with a CUDA compute capability; not ROCm, never tried). On an H200 a 1B decode step took 0.91x
-    the time with them (three fresh-process pairs at 32 rows, 0.94x at 128;
-    docs/benchmarks.md, fourth GPU session), same tokens as without."""
+    ``jax.Device`` with a CUDA compute capability; not ROCm, never tried). On an H200
+    a 1B decode step took 0.91x the time with them (three fresh-process pairs at 32
+    rows, 0.94x at 128; docs/benchmarks.md, fourth GPU session), same tokens as without."""
     if asked is not None:
         return asked
     return device.platform == "gpu" and compute_capability(device) is not None
