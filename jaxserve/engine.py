@@ -238,8 +238,9 @@ class LLMEngine:
             parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else \
             (self.config.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**32
-        if params.logprobs is not None and self.config.num_processes > 1:
-            raise ValueError(f"logprobs: not supported across hosts (num_processes={self.config.num_processes}) yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None and self.config.num_processes > 1:
+                raise ValueError(f"{name}: not supported across hosts (num_processes={self.config.num_processes}) yet")
         stop_ids = self._stop_ids(params)
         if grammar is not None and grammar.ends_with_eos:
             stop_ids -= self.eos_token_ids   # its EOS ends the turn of calls (a pause), not the request
@@ -248,6 +249,7 @@ class LLMEngine:
             max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,
             predictions=dict(predictions or {}), token_ids=list(ids), stop_token_ids=frozenset(stop_ids),
             sampling_params=params, seed=seed, logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar)
@@ -439,6 +441,7 @@ class LLMEngine:
         new_ids = generated[request.reported_tokens:]
         new_text = text[request.reported_text:]
         request.reported_tokens, request.reported_text = len(generated), len(text)
+        scored = request.prompt_logprobs
         calls = [ApiCallOutput(
             api_type=rec.api_type, handling=rec.handling.value, call_time=rec.call_time,
             return_time=rec.return_time, resume_time=rec.resume_time, context_tokens=rec.context_tokens,
@@ -458,7 +461,9 @@ class LLMEngine:
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
                              tool_calls=[dict(c) for c in tool_calls], error=request.error, metrics=metrics,
                              num_cached_tokens=request.num_cached_tokens,
-                             logprobs=None if request.logprobs is None else list(request.logprobs))
+                             logprobs=None if request.logprobs is None else list(request.logprobs),
+                             prompt_logprobs=list(scored) if scored is not None and len(scored) == request.prompt_len
+                             else None)
 
     # ------------------------------------------------------------ helpers
     def next_wakeup(self) -> float | None:

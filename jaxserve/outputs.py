@@ -47,10 +47,11 @@ class ApiCallOutput:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token's log-probability (natural log, under the model's own
-    distribution: ``SamplingParams.logprobs``) and ``top``: the most likely tokens
-    ``(token id, log-probability)``, most likely first (as many as asked; ties in
-    the order the device's top-k gives)."""
+    """One token's log-probability (natural log, under the model's own
+    distribution given the tokens before it: ``SamplingParams.logprobs`` for a
+    generated token, ``prompt_logprobs`` for a prompt token) and ``top``: the most
+    likely tokens at its place ``(token id, log-probability)``, most likely first
+    (as many as asked; ties in the order the device's top-k gives)."""
 
     token_id: int
     logprob: float
@@ -69,7 +70,10 @@ class RequestOutput:
     raises it to the caller) or None while running. ``num_cached_tokens``: prompt tokens
     whose KV came from the prefix cache when the request was first scheduled
     (whole pages). ``logprobs``: with ``SamplingParams.logprobs``, one
-    ``TokenLogprob`` per entry of ``token_ids`` (else None).
+    ``TokenLogprob`` per entry of ``token_ids`` (else None). ``prompt_logprobs``:
+    with ``SamplingParams.prompt_logprobs``, one entry per prompt token, ``None``
+    for the first (nothing precedes it) and a ``TokenLogprob`` for each other,
+    from the first output after the whole prompt was computed (None before).
     """
 
     request_id: str
@@ -85,6 +89,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -71,11 +71,15 @@ def sample_masked(logits: jax.Array, bitmask: jax.Array, params: SamplingArrays)
     return sample(apply_token_bitmask(logits, bitmask), params)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int,
+                   given: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The model's log-probabilities for ``tokens [S]`` under ``logits [S, V]``
     (log-softmax, float32) and each row's ``num_top`` most likely tokens:
     ``(sampled [S] float32, top ids [S, num_top] int32, top log-probabilities
-    [S, num_top] float32)``, most likely first."""
+    [S, num_top] float32)``, most likely first. ``given`` (int32 ``[S]``): where
+    it is not -1, the log-probability is that token's instead (a prompt token)."""
+    if given is not None:
+        tokens = jnp.where(given >= 0, given, tokens)
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     sampled = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logprobs, num_top)

@@ -32,7 +32,12 @@ class SamplingParams:
     log-probability and the ``logprobs`` most likely tokens' (0 to
     ``MAX_LOGPROBS``) under the model's own distribution: the log-softmax of
     its logits, before temperature, top-k/top-p and any structured-output mask
-    (``RequestOutput.logprobs``).
+    (``RequestOutput.logprobs``). ``prompt_logprobs`` (None: off) does the
+    same for the prompt's tokens: each one's log-probability given the tokens
+    before it and the ``prompt_logprobs`` most likely tokens' at its place
+    (``RequestOutput.prompt_logprobs``; the first token has none). The prompt
+    is then computed in full: what the prefix cache holds of it is not reused,
+    as the cache keeps the KV of those tokens but not the logits.
     """
 
     max_tokens: int = 16
@@ -46,6 +51,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +81,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise ValueError("structured must be a jaxserve.StructuredOutput")

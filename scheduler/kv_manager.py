@@ -263,7 +263,8 @@ class KVManager:
         With the host tier, a page cached on host only is ``~host_page``
         (negative), and the run stops at the first such page beyond this
         step's ``copy_budget``. Empty without a cache or when ``request``
-        already holds device pages.
+        already holds device pages; for a request still scoring its prompt
+        (``Request.prompt_logprobs``), only pages before its first unscored place.
 
         The result is kept per request and reused while the cache's ``epoch``
         is unchanged (then it can only have grown, so only the pages after it
@@ -272,7 +273,11 @@ class KVManager:
         cache = self.cache
         if cache is None or request.device_pages:
             return []
-        hashes = self.hashes(request, (request.num_tokens - 1) // self.page_size)
+        last = request.num_tokens - 1
+        scored = request.prompt_logprobs
+        if scored is not None and len(scored) < request.prompt_len:
+            last = len(scored) - 1   # its prompt logprobs need the logits from the first unscored token's place on
+        hashes = self.hashes(request, last // self.page_size)
         match = cache.match_tiers if self.host_tier else cache.match
         pages = self._cached_run(self._lookups.get(request.request_id), hashes, match)
         self._lookups[request.request_id] = (cache.epoch, pages)

@@ -136,11 +136,15 @@ class StepResult:
     the log-probability record of that token (opaque here: the engine's
     ``TokenLogprob``) for chunks whose request keeps them (``Request.logprobs``
     not None), appended there with the token; ``None`` when no chunk's request does.
+    ``prompt_logprobs[i]``: the records of the prompt tokens ``plan.chunks[i]`` scored
+    (``Request.prompt_logprobs``: those from its next unscored position on, in order;
+    empty for a chunk that scored none), appended there; ``None`` when no chunk scored any.
     """
 
     token_ids: Sequence[int] | None = None
     elapsed_s: float = 0.0
     logprobs: Sequence | None = None
+    prompt_logprobs: Sequence | None = None
 
 
 class EventKind(enum.Enum):

@@ -113,6 +113,9 @@ class Request:
     grammar: object | None = None           # structured-output state (kept across API pauses)
     pending_tool_calls: list[dict] = field(default_factory=list)   # client-side calls the caller must answer
     logprobs: list | None = None            # one record per generated token when asked (``StepResult.logprobs``)
+    # When asked: one entry per prompt token scored so far, ``None`` first (the first token has no
+    # context), then one record each (``StepResult.prompt_logprobs``); complete at ``prompt_len`` entries.
+    prompt_logprobs: list | None = None
     max_computed_tokens: int = 0            # high-water mark of computed context (recompute accounting)
     reported_tokens: int = 0                # streamed so far: generated tokens, text characters
     reported_text: int = 0

@@ -702,6 +702,10 @@ class Scheduler:
         ``TOKEN`` events.)"""
         self.kv.copies_done()
         ids, logprobs = result.token_ids, result.logprobs
+        if result.prompt_logprobs is not None:
+            for chunk, records in zip(plan.chunks, result.prompt_logprobs):
+                if records and chunk.request.state is RequestState.RUNNING:
+                    chunk.request.prompt_logprobs.extend(records)
         if ids is not None and not isinstance(ids, list):
             ids = ids.tolist() if hasattr(ids, "tolist") else list(map(int, ids))   # Python ints, in one call
         running_state = RequestState.RUNNING

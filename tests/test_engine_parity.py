@@ -169,3 +169,55 @@ def test_logprobs_match_transformers_log_softmax(hf_checkpoints):
             np.testing.assert_allclose([v for _, v in record.top], row[top_ids], atol=1e-4)
         if p.temperature == 0.0:
             assert all(r.top[0][0] == r.token_id for r in out.logprobs)   # greedy: the most likely token
+
+
+def _check_prompt_logprobs(model, prompt: list[int], records: list, k: int) -> None:
+    """``records`` (``RequestOutput.prompt_logprobs``) are transformers' log-softmax over
+    ``prompt``: token j's value at place j - 1, and the ``k`` likeliest there."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1).numpy()
+    assert len(records) == len(prompt) and records[0] is None
+    for j, record in enumerate(records[1:], start=1):
+        row = ref[j - 1]
+        assert record.token_id == prompt[j]
+        np.testing.assert_allclose(record.logprob, row[prompt[j]], atol=1e-4)
+        top_ids = [t for t, _ in record.top]
+        assert top_ids == np.argsort(-row, kind="stable")[:k].tolist()
+        np.testing.assert_allclose([v for _, v in record.top], row[top_ids], atol=1e-4)
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_prompt_logprobs_match_transformers_log_softmax(pool, hf_checkpoints, references):
+    """Every prompt token's logprob and its top alternatives are transformers' log-softmax
+    at the place before it. The 41-token prompt is computed in chunks of a 16-token budget
+    beside other rows. Roomy pool: a first request left its pages in the prefix cache; the
+    scoring request computes its prompt anyway (no cached tokens), the plain one reuses them.
+    Tight pool (10 pages of 8): the scoring request, admitted last, is preempted while its
+    prompt is computed and recomputed (re-linking the pages it had scored), and no token is
+    scored twice or skipped. The generated tokens stay transformers' greedy ones."""
+    model, path = hf_checkpoints["llama"]
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=256 if pool == "roomy" else 10,
+              max_num_batched_tokens=16, max_model_len=128, check_invariants=True, warmup=False)
+    greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    if pool == "roomy":
+        first = llm.generate(prompt_token_ids=[prompts()[5]], sampling_params=SamplingParams(**greedy))[0]
+        assert first.prompt_logprobs is None
+        which = [5, 1, 5, 0]   # 41, 9, 41 and 3 tokens
+        params = [SamplingParams(**greedy, prompt_logprobs=3, logprobs=1), SamplingParams(**greedy, prompt_logprobs=0),
+                  SamplingParams(**greedy), SamplingParams(**greedy, prompt_logprobs=20)]
+    else:
+        which = [1, 0, 2, 5]   # 9, 3, 16 and 41 tokens
+        params = [SamplingParams(**greedy), SamplingParams(**greedy, prompt_logprobs=20), SamplingParams(**greedy),
+                  SamplingParams(**greedy, prompt_logprobs=3)]
+    ids = [prompts()[i] for i in which]
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    for out, prompt, p, i in zip(outs, ids, params, which):
+        assert out.token_ids == references["llama"][i]
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            _check_prompt_logprobs(model, prompt, out.prompt_logprobs, p.prompt_logprobs)
+    if pool == "roomy":
+        assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 40   # 5 full pages of 8
+    else:
+        assert outs[3].metrics["num_preemptions"] > 0

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +130,13 @@ class ModelExecutorConfig:
 
 @dataclass
 class StepInputs:
-    """Host-side arrays for one step (padded) and which chunk rows sample."""
+    """Host-side arrays for one step (padded) and which chunk rows sample.
+
+    Row ``i < num_seqs`` of the logits is chunk ``i``'s last token (the one that
+    samples). Prompt tokens scored for ``SamplingParams.prompt_logprobs`` take rows
+    after those: ``scored`` lists ``(chunk index, first row, rows)``, and
+    ``given[row]`` is the prompt token whose log-probability that row gives
+    (-1 on the other rows: their sampled token's)."""
 
     token_bucket: int
     input_ids: np.ndarray
@@ -138,6 +144,8 @@ class StepInputs:
     logits_indices: np.ndarray
     sampling: dict[str, np.ndarray]
     num_seqs: int
+    given: np.ndarray | None = None
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def at_highest_precision(fn: Callable) -> Callable:
@@ -148,6 +156,17 @@ def at_highest_precision(fn: Callable) -> Callable:
         with jax.default_matmul_precision("highest"):
             return fn(*args, **kwargs)
     return traced
+
+
+def _prompt_positions(chunk: ScheduledChunk) -> tuple[int, int]:
+    """``(lo, hi)``: the places ``p`` in ``[lo, hi)`` of ``chunk`` whose logits score
+    prompt token ``p + 1`` for ``SamplingParams.prompt_logprobs``, those not scored
+    yet (a recomputed chunk scores nothing twice); ``lo >= hi`` when none."""
+    request = chunk.request
+    scored = request.prompt_logprobs
+    if scored is None or len(scored) >= request.prompt_len:
+        return 0, 0
+    return max(chunk.start, len(scored) - 1), min(chunk.start + chunk.num_tokens, request.prompt_len - 1)
 
 
 def step_arrays(inputs: StepInputs, sampling: bool = True) -> dict[str, np.ndarray]:
@@ -257,28 +276,49 @@ class ModelExecutor:
         device_tokens, logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
         self.last_logits = logits if self.config.keep_logits else None
         with_logprobs = any(c.request.logprobs is not None for c in plan.chunks if c.samples)
-        logprob_arrays = self._logprobs(logits, device_tokens, MAX_LOGPROBS) if with_logprobs else None
+        logprob_arrays = None
+        if with_logprobs or inputs.scored:
+            given = None if inputs.given is None else put_replicated(inputs.given, self.mesh)
+            logprob_arrays = self._logprobs(logits, device_tokens, MAX_LOGPROBS, given)
         waited = time.perf_counter()
         tokens = to_host(device_tokens)
-        logprobs = self._logprob_records(plan.chunks, tokens, logprob_arrays) if with_logprobs else None
+        logprobs = prompt_logprobs = None
+        if logprob_arrays is not None:
+            logprob_arrays = tuple(np.asarray(a) for a in jax.device_get(logprob_arrays))
+            logprobs = self._logprob_records(plan.chunks, tokens, logprob_arrays) if with_logprobs else None
+            prompt_logprobs = self._prompt_records(plan.chunks, inputs, logprob_arrays) if inputs.scored else None
         self.dispatch_s += waited - start
         self.device_wait_s += time.perf_counter() - waited
         if self.length_probe is not None:   # before update(): the predictions are for the segment this row starts
             self.length_probe.record(plan.chunks, self.last_length_bins)
-        return StepResult(token_ids=tokens, logprobs=logprobs)
+        return StepResult(token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _logprob_records(chunks: list[ScheduledChunk], tokens: np.ndarray,
-                         arrays: tuple[jax.Array, jax.Array, jax.Array]) -> list[TokenLogprob | None]:
+                         arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[TokenLogprob | None]:
         """``StepResult.logprobs`` from the step's ``token_logprobs`` ``arrays``: a ``TokenLogprob``
         for each chunk that samples for a request keeping them, with as many alternatives as it asked."""
-        sampled, top_ids, top_values = (np.asarray(a) for a in jax.device_get(arrays))
+        sampled, top_ids, top_values = arrays
         records: list[TokenLogprob | None] = [None] * len(chunks)
         for i, c in enumerate(chunks):
             if c.samples and c.request.logprobs is not None:
                 k = c.request.sampling_params.logprobs
                 records[i] = TokenLogprob(int(tokens[i]), float(sampled[i]),
                                           tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())))
+        return records
+
+    @staticmethod
+    def _prompt_records(chunks: list[ScheduledChunk], inputs: StepInputs,
+                        arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[list[TokenLogprob]]:
+        """``StepResult.prompt_logprobs`` from the step's ``token_logprobs`` ``arrays``: for each
+        chunk, a ``TokenLogprob`` per prompt token it scored (``inputs.scored``), in order."""
+        values, top_ids, top_values = arrays
+        records: list[list[TokenLogprob]] = [[] for _ in chunks]
+        for i, row, n in inputs.scored:
+            k = chunks[i].request.sampling_params.prompt_logprobs
+            ids, logprob = inputs.given[row:row + n].tolist(), values[row:row + n].tolist()
+            top = zip(top_ids[row:row + n, :k].tolist(), top_values[row:row + n, :k].tolist())
+            records[i] = [TokenLogprob(t, v, tuple(zip(a, b))) for t, v, (a, b) in zip(ids, logprob, top)]
         return records
 
     def release(self, request: Request) -> None:
@@ -337,6 +377,9 @@ class ModelExecutor:
         s_b = cfg.seq_bucket(t_b)
         if len(chunks) > s_b:
             raise ValueError(f"step has {len(chunks)} sequences, more than the bucket allows ({s_b})")
+        to_score = [(i, lo, hi) for i, c in enumerate(chunks) for lo, hi in [_prompt_positions(c)] if lo < hi]
+        rows = len(chunks) + sum(hi - lo for _, lo, hi in to_score)
+        r_b = s_b if rows <= s_b else next_power_of_two(rows)   # logits rows: a wider variant only when scoring
         ps = cfg.page_size
         input_ids = np.zeros(t_b, np.int32)
         positions = np.zeros(t_b, np.int32)
@@ -345,12 +388,12 @@ class ModelExecutor:
         page_table = np.zeros((s_b, cfg.page_bucket(longest)), np.int32)
         kv_lens = np.zeros(s_b, np.int32)
         cu = np.zeros(s_b + 1, np.int32)
-        logits_idx = np.zeros(s_b, np.int32)
-        temp = np.zeros(s_b, np.float32)
-        top_k = np.zeros(s_b, np.int32)
-        top_p = np.ones(s_b, np.float32)
-        seed = np.zeros(s_b, np.uint32)
-        step = np.zeros(s_b, np.int32)
+        logits_idx = np.zeros(r_b, np.int32)
+        temp = np.zeros(r_b, np.float32)
+        top_k = np.zeros(r_b, np.int32)
+        top_p = np.ones(r_b, np.float32)
+        seed = np.zeros(r_b, np.uint32)
+        step = np.zeros(r_b, np.int32)
         t = 0
         for i, ch in enumerate(chunks):
             request = ch.request
@@ -377,10 +420,20 @@ class ModelExecutor:
             temp[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
             seed[i], step[i] = request.seed, request.num_generated
         cu[len(chunks) + 1:] = t
+        given, scored = None, []
+        if to_score:   # each scored place's logits row (greedy settings: its sampled token is dropped)
+            given = np.full(r_b, -1, np.int32)
+            row = len(chunks)
+            for i, lo, hi in to_score:
+                c = chunks[i]
+                logits_idx[row:row + hi - lo] = cu[i] + np.arange(lo - c.start, hi - c.start, dtype=np.int32)
+                given[row:row + hi - lo] = c.request.token_ids[lo + 1:hi + 1]
+                scored.append((i, row, hi - lo))
+                row += hi - lo
         meta = dict(positions=positions, slot_mapping=slots, page_table=page_table, kv_lens=kv_lens,
                     cu_q_lens=cu, num_seqs=np.array([len(chunks)], np.int32))
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
-        return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks))
+        return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks), given, scored)
 
     def forward(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
