@@ -367,6 +367,8 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
         raise APIError(400, f"{prompt_param}: the prompt has {prompt_len} tokens; the context window is "
                        f"{state.max_model_len} tokens", param=prompt_param, code="context_length_exceeded")
     limit = body.token_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    if limit == 0:
+        limit = 1   # echo scoring the prompt alone: the one token sampled is not returned (``Job.scores_only``)
     room = state.max_model_len - prompt_len
     if limit is None:
         limit = room if default_max is None else min(default_max, room)
@@ -379,7 +381,8 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
                               seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
                               stop=list(body.stop or []), ignore_eos=body.ignore_eos,
                               skip_special_tokens=body.skip_special_tokens, structured=structured,
-                              logprobs=body.num_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs)
+                              logprobs=body.num_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs,
+                              prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None)
     except ValueError as e:
         raise from_value_error(e, prompt_param) from None
 
@@ -424,9 +427,14 @@ async def _completion_jobs(state: ServerState, body: CompletionRequest) -> list[
     jobs = []
     for p in prompt:
         ids = encoded.pop(0) if isinstance(p, str) else list(p)
+        echo = None
+        if body.echo:   # a token-id prompt echoes as the text its tokens spell
+            echo = p if isinstance(p, str) else await state.tokenize(
+                lambda tok: tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
         for i in range(body.n):
             params = _sampling(state, body, len(ids), 16, seed_offset=i, structured=structured)
-            jobs.append(Job(f"{base}-{len(jobs)}", ids, params, parse_tool_calls=False))
+            jobs.append(Job(f"{base}-{len(jobs)}", ids, params, parse_tool_calls=False, echo=echo,
+                            scores_only=body.max_tokens == 0))
     return jobs
 
 
@@ -493,9 +501,9 @@ def _full_response(state: ServerState, body, chat: bool, choices: list[ChoiceSta
                 message["tool_calls"] = _tool_call_dicts(c)
             choice = {"index": c.index, "message": message, "finish_reason": reason}
         else:
-            choice = {"index": c.index, "text": c.text, "finish_reason": reason}
+            choice = {"index": c.index, "text": (c.job.echo or "") + c.text, "finish_reason": reason}
         if c.logprobs is not None:
-            choice["logprobs"] = _logprobs(state, chat, c, c.logprobs)
+            choice["logprobs"] = _logprobs(state, chat, c, c.prompt_logprobs + c.logprobs)
         out["choices"].append(choice)
     out["usage"] = _usage(choices).dump()
     return out
@@ -540,12 +548,15 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
                 return
             index, out = item
             c = choices[index]
+            first = c.last is None
             text = c.on_output(out)
             logprobs = c.new_logprobs
+            if first and c.job.echo is not None:   # the echoed prompt leads the choice's first chunk
+                text, logprobs = c.job.echo + text, c.prompt_logprobs + logprobs
             if text or logprobs:
                 piece = {"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text}
                 if logprobs:
-                    piece["logprobs"] = _logprobs(state, chat, c, c.new_logprobs)
+                    piece["logprobs"] = _logprobs(state, chat, c, logprobs)
                 yield chunk(piece)
             if c.finish_reason is None:
                 continue

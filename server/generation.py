@@ -42,6 +42,8 @@ class Job:
     parse_tool_calls: bool
     resume_from: ParkedContext | None = None
     resume_at: int = 0   # prompt tokens the resumed context covers (its own tokens may cut them differently)
+    echo: str | None = None   # completions with ``echo``: the prompt's text, which the choice's text starts with
+    scores_only: bool = False   # echo with ``max_tokens`` 0: the one token the engine samples is not returned
 
     @property
     def cached_tokens(self) -> int:
@@ -177,15 +179,31 @@ class ChoiceState:
         return records[len(records) - self.completion_tokens:] if records else []
 
     @property
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """With ``echo`` and logprobs: a record per prompt token (the first has no
+        log-probability: ``logprob`` None), else empty."""
+        scored = self.last.prompt_logprobs if self.last is not None else None
+        if self.job.echo is None or not scored:
+            return []
+        return [TokenLogprob(self.job.prompt_ids[0], None)] + scored[1:]
+
+    @property
     def new_logprobs(self) -> list[TokenLogprob]:
         """The records of the last output's new tokens (empty without logprobs)."""
         out = self.last
+        if self.job.scores_only:
+            return []
         return out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out and out.logprobs else []
 
     def on_output(self, out: RequestOutput) -> str:
         """Account for an output; returns the new visible text."""
         self.last = out
         self.timer.on_output(out, time.monotonic())
+        if self.job.scores_only:   # the prompt was all it asked for: the sampled token ends it at "length"
+            if out.finished:
+                self.finish_reason = "length" if out.finish_reason in ("length", "stop") else out.finish_reason
+                self.timer.on_end(self.finish_reason, time.monotonic())
+            return ""
         self.completion_tokens += len(out.delta_token_ids)
         text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
         if out.finished:

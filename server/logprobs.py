@@ -2,7 +2,8 @@
 
 Chat completions: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
 [{"token", "logprob", "bytes"}, ...]}, ...]}``. Completions: ``{"tokens",
-"token_logprobs", "top_logprobs": [{token: logprob}, ...], "text_offset"}``,
+"token_logprobs", "top_logprobs": [{token: logprob}, ...], "text_offset"}``
+(with ``echo``, the prompt's tokens first: the first one's logprob and top_logprobs null),
 each ``top_logprobs`` entry holding the alternatives and the sampled token
 (so at most ``logprobs + 1`` keys, as OpenAI's; alternatives spelled alike keep
 the likeliest's value).
@@ -113,6 +114,9 @@ def completion_logprobs(records: list[TokenLogprob], spell: TokenSpellings, offs
         text, raw, special = spell(r.token_id)
         tokens.append(text)
         text_offset.append(offsets.advance(raw, special))
+        if r.logprob is None:   # an echoed prompt's first token: nothing before it to score it by
+            top_logprobs.append(None)
+            continue
         top: dict[str, float] = {}
         for token_id, logprob in r.top:   # most likely first: a later alternative spelled alike is less likely
             top.setdefault(spell(token_id)[0], logprob)

@@ -135,10 +135,18 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[Text, list[Text], list[TokenId], list[list[TokenId]]]
-    echo: bool = False
+    # 0 with ``echo``: score the prompt only (the engine samples one token, which is not returned)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    echo: bool = False   # the text starts with the prompt's; with logprobs, the prompt's tokens are scored too
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # alternatives per token (0: the token's own)
     suffix: Text | None = None
     best_of: int | None = None   # refused above 1: one sample per choice is all this server draws
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only for scoring a prompt: it needs echo")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -149,7 +157,7 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("must not be empty")
         return v
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
         unsupported = v is not None and v != 1 if info.field_name == "best_of" else v

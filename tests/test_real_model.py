@@ -103,6 +103,27 @@ def test_answers_in_english(llm):
     assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
 
 
+def test_prompt_logprobs_rank_the_right_answer_first(llm):
+    """Multiple choice as lm-eval scores it (loglikelihood): the summed log-probability of each
+    answer's tokens after the question, from ``prompt_logprobs``. The real model prefers Paris,
+    and its own answer is greedy token by token (each scored token is the top alternative)."""
+    question = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                 add_generation_prompt=True, tokenize=False)
+    context = llm.tokenizer.encode(question, add_special_tokens=True)
+    scores, greedy_answer = {}, {}
+    full = [context + llm.tokenizer.encode(f"The capital of France is {city}.", add_special_tokens=False)
+            for city in ("Paris", "London", "Berlin", "Madrid")]
+    outs = llm.generate(prompt_token_ids=full, sampling_params=SamplingParams(max_tokens=1, temperature=0.0,
+                                                                              prompt_logprobs=1))
+    for city, ids, out in zip(("Paris", "London", "Berlin", "Madrid"), full, outs):
+        records = out.prompt_logprobs[len(context):]
+        assert [r.token_id for r in records] == ids[len(context):]
+        scores[city] = sum(r.logprob for r in records)
+        greedy_answer[city] = all(r.top[0][0] == r.token_id for r in records)
+    assert max(scores, key=scores.get) == "Paris", scores
+    assert greedy_answer["Paris"] and not greedy_answer["London"]
+
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}

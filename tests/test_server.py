@@ -207,6 +207,47 @@ def test_completion_logprobs_streamed_as_not_and_per_choice(demo):
     assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in first["top_logprobs"]]
 
 
+def test_completion_echo_scores_the_prompt_as_lm_eval_reads_it(demo):
+    """``echo`` with ``logprobs`` (what lm-eval's loglikelihood sends: token ids, ``max_tokens``
+    1, ``logprobs`` 1, ``echo``): the text starts with the prompt's, and the logprobs list the
+    prompt's tokens first (the first one unscored: null), then the generated one. A prompt
+    token's alternatives are those a request for the prompt up to it gets for its first
+    token (another path: the sampled row's logprobs); the generated token's are the plain
+    request's; the stream carries the same in pieces; ``max_tokens`` 0 returns the prompt
+    alone, scored."""
+    ids = [84, 104, 101, 32, 99, 97, 112, 105, 116, 97, 108]
+    body = {"model": "demo", "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 5, "echo": True}
+    choice = demo.post("/v1/completions", json=body).json()["choices"][0]
+    plain = demo.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].endswith(plain["text"]) and len(choice["text"]) > len(plain["text"])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert lp["token_logprobs"][-1] == pytest.approx(plain["logprobs"]["token_logprobs"][0], abs=1e-4)
+    for j in (1, 4, len(ids) - 1):
+        head = demo.post("/v1/completions", json={**body, "prompt": ids[:j], "echo": False}).json()["choices"][0]
+        alternatives = head["logprobs"]["top_logprobs"][0]
+        assert all(lp["top_logprobs"][j][t] == pytest.approx(v, abs=1e-4) for t, v in alternatives.items())
+        assert lp["token_logprobs"][j] <= max(alternatives.values()) + 1e-4
+    ctxlen = 5   # as lm-eval scores a continuation: the tokens after the context, less the generated one
+    continuation = lp["token_logprobs"][ctxlen:-1]
+    assert sum(continuation) < 0 and len(continuation) == len(ids) - ctxlen
+    pieces = [e["choices"][0] for e in stream(demo, "/v1/completions", body)[:-1]]
+    assert "".join(p["text"] for p in pieces) == choice["text"]
+    assert pieces[0]["text"].startswith(choice["text"][:len(choice["text"]) - len(plain["text"])])
+    streamed = [v for p in pieces if "logprobs" in p for v in p["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    text = demo.post("/v1/completions", json={**body, "prompt": "The capital", "logprobs": None}).json()
+    assert text["choices"][0]["text"].startswith("The capital") and "logprobs" not in text["choices"][0]
+    scored = demo.post("/v1/completions", json={**body, "max_tokens": 0}).json()   # the prompt alone
+    only = scored["choices"][0]
+    assert only["text"] == choice["text"][:len(choice["text"]) - len(plain["text"])]
+    assert only["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:-1], abs=1e-4)
+    assert len(only["logprobs"]["tokens"]) == len(ids)
+
+
 def test_skip_special_tokens_false_keeps_them_in_the_text(demo):
     """The demo model writes its special tokens (``<|im_end|>``...) now and then when told to
     ignore EOS: the default text leaves them out, ``skip_special_tokens: false`` keeps them."""

@@ -342,11 +342,11 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "best_of", 2),
     ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "logit_bias", {"50": -100})])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
     """Fields this server does not implement but that change what a client gets back
-    (echo, best_of, logit_bias) are 400s naming the field, never silently dropped."""
+    (best_of, logit_bias) are 400s naming the field, never silently dropped."""
     body = {"model": "m", field: value, **({"prompt": "hi"} if "chat" not in path
                                            else {"messages": [{"role": "user", "content": "hi"}]})}
     with _client(_ScriptedEngine()) as client:
@@ -356,6 +356,8 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field
 
 
 @pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),   # 0 only scores a prompt, with echo
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": False}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
