@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="instead: time per engine step of the same generate without and with "
                              "SamplingParams(logprobs=K) (0..20) on one engine, interleaved rounds")
+    parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                        help="instead: the same with SamplingParams(prompt_logprobs=K) (0..20): every prompt "
+                             "token scored (with the prefix cache on, the prompts are also computed again; "
+                             "--no-enable-prefix-caching times the scoring alone)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="generate rounds per engine (per side with --logprobs) with --length-probe or --logprobs")
     parser.add_argument("--probe-calls", type=positive_int, default=60,
@@ -242,7 +246,8 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
 
 def run_logprobs_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
     """Cost of log-probabilities: one engine generates ``prompts`` greedily without and
-    with ``SamplingParams(logprobs=args.logprobs)``, ``args.rounds`` rounds each,
+    with ``SamplingParams(logprobs=args.logprobs)`` (or ``prompt_logprobs=args.prompt_logprobs``
+    when that is set), ``args.rounds`` rounds each,
     interleaved with the order flipped every round (both sides warmed first: every
     step shape of both variants compiled, every prompt in the prefix cache as in each
     round). Wall and process-CPU seconds per engine step; the overhead is the median
@@ -251,12 +256,13 @@ def run_logprobs_cost(model_dir: str, prompts: list[list[int]], args, load_forma
     llm = LLM(config=EngineConfig.from_cli(args, model=model_dir, max_num_seqs=max(len(prompts), 1),
                                            max_model_len=args.prompt_len + args.max_tokens + args.page_size,
                                            load_format=load_format))
+    asked = {"prompt_logprobs": args.prompt_logprobs} if args.prompt_logprobs is not None else \
+        {"logprobs": args.logprobs}
     params = {"without": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
-              "with": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                                     logprobs=args.logprobs)}
+              "with": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, **asked)}
     rounds, outputs = interleaved_rounds({k: (llm, p) for k, p in params.items()}, prompts, args.rounds)
     llm.engine.shutdown()
-    return {"logprobs": args.logprobs, "rounds": args.rounds,
+    return {**asked, "rounds": args.rounds,
             "engine_step_wall": _paired(rounds["with"][0], rounds["without"][0]),
             "engine_step_cpu": _paired(rounds["with"][1], rounds["without"][1]),
             "same_tokens": outputs["with"] == outputs["without"]}
@@ -324,8 +330,10 @@ def main(args: argparse.Namespace) -> int:
 
     from jaxserve.sampling_params import MAX_LOGPROBS
     from jaxserve.weights import resolve_dtype
-    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
-        raise SystemExit(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
+    for flag in ("logprobs", "prompt_logprobs"):
+        k = getattr(args, flag)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be in [0, {MAX_LOGPROBS}], got {k}")
     args.dtype = resolve_dtype(args.dtype)   # ("auto": both engines run, and the report names, the real one)
     rng = np.random.default_rng(0)
     shape = SHAPES.get(args.shape)
@@ -338,10 +346,11 @@ def main(args: argparse.Namespace) -> int:
         vocab = read_config(Path(model_dir)).vocab_size   # (a checkpoint directory or a .gguf file)
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
-    if args.logprobs is not None:
+    if args.logprobs is not None or args.prompt_logprobs is not None:
         cost = run_logprobs_cost(model_dir, prompts, args, load_format)
+        asked = "prompt_logprobs" if args.prompt_logprobs is not None else "logprobs"
         print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, "
-              f"logprobs={args.logprobs}; overhead = median of paired ratios with/without - 1 [interquartile range]")
+              f"{asked}={cost[asked]}; overhead = median of paired ratios with/without - 1 [interquartile range]")
         print(_overhead_line(f"engine step, wall ({args.rounds} interleaved generate rounds)", cost["engine_step_wall"]))
         print(_overhead_line(f"engine step, CPU ({args.rounds} interleaved generate rounds)", cost["engine_step_cpu"]))
         print(f"same tokens: {cost['same_tokens']}")

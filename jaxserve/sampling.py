@@ -77,9 +77,10 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int,
     (log-softmax, float32) and each row's ``num_top`` most likely tokens:
     ``(sampled [S] float32, top ids [S, num_top] int32, top log-probabilities
     [S, num_top] float32)``, most likely first. ``given`` (int32 ``[S]``): where
-    it is not -1, the log-probability is that token's instead (a prompt token)."""
+    it is not -1, the log-probability is that token's instead (a prompt token);
+    ``tokens`` may then cover only the first rows (those that sampled)."""
     if given is not None:
-        tokens = jnp.where(given >= 0, given, tokens)
+        tokens = jnp.where(given >= 0, given, jnp.pad(tokens, (0, given.shape[0] - tokens.shape[0])))
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     sampled = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logprobs, num_top)

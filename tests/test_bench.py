@@ -7,6 +7,8 @@ import argparse
 import json
 import tempfile
 
+import pytest
+
 from jaxserve import bench
 
 
@@ -59,15 +61,17 @@ def test_shape_checkpoints_are_one_directory_per_shape(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
 
 
-def test_logprobs_cost_reports_paired_figures_and_same_tokens(tmp_path):
+@pytest.mark.parametrize("flags", [["--logprobs", "3"], ["--prompt-logprobs", "2", "--no-enable-prefix-caching"]])
+def test_logprobs_cost_reports_paired_figures_and_same_tokens(tmp_path, flags):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "cost.json"
-    args = parser.parse_args(["--logprobs", "3", "--num-prompts", "4", "--prompt-len", "8", "--max-tokens", "4",
+    args = parser.parse_args([*flags, "--num-prompts", "4", "--prompt-len", "8", "--max-tokens", "4",
                               "--rounds", "2", "--json", str(out)])
     assert bench.main(args) == 0
     cost = json.loads(out.read_text())
-    assert cost["same_tokens"] is True and cost["logprobs"] == 3   # logprobs never change what is generated
+    asked = flags[0][2:].replace("-", "_")
+    assert cost["same_tokens"] is True and cost[asked] == int(flags[1])   # scoring never changes what is generated
     for key in ("engine_step_wall", "engine_step_cpu"):
         m = cost[key]
         assert m["median_without_ms"] > 0 and m["median_with_ms"] > 0
@@ -78,12 +82,12 @@ def test_logprobs_cost_reports_paired_figures_and_same_tokens(tmp_path):
 def test_bad_logprobs_and_a_gguf_model_are_handled_before_loading(monkeypatch):
     """``--logprobs 21`` is refused before anything loads; a ``.gguf`` model (the built-in
     ``smollm2-135m``) has its vocabulary read from the file, not from a config.json beside it."""
-    import pytest
-
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     with pytest.raises(SystemExit, match="--logprobs"):
         bench.main(parser.parse_args(["--logprobs", "21"]))
+    with pytest.raises(SystemExit, match="--prompt-logprobs"):
+        bench.main(parser.parse_args(["--prompt-logprobs", "-1"]))
     class Stop(Exception):
         pass
 

@@ -210,7 +210,9 @@ def test_prompt_logprobs_match_transformers_log_softmax(pool, hf_checkpoints, re
         params = [SamplingParams(**greedy), SamplingParams(**greedy, prompt_logprobs=20), SamplingParams(**greedy),
                   SamplingParams(**greedy, prompt_logprobs=3)]
     ids = [prompts()[i] for i in which]
-    outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)   # its rows sample beside scoring
+    outs = llm.generate(prompt_token_ids=ids + [prompts()[3]], sampling_params=params + [sampled])
+    assert outs.pop().token_ids == llm.generate(prompt_token_ids=[prompts()[3]], sampling_params=sampled)[0].token_ids
     for out, prompt, p, i in zip(outs, ids, params, which):
         assert out.token_ids == references["llama"][i]
         if p.prompt_logprobs is None:

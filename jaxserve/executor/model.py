@@ -133,10 +133,11 @@ class StepInputs:
     """Host-side arrays for one step (padded) and which chunk rows sample.
 
     Row ``i < num_seqs`` of the logits is chunk ``i``'s last token (the one that
-    samples). Prompt tokens scored for ``SamplingParams.prompt_logprobs`` take rows
+    samples); the sampling settings cover the first ``S_b`` rows, which the sampler
+    reads. Prompt tokens scored for ``SamplingParams.prompt_logprobs`` take rows
     after those: ``scored`` lists ``(chunk index, first row, rows)``, and
     ``given[row]`` is the prompt token whose log-probability that row gives
-    (-1 on the other rows: their sampled token's)."""
+    (-1 on the sampled rows: their sampled token's)."""
 
     token_bucket: int
     input_ids: np.ndarray
@@ -184,8 +185,9 @@ def _sampling_arrays(arrays: dict[str, jax.Array]) -> SamplingArrays:
 
 
 def _sample_masked_packed(logits: jax.Array, bitmask: jax.Array, packed: jax.Array, layout: Layout) -> jax.Array:
-    """``sample_masked`` with the sampling settings packed in one array."""
-    return sample_masked(logits, bitmask, _sampling_arrays(unpack(packed, layout)))
+    """``sample_masked`` of the sampled rows (the first ``S_b``; ``StepInputs``) with the sampling
+    settings packed in one array."""
+    return sample_masked(logits[:bitmask.shape[0]], bitmask, _sampling_arrays(unpack(packed, layout)))
 
 
 class ModelExecutor:
@@ -272,7 +274,7 @@ class ModelExecutor:
         inputs = self.prepare(plan.chunks)
         start = time.perf_counter()
         fill = self.constraints and self.constraints.bitmask_fn(   # rows that sample a token only
-            [c.request.grammar if c.samples else None for c in plan.chunks], len(inputs.logits_indices))
+            [c.request.grammar if c.samples else None for c in plan.chunks], len(inputs.sampling["temperature"]))
         device_tokens, logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
         self.last_logits = logits if self.config.keep_logits else None
         with_logprobs = any(c.request.logprobs is not None for c in plan.chunks if c.samples)
@@ -338,7 +340,7 @@ class ModelExecutor:
         else:
             logits, kv, hidden = model(input_ids, kv, meta, logits_indices, interpret=self.config.interpret,
                                        return_hidden=True)
-            bins = probe_predict(self.length_probe_params, hidden)
+            bins = probe_predict(self.length_probe_params, hidden[:meta.kv_lens.shape[0]])   # the sampled rows
         # Gathered from the vocabulary shards: every shard samples the same token from the same logits.
         logits = jax.lax.with_sharding_constraint(logits, self.replicated)
         kv = jax.lax.with_sharding_constraint(kv, [(self.device_sharding, self.device_sharding)] * len(kv))
@@ -356,7 +358,8 @@ class ModelExecutor:
         arrays = unpack(packed, layout)
         logits, kv, bins = self._model_fn(params, kv, arrays)
         sampling = _sampling_arrays(arrays)
-        tokens = sample(logits, sampling) if bitmask is None else sample_masked(logits, bitmask, sampling)
+        rows = logits[:sampling.temperature.shape[0]]   # the sampled rows (rows after them score prompt tokens)
+        tokens = sample(rows, sampling) if bitmask is None else sample_masked(rows, bitmask, sampling)
         return tokens, logits, kv, bins
 
     def _stage(self, inputs: StepInputs, sampling: bool = True) -> tuple[jax.Array, Layout]:
@@ -389,11 +392,11 @@ class ModelExecutor:
         kv_lens = np.zeros(s_b, np.int32)
         cu = np.zeros(s_b + 1, np.int32)
         logits_idx = np.zeros(r_b, np.int32)
-        temp = np.zeros(r_b, np.float32)
-        top_k = np.zeros(r_b, np.int32)
-        top_p = np.ones(r_b, np.float32)
-        seed = np.zeros(r_b, np.uint32)
-        step = np.zeros(r_b, np.int32)
+        temp = np.zeros(s_b, np.float32)
+        top_k = np.zeros(s_b, np.int32)
+        top_p = np.ones(s_b, np.float32)
+        seed = np.zeros(s_b, np.uint32)
+        step = np.zeros(s_b, np.int32)
         t = 0
         for i, ch in enumerate(chunks):
             request = ch.request
@@ -421,7 +424,7 @@ class ModelExecutor:
             seed[i], step[i] = request.seed, request.num_generated
         cu[len(chunks) + 1:] = t
         given, scored = None, []
-        if to_score:   # each scored place's logits row (greedy settings: its sampled token is dropped)
+        if to_score:   # each scored place's logits row (after the sampled ones: nothing samples from it)
             given = np.full(r_b, -1, np.int32)
             row = len(chunks)
             for i, lo, hi in to_score:
