@@ -91,7 +91,9 @@ def test_import_stops_when_the_pool_is_full(engines):
 def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it():
     """A decode replica's request whose prompt pages a prefill replica just computed reports
     none of them as cached (they were linked from the moved pages, which the decode engine's
-    cache counts as hits); a repeat of the prompt, found in the decode cache, reports them."""
+    cache counts as hits); a repeat of the prompt, found in the decode cache, reports them. A
+    request that scores its prompt (``prompt_logprobs``) computes it on the decode replica and
+    asks the prefill replica for nothing."""
     import asyncio
     from types import SimpleNamespace
 
@@ -111,9 +113,9 @@ def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it(
     registry = CollectorRegistry()
     decode.metrics = TransferMetrics(registry)
 
-    async def cached_of(rid):
-        async for out in decode.generate(sampling_params=SamplingParams(max_tokens=2, temperature=0.0),
-                                         request_id=rid, prompt_token_ids=PROMPT):
+    async def cached_of(rid, prompt=PROMPT, **scoring):
+        async for out in decode.generate(sampling_params=SamplingParams(max_tokens=2, temperature=0.0, **scoring),
+                                         request_id=rid, prompt_token_ids=prompt):
             pass
         return out.num_cached_tokens
 
@@ -121,6 +123,8 @@ def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it(
         assert asyncio.run(cached_of("first")) == 0
         assert registry.get_sample_value("jaxserve:remote_prefills_total") == 1   # the pages did move
         assert asyncio.run(cached_of("again")) == 64   # 4 full pages, now in the decode replica's cache
+        assert asyncio.run(cached_of("scored", PROMPT[::-1], prompt_logprobs=0)) == 0
+        assert registry.get_sample_value("jaxserve:remote_prefills_total") == 1   # not asked for its pages
     finally:
         decode.shutdown()
         prefill_side.engine.shutdown()

@@ -112,7 +112,9 @@ class DisaggregatedEngine(AsyncEngine):
     async def generate(self, prompt=None, sampling_params=None, request_id=None, *, prompt_token_ids=None,
                        **kwargs):
         cached = None
-        if prompt_token_ids is not None and self.prefill is not None:
+        scores_prompt = sampling_params is not None and sampling_params.prompt_logprobs is not None
+        if prompt_token_ids is not None and self.prefill is not None and not scores_prompt:
+            # (a prompt scored for its logprobs is computed here whatever the cache holds: nothing to fetch)
             cached = await self._fetch_prompt_kv(list(prompt_token_ids))
         async for out in super().generate(prompt, sampling_params, request_id, prompt_token_ids=prompt_token_ids,
                                           **kwargs):
