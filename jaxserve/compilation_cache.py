@@ -7,12 +7,13 @@ from pathlib import Path
 
 import jax
 
+from jaxserve.config import cache_root
+
 _enabled = False
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
-    return root / "xla-cache"
+    return cache_root() / "xla-cache"
 
 
 def enable_compilation_cache() -> None:

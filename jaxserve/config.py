@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DEFAULT_POLICY = "infercept"
@@ -28,6 +30,13 @@ LOAD_FORMATS = ("safetensors", "dummy")
 HANDLINGS = ("preserve", "discard", "swap")
 # The kernels' implementation names (kernels.IMPLS; a test keeps the two in step without importing JAX here).
 ATTENTION_IMPLS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
+
+
+def cache_root() -> Path:
+    """Where jaxserve keeps what it builds once per machine (XLA's compiled programs, the
+    demo checkpoint, tokenizers converted from GGUF files): ``$JAXSERVE_CACHE_DIR``,
+    by default ``~/.cache/jaxserve``."""
+    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
 
 
 def positive_int(text: str) -> int:

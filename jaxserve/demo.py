@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.config import cache_root
+
 DEMO_VERSION = "v3"
 DEMO_VOCAB = 512
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
@@ -80,7 +82,7 @@ user: hi\nassistant: hello! system: you are a helpful assistant.
 
 def demo_dir() -> Path:
     """The demo checkpoint directory, written on first use (atomically)."""
-    root = Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
+    root = cache_root()
     path = root / f"demo-{DEMO_VERSION}"
     if (path / "model.safetensors").is_file():
         return path

@@ -11,9 +11,18 @@ so the weights match the Hugging Face layout the model code uses.
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from jaxserve.config import cache_root
+
+log = logging.getLogger("jaxserve.gguf")
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -192,10 +201,35 @@ def tensor_values(reader, cfg: dict, flat: list, progress: bool = False) -> list
 
 
 def load_tokenizer(path: str | Path):
-    """The file's tokenizer (with its chat template) as a transformers fast tokenizer."""
+    """The file's tokenizer (with its chat template) as a transformers fast tokenizer.
+
+    transformers builds it from the file's vocabulary and merges (~3 s for SmolLM2's
+    49,152 tokens); the result is kept in ``cache_root() / "tokenizers"`` under the file
+    version (path, inode, change and modification times, size) and the transformers and
+    tokenizers versions, and later loads read that (~0.2 s). A cache that cannot be
+    written only costs the time."""
+    import tokenizers
+
     from jaxserve.hf_import import quiet_transformers
 
     transformers = quiet_transformers()
     path = Path(path).expanduser().resolve()
-    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                local_files_only=True)
+    stat = path.stat()
+    version = f"{path}|{stat.st_ino}|{stat.st_ctime_ns}|{stat.st_mtime_ns}|{stat.st_size}|" \
+              f"{transformers.__version__}|{tokenizers.__version__}"
+    kept = cache_root() / "tokenizers" / hashlib.sha256(version.encode()).hexdigest()[:32]
+    if (kept / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(str(kept), local_files_only=True)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                     local_files_only=True)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=kept.parent, prefix=".tokenizer-"))
+        try:
+            tokenizer.save_pretrained(str(tmp))
+            os.replace(tmp, kept)   # whole or not at all (another process may have won the race)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        log.info("tokenizer of %s not kept in %s (%s)", path.name, kept.parent, e)
+    return tokenizer

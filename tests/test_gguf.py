@@ -132,3 +132,40 @@ def test_smollm2_resolves_to_the_wheel_gguf():
     cfg = read_config(path)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.vocab_size, cfg.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+
+
+def test_a_converted_tokenizer_is_kept_per_file_version(tmp_path, monkeypatch):
+    """SmolLM2's tokenizer, built from the GGUF file by transformers, is kept in the cache
+    directory; the kept copy tokenizes, renders the chat template and decodes as the freshly
+    converted one. A new version of the file (another modification time) is converted again;
+    a cache that cannot be written still gives the tokenizer."""
+    import shutil
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    shutil.copyfile(model_source.smollm2_path(), source)
+    fresh = gguf_checkpoint.load_tokenizer(source)
+    kept_dirs = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert len(kept_dirs) == 1 and (kept_dirs[0] / "tokenizer.json").is_file()
+    import transformers
+    loads = []
+    real = transformers.PreTrainedTokenizerFast.from_pretrained.__func__
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append((a, k)) or real(cls, *a, **k)))
+    kept = gguf_checkpoint.load_tokenizer(source)
+    assert loads == [((str(kept_dirs[0]),), {"local_files_only": True})]   # the kept copy, not the file
+    texts = ["The capital of France is Paris.", "  spaces\n\nand\ttabs", "ünïcödé 中文 😀", "<|im_start|>user\nhi"]
+    assert [kept.encode(t) for t in texts] == [fresh.encode(t) for t in texts]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert kept.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (kept.all_special_ids, kept.eos_token_id, kept.bos_token_id, len(kept)) == \
+        (fresh.all_special_ids, fresh.eos_token_id, fresh.bos_token_id, len(fresh))
+    assert kept.decode(list(range(0, 49152, 97))) == fresh.decode(list(range(0, 49152, 97)))
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    gguf_checkpoint.load_tokenizer(source)
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(blocked))
+    assert gguf_checkpoint.load_tokenizer(source).encode(texts[0]) == fresh.encode(texts[0])
