@@ -51,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: time per step without and with the learned length probe of DIR "
                              "(--predictor learned:DIR), interleaved, same prompts; 'random': a probe of the "
                              "trained shape with random weights for this model (the cost depends on shapes only)")
-    parser.add_argument("--logprobs", type=int, default=None, metavar="K",
+    scoring = parser.add_mutually_exclusive_group()
+    scoring.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="instead: time per engine step of the same generate without and with "
                              "SamplingParams(logprobs=K) (0..20) on one engine, interleaved rounds")
-    parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+    scoring.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                         help="instead: the same with SamplingParams(prompt_logprobs=K) (0..20): every prompt "
                              "token scored (with the prefix cache on, the prompts are also computed again; "
                              "--no-enable-prefix-caching times the scoring alone)")

@@ -462,7 +462,7 @@ class LLMEngine:
                              tool_calls=[dict(c) for c in tool_calls], error=request.error, metrics=metrics,
                              num_cached_tokens=request.num_cached_tokens,
                              logprobs=None if request.logprobs is None else list(request.logprobs),
-                             prompt_logprobs=list(scored) if scored is not None and len(scored) == request.prompt_len
+                             prompt_logprobs=scored if scored is not None and len(scored) == request.prompt_len
                              else None)
 
     # ------------------------------------------------------------ helpers

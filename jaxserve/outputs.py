@@ -73,7 +73,8 @@ class RequestOutput:
     ``TokenLogprob`` per entry of ``token_ids`` (else None). ``prompt_logprobs``:
     with ``SamplingParams.prompt_logprobs``, one entry per prompt token, ``None``
     for the first (nothing precedes it) and a ``TokenLogprob`` for each other,
-    from the first output after the whole prompt was computed (None before).
+    from the first output after the whole prompt was computed (None before; the
+    same list in every output, not copied: it never changes once complete).
     """
 
     request_id: str

@@ -81,7 +81,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int,
     ``tokens`` may then cover only the first rows (those that sampled)."""
     if given is not None:
         tokens = jnp.where(given >= 0, given, jnp.pad(tokens, (0, given.shape[0] - tokens.shape[0])))
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    sampled = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    top_values, top_ids = jax.lax.top_k(logprobs, num_top)
-    return sampled, top_ids.astype(jnp.int32), top_values
+    logits = logits.astype(jnp.float32)
+    norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)   # (no [S, V] log-softmax kept beside the logits)
+    sampled = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0] - norm[:, 0]
+    top_values, top_ids = jax.lax.top_k(logits, num_top)
+    return sampled, top_ids.astype(jnp.int32), top_values - norm

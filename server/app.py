@@ -427,15 +427,25 @@ async def _completion_jobs(state: ServerState, body: CompletionRequest) -> list[
     jobs = []
     for p in prompt:
         ids = encoded.pop(0) if isinstance(p, str) else list(p)
-        echo = None
-        if body.echo:   # a token-id prompt echoes as the text its tokens spell
-            echo = p if isinstance(p, str) else await state.tokenize(
-                lambda tok: tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
+        params = [_sampling(state, body, len(ids), 16, seed_offset=i, structured=structured) for i in range(body.n)]
+        echo = await _echo_text(state, body, p, ids) if body.echo else None
         for i in range(body.n):
-            params = _sampling(state, body, len(ids), 16, seed_offset=i, structured=structured)
-            jobs.append(Job(f"{base}-{len(jobs)}", ids, params, parse_tool_calls=False, echo=echo,
+            jobs.append(Job(f"{base}-{len(jobs)}", ids, params[i], parse_tool_calls=False, echo=echo,
                             scores_only=body.max_tokens == 0))
     return jobs
+
+
+async def _echo_text(state: ServerState, body: CompletionRequest, prompt, ids: list[int]) -> str:
+    """The text ``echo`` starts a choice with: a string prompt as sent, token ids as the text
+    they spell (decoded once their count fits the context window; ids outside the vocabulary
+    are the engine's 400 either way)."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        return await state.tokenize(lambda tok: tok.decode(ids, skip_special_tokens=body.skip_special_tokens))
+    except Exception as e:  # noqa: BLE001 - ids the tokenizer cannot spell are the client's input
+        raise APIError(400, f"prompt: the tokenizer cannot decode these token ids ({type(e).__name__})",
+                       param="prompt") from None
 
 
 async def _collect(merger: ChoiceMerger, choices: list[ChoiceState]) -> None:

@@ -33,12 +33,12 @@ def test_short_contexts_use_narrow_page_tables_and_match_padded_tables():
     prompts = [list(range(3, 23)), list(range(40, 45))]
     params = SamplingParams(max_tokens=14, **GREEDY)
     bucketed = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    widths = {w for _, w in runner.step_shapes}
+    widths = {w for _, w, _ in runner.step_shapes}
     assert max(widths) <= 8 < runner.config.pages_per_seq   # 34 tokens -> 5 pages -> width 8 of 64
     assert runner._step._cache_size() == len(runner.step_shapes)
     runner.config = dataclasses.replace(runner.config, min_page_bucket=runner.config.pages_per_seq)
     padded = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    assert {w for _, w in runner.step_shapes} - widths == {runner.config.pages_per_seq}
+    assert {w for _, w, _ in runner.step_shapes} - widths == {runner.config.pages_per_seq}
     assert bucketed == padded
 
 
@@ -51,10 +51,10 @@ def test_cpu_decode_of_one_sequence_runs_two_token_steps_with_the_tokens_of_eigh
     assert runner.config.token_buckets[0] == 2
     prompts, params = [list(range(3, 21))], SamplingParams(max_tokens=12, **GREEDY)
     two = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    assert {t for t, _ in runner.step_shapes} == {32, 2}   # the prefill (18 tokens), then 2-token decodes
+    assert {t for t, _, _ in runner.step_shapes} == {32, 2}   # the prefill (18 tokens), then 2-token decodes
     runner.config = dataclasses.replace(runner.config, min_token_bucket=8)
     eight = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-    assert 8 in {t for t, _ in runner.step_shapes}
+    assert 8 in {t for t, _, _ in runner.step_shapes}
     assert two == eight and len(two[0]) == 12
 
 

@@ -148,6 +148,11 @@ class StepInputs:
     given: np.ndarray | None = None
     scored: list[tuple[int, int, int]] = field(default_factory=list)
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """What the step program is compiled for: (token bucket, page-table width, logits rows)."""
+        return self.token_bucket, self.meta["page_table"].shape[1], len(self.logits_indices)
+
 
 def at_highest_precision(fn: Callable) -> Callable:
     """``fn`` traced with every matrix product at full precision
@@ -255,7 +260,8 @@ class ModelExecutor:
         self.dispatch_s = 0.0
         self.device_wait_s = 0.0
         self.last_logits = None
-        self.step_shapes: set[tuple[int, int]] = set()  # (token bucket, page-table width) run so far
+        # (token bucket, page-table width, logits rows) run so far: one step program each
+        self.step_shapes: set[tuple[int, int, int]] = set()
         # Structured output (``jaxserve.structured.StructuredDecoding``, set by the engine): gives the
         # token bitmask of a batch's constrained rows; None, or no constrained row: the plain step.
         self.constraints = None
@@ -287,7 +293,7 @@ class ModelExecutor:
         logprobs = prompt_logprobs = None
         if logprob_arrays is not None:
             logprob_arrays = tuple(np.asarray(a) for a in jax.device_get(logprob_arrays))
-            logprobs = self._logprob_records(plan.chunks, tokens, logprob_arrays) if with_logprobs else None
+            logprobs = self._logprob_records(plan.chunks, tokens.tolist(), logprob_arrays) if with_logprobs else None
             prompt_logprobs = self._prompt_records(plan.chunks, inputs, logprob_arrays) if inputs.scored else None
         self.dispatch_s += waited - start
         self.device_wait_s += time.perf_counter() - waited
@@ -296,31 +302,32 @@ class ModelExecutor:
         return StepResult(token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @staticmethod
-    def _logprob_records(chunks: list[ScheduledChunk], tokens: np.ndarray,
+    def _records(token_ids: list[int], arrays: tuple[np.ndarray, np.ndarray, np.ndarray], rows: slice,
+                 k: int) -> list[TokenLogprob]:
+        """A ``TokenLogprob`` for each of ``rows`` of the step's ``token_logprobs`` ``arrays``
+        (its token from ``token_ids``, in order), with ``k`` alternatives."""
+        values, top_ids, top_values = arrays
+        top = zip(top_ids[rows, :k].tolist(), top_values[rows, :k].tolist())
+        return [TokenLogprob(t, v, tuple(zip(a, b))) for t, v, (a, b) in zip(token_ids, values[rows].tolist(), top)]
+
+    def _logprob_records(self, chunks: list[ScheduledChunk], tokens: list[int],
                          arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[TokenLogprob | None]:
-        """``StepResult.logprobs`` from the step's ``token_logprobs`` ``arrays``: a ``TokenLogprob``
-        for each chunk that samples for a request keeping them, with as many alternatives as it asked."""
-        sampled, top_ids, top_values = arrays
+        """``StepResult.logprobs``: a ``TokenLogprob`` for each chunk that samples for a
+        request keeping them, with as many alternatives as it asked."""
         records: list[TokenLogprob | None] = [None] * len(chunks)
         for i, c in enumerate(chunks):
             if c.samples and c.request.logprobs is not None:
-                k = c.request.sampling_params.logprobs
-                records[i] = TokenLogprob(int(tokens[i]), float(sampled[i]),
-                                          tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())))
+                records[i] = self._records([tokens[i]], arrays, slice(i, i + 1), c.request.sampling_params.logprobs)[0]
         return records
 
-    @staticmethod
-    def _prompt_records(chunks: list[ScheduledChunk], inputs: StepInputs,
+    def _prompt_records(self, chunks: list[ScheduledChunk], inputs: StepInputs,
                         arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[list[TokenLogprob]]:
-        """``StepResult.prompt_logprobs`` from the step's ``token_logprobs`` ``arrays``: for each
-        chunk, a ``TokenLogprob`` per prompt token it scored (``inputs.scored``), in order."""
-        values, top_ids, top_values = arrays
+        """``StepResult.prompt_logprobs``: for each chunk, a ``TokenLogprob`` per prompt token
+        it scored (``inputs.scored``), in order."""
         records: list[list[TokenLogprob]] = [[] for _ in chunks]
         for i, row, n in inputs.scored:
-            k = chunks[i].request.sampling_params.prompt_logprobs
-            ids, logprob = inputs.given[row:row + n].tolist(), values[row:row + n].tolist()
-            top = zip(top_ids[row:row + n, :k].tolist(), top_values[row:row + n, :k].tolist())
-            records[i] = [TokenLogprob(t, v, tuple(zip(a, b))) for t, v, (a, b) in zip(ids, logprob, top)]
+            records[i] = self._records(inputs.given[row:row + n].tolist(), arrays, slice(row, row + n),
+                                       chunks[i].request.sampling_params.prompt_logprobs)
         return records
 
     def release(self, request: Request) -> None:
@@ -330,7 +337,8 @@ class ModelExecutor:
     # ----------------------------------------------------------------- forward
     def _model_fn(self, params, kv, arrays: dict[str, jax.Array]):
         """The model over the ragged batch described by the unpacked step ``arrays``
-        (``_stage``): ``(logits [S_b, V], kv, length bins int32 [S_b] or None)``."""
+        (``_stage``): ``(logits [R, V], kv, length bins int32 [S_b] or None)``, R the logits rows
+        (``StepInputs.shape``)."""
         model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_treedef, params))
         input_ids, logits_indices = arrays["input_ids"], arrays["logits_indices"]
         meta = AttentionMetadata(**{f.name: arrays[f.name] for f in fields(AttentionMetadata)})
@@ -381,8 +389,9 @@ class ModelExecutor:
         if len(chunks) > s_b:
             raise ValueError(f"step has {len(chunks)} sequences, more than the bucket allows ({s_b})")
         to_score = [(i, lo, hi) for i, c in enumerate(chunks) for lo, hi in [_prompt_positions(c)] if lo < hi]
-        rows = len(chunks) + sum(hi - lo for _, lo, hi in to_score)
-        r_b = s_b if rows <= s_b else next_power_of_two(rows)   # logits rows: a wider variant only when scoring
+        # Logits rows: S_b; a step that scores prompt tokens has room for every token of its bucket
+        # after them (one more variant per step shape, compiled only when a step scores).
+        r_b = s_b + t_b if to_score else s_b
         ps = cfg.page_size
         input_ids = np.zeros(t_b, np.int32)
         positions = np.zeros(t_b, np.int32)
@@ -440,8 +449,8 @@ class ModelExecutor:
 
     def forward(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
-        ``(tokens [S_b], logits [S_b, V])``."""
-        self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
+        ``(tokens [S_b], logits [R, V])`` (R: ``StepInputs.shape``)."""
+        self.step_shapes.add(inputs.shape)
         packed, layout = self._stage(inputs)
         if bitmask is not None:
             bitmask = put_replicated(bitmask, self.mesh)
@@ -482,8 +491,8 @@ class ModelExecutor:
 
     def forward_logits(self, inputs: StepInputs) -> jax.Array:
         """Dispatch the forward alone (no sampler); returns the device array ``logits
-        [S_b, V]`` float32."""
-        self.step_shapes.add((inputs.token_bucket, inputs.meta["page_table"].shape[1]))
+        [R, V]`` float32 (R: ``StepInputs.shape``)."""
+        self.step_shapes.add(inputs.shape)
         packed, layout = self._stage(inputs, sampling=False)
         logits, self.kv, self.last_length_bins = self._forward(self.params, self.kv, packed, layout)
         return logits
