@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import json
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +84,74 @@ def _reader(path: str, inode: int, ctime_ns: int, mtime_ns: int, size: int):
         return gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - truncated or corrupt file: say which
         raise ValueError(f"cannot read GGUF file {path!r}: {type(e).__name__}: {e}") from None
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its name, quantization (``gguf.GGMLQuantizationType``)
+    and raw data (read-only, mapped from the file), as ``gguf.GGUFReader`` gives them."""
+
+    name: str
+    tensor_type: object
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    """What loading a model needs of a GGUF file: its Hugging Face config (``hf_config``)
+    and its tensors."""
+
+    config: dict
+    tensors: list[GGUFTensor]
+
+
+def open_index(path: str | Path) -> GGUFIndex:
+    """The ``GGUFIndex`` of a GGUF file (a ``ValueError`` as ``open_gguf`` and ``hf_config``
+    raise them).
+
+    ``gguf.GGUFReader`` parses every metadata entry, SmolLM2's ~100,000 vocabulary and
+    merge strings among them (~3 s), where a model needs a few numbers and the tensors'
+    places. So the config and each tensor's type, data type, shape and offset are kept
+    in ``cache_root() / "gguf-index"`` per file version (path, inode, change and
+    modification times, size, gguf version), and later loads map the tensors from that
+    without parsing the file. A cache that cannot be written only costs the time."""
+    import gguf
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    path = path.resolve()
+    stat = path.stat()
+    version = f"{path}|{stat.st_ino}|{stat.st_ctime_ns}|{stat.st_mtime_ns}|{stat.st_size}|" \
+              f"{importlib.metadata.version('gguf')}"
+    kept = cache_root() / "gguf-index" / f"{hashlib.sha256(version.encode()).hexdigest()[:32]}.json"
+    try:
+        index = json.loads(kept.read_text())
+    except (OSError, ValueError):
+        index = None
+    if index is not None:
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = []
+        for name, kind, dtype, shape, offset in index["tensors"]:
+            dtype = np.dtype(dtype)
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            tensors.append(GGUFTensor(name, gguf.GGMLQuantizationType(kind),
+                                      raw[offset:offset + size].view(dtype).reshape(shape)))
+        return GGUFIndex(index["config"], tensors)
+    reader = open_gguf(path)
+    config = hf_config(reader)
+    tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        entries = [(t.name, int(t.tensor_type), t.data.dtype.str, list(t.data.shape), int(t.data_offset))
+                   for t in reader.tensors]
+        fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".index-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"config": config, "tensors": entries}, f)
+        os.replace(tmp, kept)
+    except OSError as e:
+        log.info("index of %s not kept in %s (%s)", path.name, kept.parent, e)
+    return GGUFIndex(config, tensors)
 
 
 def _field(reader, key: str, default=None):
@@ -161,7 +232,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def check_quant_types(reader) -> None:
-    """Raise ``ValueError`` naming any tensor whose quantization ``gguf`` cannot dequantize."""
+    """Raise ``ValueError`` naming any tensor of ``reader`` (a ``gguf.GGUFReader`` or a
+    ``GGUFIndex``) whose quantization ``gguf`` cannot dequantize."""
     import gguf
 
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
@@ -172,14 +244,15 @@ def check_quant_types(reader) -> None:
                          f"package; supported: {', '.join(sorted(k.name for k in known))}")
 
 
-def tensor_values(reader, cfg: dict, flat: list, progress: bool = False) -> list[np.ndarray]:
+def tensor_values(index: GGUFIndex, flat: list, progress: bool = False) -> list[np.ndarray]:
     """float32 numpy arrays for the nnx parameters ``flat`` (``(path, variable)``
-    pairs, nnx layout: linear kernels ``[in, out]``), dequantized from ``reader``."""
+    pairs, nnx layout: linear kernels ``[in, out]``), dequantized from ``index``'s tensors."""
     import gguf
     from tqdm.auto import tqdm
 
-    check_quant_types(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    check_quant_types(index)
+    cfg = index.config
+    tensors = {t.name: t for t in index.tensors}
     values = []
     for path, var in tqdm(flat, desc="loading GGUF", disable=not progress, leave=False):
         name, transpose = gguf_name(path)

@@ -55,7 +55,7 @@ def parse_dtype(dtype: str) -> jnp.dtype:
 def read_config(model_dir: Path) -> ModelConfig:
     """The ``ModelConfig`` of a checkpoint directory or ``.gguf`` file."""
     if gguf_checkpoint.is_gguf_path(model_dir):
-        return ModelConfig.from_hf(gguf_checkpoint.hf_config(gguf_checkpoint.open_gguf(model_dir)))
+        return ModelConfig.from_hf(gguf_checkpoint.open_index(model_dir).config)
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} is not a Hugging Face checkpoint directory: no config.json")
@@ -120,10 +120,9 @@ def load_model(model_dir: str | Path, dtype: str = "auto", attention_impl: str =
 
 def _load_model(model_dir: Path, dtype: str, attention_impl: str, load_format: str, seed: int, progress: bool,
                 mesh: Mesh | None):
-    reader = gguf_checkpoint.open_gguf(model_dir) if gguf_checkpoint.is_gguf_path(model_dir) else None
-    if reader is not None:
-        raw = gguf_checkpoint.hf_config(reader)
-        checkpoint_cfg = ModelConfig.from_hf(raw)
+    index = gguf_checkpoint.open_index(model_dir) if gguf_checkpoint.is_gguf_path(model_dir) else None
+    if index is not None:
+        checkpoint_cfg = ModelConfig.from_hf(index.config)
     else:
         checkpoint_cfg = read_config(model_dir)
     tp = 1 if mesh is None else mesh.size
@@ -142,8 +141,8 @@ def _load_model(model_dir: Path, dtype: str, attention_impl: str, load_format: s
     checkpoint_shapes = [tuple(var.get_value().shape) for _, var in checkpoint_flat]
     if load_format == "dummy":
         values = _dummy_values(flat, checkpoint_shapes, seed)
-    elif reader is not None:
-        values = gguf_checkpoint.tensor_values(reader, raw, checkpoint_flat, progress)
+    elif index is not None:
+        values = gguf_checkpoint.tensor_values(index, checkpoint_flat, progress)
     elif load_format == "safetensors":
         values = _checkpoint_values(model_dir, flat, checkpoint_shapes, progress)
     else:

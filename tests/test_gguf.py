@@ -169,3 +169,41 @@ def test_a_converted_tokenizer_is_kept_per_file_version(tmp_path, monkeypatch):
     blocked.write_text("a file where the cache directory would go")
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(blocked))
     assert gguf_checkpoint.load_tokenizer(source).encode(texts[0]) == fresh.encode(texts[0])
+
+
+def test_a_gguf_index_is_kept_per_file_version_and_maps_the_same_tensors(tmp_path, monkeypatch):
+    """The config and tensor places of a GGUF file are kept in the cache directory: a later
+    load maps SmolLM2's tensors (quantized, as stored) without parsing the file, with the
+    same config, types and bytes as the reader gives. A file that fails to parse keeps
+    nothing, a new version of a file is indexed again, and a cache that cannot be written
+    still gives the index."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = model_source.smollm2_path()
+    reader = gguf_checkpoint.open_gguf(source)
+    first = gguf_checkpoint.open_index(source)
+    gguf_checkpoint.release_readers()
+    parses = []
+    real_reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real_reader(*a, **k))
+    kept = gguf_checkpoint.open_index(source)
+    assert parses == []
+    assert kept.config == first.config == gguf_checkpoint.hf_config(reader)
+    assert [(t.name, t.tensor_type) for t in kept.tensors] == [(t.name, t.tensor_type) for t in reader.tensors]
+    for mapped, parsed in zip(kept.tensors, reader.tensors):
+        assert mapped.data.dtype == parsed.data.dtype and np.array_equal(mapped.data, parsed.data), mapped.name
+    index_dir = tmp_path / "cache" / "gguf-index"
+    assert len(list(index_dir.iterdir())) == 1
+    bad = tmp_path / "bad.gguf"
+    write_gguf(bad, arch="gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        gguf_checkpoint.open_index(bad)
+    assert len(list(index_dir.iterdir())) == 1
+    write_gguf(bad)
+    stat = bad.stat()
+    os.utime(bad, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert gguf_checkpoint.open_index(bad).config["num_hidden_layers"] == 1
+    assert len(list(index_dir.iterdir())) == 2
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(blocked))
+    assert gguf_checkpoint.open_index(bad).config["vocab_size"] == 16
