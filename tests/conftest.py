@@ -91,7 +91,16 @@ def hf_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tool_checkpoint(tmp_path_factory):
-    """``(checkpoint dir, conversations)``: a tiny model trained to call tools (see conftest_server)."""
-    from conftest_server import train_tool_checkpoint
-    path = tmp_path_factory.mktemp("tool-model")
-    return path, train_tool_checkpoint(path)
+    """``(checkpoint dir, conversations)``: a tiny model trained to call tools (see conftest_server).
+    Trained once per test run (~45 s): pytest-xdist's workers share the run's base temporary
+    directory, and the first worker to need it trains it there while the others wait on a lock."""
+    from filelock import FileLock
+
+    from conftest_server import tool_conversations, train_tool_checkpoint
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / "tool-model"
+    with FileLock(f"{path}.lock"):
+        if not (path / "model.safetensors").is_file():
+            train_tool_checkpoint(path)
+    return path, tool_conversations()

@@ -199,8 +199,18 @@ def _forward(params: dict, ids, cfg: dict):
     return norm(x, params["model.norm.weight"]) @ params["lm_head.weight"].T
 
 
-def train_tool_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) -> list[Conversation]:
-    """Write a trained checkpoint (config, safetensors, tokenizer) to ``out_dir``."""
+def tool_conversations() -> list[Conversation]:
+    """The conversations ``train_tool_checkpoint`` trains on (the demo tokenizer's ids)."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.demo import demo_dir
+
+    return build_conversations(AutoTokenizer.from_pretrained(str(demo_dir())))
+
+
+def train_tool_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) -> None:
+    """Write a trained checkpoint (config, safetensors, tokenizer) to ``out_dir``; the
+    model file last, so its presence means the checkpoint is whole."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -247,7 +257,6 @@ def train_tool_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) -> lis
     tokenizer.save_pretrained(out_dir)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file({k: np.asarray(v) for k, v in params.items()}, str(out_dir / "model.safetensors"))
-    return convs
 
 
 # ---------------------------------------------------------------- servers
