@@ -95,9 +95,23 @@ def _safetensor_files(model_dir: Path) -> dict[str, Path]:
     return out
 
 
+class _ShapeOnlyKeys:
+    """The key source ``abstract_model`` builds a model with: every layer's initializer gets
+    the same key, and nothing counts draws. Only shapes are wanted there (the values are
+    replaced by the checkpoint's), and ``nnx.Rngs`` counts each draw in a variable whose
+    update, traced inside ``nnx.eval_shape``, walks the whole trace built so far (its
+    ``sharding`` is compared): SmolLM2's 211 draws took ~1.4 s of a 1.45 s build, 0.43 s
+    with this."""
+
+    def params(self) -> jax.Array:
+        return jax.random.key(0)
+
+
 def abstract_model(cfg: ModelConfig, dtype, attention_impl: str, mesh: Mesh | None = None):
+    """The model of ``cfg`` with shapes and dtypes for values (``nnx.eval_shape``)."""
     cls = model_class_for(cfg.model_type)
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0), mesh=mesh))
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_impl=attention_impl, rngs=_ShapeOnlyKeys(),
+                                      mesh=mesh))
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", attention_impl: str = "reference",

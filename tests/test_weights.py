@@ -100,3 +100,22 @@ def test_a_checkpoint_without_tokenizer_warns_in_one_line(tmp_path, caplog):
         assert load_tokenizer(tmp_path) is None
     (message,) = [r.getMessage() for r in caplog.records if "no tokenizer" in r.getMessage()]
     assert "\n" not in message and message.endswith("prompts must be token ids")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_the_abstract_model_is_the_model_built_with_nnx_rngs(hf_checkpoints, kind):
+    """``abstract_model`` builds without counting RNG draws (each costs time in proportion
+    to the trace inside ``nnx.eval_shape``): the same graph, and every parameter of the
+    same path, shape and dtype, as the model built with ``nnx.Rngs``."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.weights import abstract_model, model_class_for, read_config
+    cfg = read_config(hf_checkpoints[kind][1])
+    fast = abstract_model(cfg, jnp.bfloat16, "reference")
+    counted = nnx.eval_shape(lambda: model_class_for(cfg.model_type)(
+        cfg, dtype=jnp.bfloat16, attention_impl="reference", rngs=nnx.Rngs(0)))
+    (fast_graph, fast_state), (graph, state) = nnx.split(fast), nnx.split(counted)
+    assert fast_graph == graph
+    shapes = [(path, v.get_value().shape, v.get_value().dtype) for path, v in nnx.to_flat_state(state)]
+    assert [(path, v.get_value().shape, v.get_value().dtype) for path, v in nnx.to_flat_state(fast_state)] == shapes
