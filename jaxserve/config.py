@@ -34,7 +34,7 @@ ATTENTION_IMPLS = ("reference", "pallas_gpu", "pallas_mosaic_gpu", "pallas_tpu")
 
 def cache_root() -> Path:
     """Where jaxserve keeps what it builds once per machine (XLA's compiled programs, the
-    demo checkpoint, tokenizers converted from GGUF files): ``$JAXSERVE_CACHE_DIR``,
+    demo checkpoint, the indexes and converted tokenizers of GGUF files): ``$JAXSERVE_CACHE_DIR``,
     by default ``~/.cache/jaxserve``."""
     return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve"))
 
