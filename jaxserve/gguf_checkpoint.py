@@ -53,6 +53,14 @@ def is_gguf_path(path: str | Path) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
+def _version_key(path: Path, *versions: str) -> str:
+    """A name for what is kept of the file ``path`` (resolved) as it is now (inode, change
+    and modification times, size) and built by the library ``versions``."""
+    stat = path.stat()
+    key = "|".join(map(str, (path, stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size, *versions)))
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
 def open_gguf(path: str | Path):
     """A ``gguf.GGUFReader`` for ``path``; a missing or non-GGUF file is a ``ValueError``.
 
@@ -121,10 +129,7 @@ def open_index(path: str | Path) -> GGUFIndex:
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     path = path.resolve()
-    stat = path.stat()
-    version = f"{path}|{stat.st_ino}|{stat.st_ctime_ns}|{stat.st_mtime_ns}|{stat.st_size}|" \
-              f"{importlib.metadata.version('gguf')}"
-    kept = cache_root() / "gguf-index" / f"{hashlib.sha256(version.encode()).hexdigest()[:32]}.json"
+    kept = cache_root() / "gguf-index" / f"{_version_key(path, importlib.metadata.version('gguf'))}.json"
     try:
         index = json.loads(kept.read_text())
     except (OSError, ValueError):
@@ -287,10 +292,7 @@ def load_tokenizer(path: str | Path):
 
     transformers = quiet_transformers()
     path = Path(path).expanduser().resolve()
-    stat = path.stat()
-    version = f"{path}|{stat.st_ino}|{stat.st_ctime_ns}|{stat.st_mtime_ns}|{stat.st_size}|" \
-              f"{transformers.__version__}|{tokenizers.__version__}"
-    kept = cache_root() / "tokenizers" / hashlib.sha256(version.encode()).hexdigest()[:32]
+    kept = cache_root() / "tokenizers" / _version_key(path, transformers.__version__, tokenizers.__version__)
     if (kept / "tokenizer.json").is_file():
         return transformers.PreTrainedTokenizerFast.from_pretrained(str(kept), local_files_only=True)
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -165,12 +165,13 @@ def at_highest_precision(fn: Callable) -> Callable:
 
 
 def _prompt_positions(chunk: ScheduledChunk) -> tuple[int, int]:
-    """``(lo, hi)``: the places ``p`` in ``[lo, hi)`` of ``chunk`` whose logits score
-    prompt token ``p + 1`` for ``SamplingParams.prompt_logprobs``, those not scored
-    yet (a recomputed chunk scores nothing twice); ``lo >= hi`` when none."""
+    """``(lo, hi)``: the places ``p`` in ``[lo, hi)`` of ``chunk`` (of a request that
+    scores its prompt: ``SamplingParams.prompt_logprobs``) whose logits score prompt
+    token ``p + 1``, those not scored yet (a recomputed chunk scores nothing twice);
+    ``lo >= hi`` when none."""
     request = chunk.request
     scored = request.prompt_logprobs
-    if scored is None or len(scored) >= request.prompt_len:
+    if len(scored) >= request.prompt_len:
         return 0, 0
     return max(chunk.start, len(scored) - 1), min(chunk.start + chunk.num_tokens, request.prompt_len - 1)
 
@@ -388,7 +389,8 @@ class ModelExecutor:
         s_b = cfg.seq_bucket(t_b)
         if len(chunks) > s_b:
             raise ValueError(f"step has {len(chunks)} sequences, more than the bucket allows ({s_b})")
-        to_score = [(i, lo, hi) for i, c in enumerate(chunks) for lo, hi in [_prompt_positions(c)] if lo < hi]
+        to_score = [(i, lo, hi) for i, c in enumerate(chunks) if c.request.prompt_logprobs is not None
+                    for lo, hi in [_prompt_positions(c)] if lo < hi]   # (no call per chunk in the common step)
         # Logits rows: S_b; a step that scores prompt tokens has room for every token of its bucket
         # after them (one more variant per step shape, compiled only when a step scores).
         r_b = s_b + t_b if to_score else s_b
