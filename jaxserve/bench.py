@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: the same with SamplingParams(prompt_logprobs=K) (0..20): every prompt "
                              "token scored (with the prefix cache on, the prompts are also computed again; "
                              "--no-enable-prefix-caching times the scoring alone)")
+    scoring.add_argument("--penalties", action="store_true",
+                        help="instead: the same with SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, "
+                             "frequency_penalty=0.5, logit_bias of 16 tokens) (each step samples after its logit "
+                             "adjustments, in a second program)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="generate rounds per engine (per side with --logprobs) with --length-probe or --logprobs")
     parser.add_argument("--probe-calls", type=positive_int, default=60,
@@ -245,10 +249,15 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
             "same_tokens": outputs["with"] == outputs["without"]}
 
 
-def run_logprobs_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
-    """Cost of log-probabilities: one engine generates ``prompts`` greedily without and
-    with ``SamplingParams(logprobs=args.logprobs)`` (or ``prompt_logprobs=args.prompt_logprobs``
-    when that is set), ``args.rounds`` rounds each,
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                 logit_bias={token: 1.0 for token in range(3, 19)})
+"""``--penalties``: every logit adjustment on (``jaxserve.logit_adjust``)."""
+
+
+def run_option_cost(model_dir: str, prompts: list[list[int]], args, load_format: str) -> dict:
+    """Cost of a sampling option: one engine generates ``prompts`` greedily without and
+    with ``SamplingParams(logprobs=args.logprobs)`` (or ``prompt_logprobs=args.prompt_logprobs``,
+    or ``PENALTIES`` with ``args.penalties``), ``args.rounds`` rounds each,
     interleaved with the order flipped every round (both sides warmed first: every
     step shape of both variants compiled, every prompt in the prefix cache as in each
     round). Wall and process-CPU seconds per engine step; the overhead is the median
@@ -258,12 +267,12 @@ def run_logprobs_cost(model_dir: str, prompts: list[list[int]], args, load_forma
                                            max_model_len=args.prompt_len + args.max_tokens + args.page_size,
                                            load_format=load_format))
     asked = {"prompt_logprobs": args.prompt_logprobs} if args.prompt_logprobs is not None else \
-        {"logprobs": args.logprobs}
+        PENALTIES if args.penalties else {"logprobs": args.logprobs}
     params = {"without": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
               "with": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, **asked)}
     rounds, outputs = interleaved_rounds({k: (llm, p) for k, p in params.items()}, prompts, args.rounds)
     llm.engine.shutdown()
-    return {**asked, "rounds": args.rounds,
+    return {"asked": asked, "rounds": args.rounds,
             "engine_step_wall": _paired(rounds["with"][0], rounds["without"][0]),
             "engine_step_cpu": _paired(rounds["with"][1], rounds["without"][1]),
             "same_tokens": outputs["with"] == outputs["without"]}
@@ -347,14 +356,15 @@ def main(args: argparse.Namespace) -> int:
         vocab = read_config(Path(model_dir)).vocab_size   # (a checkpoint directory or a .gguf file)
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
-    if args.logprobs is not None or args.prompt_logprobs is not None:
-        cost = run_logprobs_cost(model_dir, prompts, args, load_format)
-        asked = "prompt_logprobs" if args.prompt_logprobs is not None else "logprobs"
+    if args.logprobs is not None or args.prompt_logprobs is not None or args.penalties:
+        cost = run_option_cost(model_dir, prompts, args, load_format)
+        asked = ", ".join(f"{k}={v}" if k != "logit_bias" else f"logit_bias of {len(v)} tokens"
+                          for k, v in cost["asked"].items())
         print(f"model {args.shape or args.model}, {args.num_prompts} prompts x {args.max_tokens} tokens, "
-              f"{asked}={cost[asked]}; overhead = median of paired ratios with/without - 1 [interquartile range]")
+              f"{asked}; overhead = median of paired ratios with/without - 1 [interquartile range]")
         print(_overhead_line(f"engine step, wall ({args.rounds} interleaved generate rounds)", cost["engine_step_wall"]))
         print(_overhead_line(f"engine step, CPU ({args.rounds} interleaved generate rounds)", cost["engine_step_cpu"]))
-        print(f"same tokens: {cost['same_tokens']}")
+        print(f"same tokens: {cost['same_tokens']}" + (" (penalties may change them)" if args.penalties else ""))
         if args.json:
             Path(args.json).write_text(json.dumps(cost, indent=2))
         return 0

@@ -32,9 +32,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> tuple[str, bool]:
+    def add(self, token_id: int, match_stop: bool = True) -> tuple[str, bool]:
         """Append a token; returns ``(new text, hit a stop string)``. On a stop
-        string the text is cut just before it."""
+        string the text is cut just before it. ``match_stop`` False: the new
+        text is not searched for stop strings (``SamplingParams.min_tokens``)."""
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         full = self._decode(self.ids[self._prefix:])
@@ -44,7 +45,8 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         before = len(self.text)
         self.text += delta
-        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1] \
+            if match_stop else None
         if hits:   # cut before the earliest, whichever stop string it is
             self.text = self.text[:min(hits)]
             return self.text[before:], True

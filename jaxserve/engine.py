@@ -25,6 +25,7 @@ from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.logit_adjust import LogitAdjuster
 from jaxserve.executor.model import (ModelExecutor, ModelExecutorConfig, cuda_graphs_for, kv_pool_pages,
                                      min_token_bucket_for)
 from jaxserve.model_source import load_tokenizer, resolve_model
@@ -241,6 +242,13 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None and self.config.num_processes > 1:
                 raise ValueError(f"{name}: not supported across hosts (num_processes={self.config.num_processes}) yet")
+        if params.adjusts_logits:
+            if self.config.num_processes > 1:   # (a second sampling program the multi-host protocol does not send)
+                raise ValueError(f"logit_bias, min_tokens and penalties: not supported across hosts "
+                                 f"(num_processes={self.config.num_processes}) yet")
+            vocab = self.model_config.vocab_size
+            if params.logit_bias and max(params.logit_bias) >= vocab:
+                raise ValueError(f"logit_bias: its keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
         stop_ids = self._stop_ids(params)
         if grammar is not None and grammar.ends_with_eos:
             stop_ids -= self.eos_token_ids   # its EOS ends the turn of calls (a pause), not the request
@@ -252,7 +260,8 @@ class LLMEngine:
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
             if self.tokenizer is not None else None,
-            tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar)
+            tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
+            logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
         return request
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
@@ -318,7 +327,9 @@ class LLMEngine:
             raise ValueError("text must be a string or a non-empty list of strings")
         if max_tokens is not None:
             request.max_tokens = request.num_generated + max_tokens
-            request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=request.max_tokens)
+            request.sampling_params = dataclasses.replace(   # (a shorter budget ends it first: length)
+                request.sampling_params, max_tokens=request.max_tokens,
+                min_tokens=min(request.sampling_params.min_tokens, request.max_tokens))
         self.api.resume(request_id, token_ids=token_ids, text=text)
 
     def has_unfinished(self) -> bool:
@@ -348,7 +359,7 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         if request.detokenizer is None or (request.finish_reason == "stop" and token in request.stop_token_ids):
             return
-        delta, hit_stop = request.detokenizer.add(token)
+        delta, hit_stop = request.detokenizer.add(token, request.num_generated >= request.sampling_params.min_tokens)
         if hit_stop:
             self.core.finish(request, "stop")   # (a stop string completed by the last allowed token: see finish)
             return

@@ -20,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no stop token or stop string before this many")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off (transformers' and vLLM's)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID:VALUE",
+                        help="add VALUE (in [-100, 100]) to TOKEN_ID's logit (repeatable)")
     parser.add_argument("--api-call", action="append", default=[], metavar="AFTER:SECONDS:TEXT",
                         help="declare an API call after AFTER generated tokens, taking SECONDS, returning TEXT "
                              "(applies to every prompt; repeatable)")
@@ -48,6 +54,18 @@ def parse_api_calls(specs: list[str]) -> list:
     return calls
 
 
+def parse_logit_bias(specs: list[str]) -> dict[int, float]:
+    """``--logit-bias TOKEN_ID:VALUE`` values -> ``{token id: value}``; ``ValueError`` naming the bad one."""
+    bias = {}
+    for spec in specs:
+        token, _, value = spec.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias must look like TOKEN_ID:VALUE, got {spec!r}") from None
+    return bias
+
+
 def tokenize_returns(calls: list, tokenizer) -> list:
     """``parse_api_calls``'s result with each call's TEXT as its returned token ids."""
     return [dataclasses.replace(call, returned_token_ids=tokenizer.encode(text, add_special_tokens=False)
@@ -59,7 +77,10 @@ def main(args: argparse.Namespace) -> int:
 
     try:   # what can be checked without the model, before it loads
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+                                min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                logit_bias=parse_logit_bias(args.logit_bias) or None)
         declared = parse_api_calls(args.api_call)
         if args.prompt is not None and not all(args.prompt):
             raise ValueError("--prompt must not be empty")

@@ -1,5 +1,6 @@
 """The jitted sampler: greedy, temperature, top-k, top-p, per-request seeds;
-optionally under a packed token bitmask (structured output)."""
+optionally after sparse logit adjustments (``jaxserve.logit_adjust``) and under a
+packed token bitmask (structured output)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,29 @@ class SamplingArrays:
     top_p: jax.Array        # [S] float32
     seed: jax.Array         # [S] uint32
     step: jax.Array         # [S] int32: tokens generated so far (folds into the key)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """A step's logit adjustments: entry ``e`` sets ``logits[rows[e], ids[e]]`` to
+    ``scale_op(logit + pre[e]) + post[e]``, ``scale_op(x)`` being ``x / scale[e]`` for
+    ``x > 0`` and ``x * scale[e]`` otherwise (``jaxserve.logit_adjust``). Entries name
+    distinct (row, token) pairs; an id outside the vocabulary pads (nothing happens)."""
+
+    rows: jax.Array    # [E] int32
+    ids: jax.Array     # [E] int32
+    pre: jax.Array     # [E] float32
+    scale: jax.Array   # [E] float32
+    post: jax.Array    # [E] float32
+
+
+def adjust_logits(logits: jax.Array, adjust: LogitAdjustments) -> jax.Array:
+    """``logits [S, V]`` with ``adjust``'s entries applied (a gather and a scatter of E values)."""
+    ids = jnp.minimum(adjust.ids, logits.shape[-1] - 1)   # padding entries read some logit, write none
+    value = logits[adjust.rows, ids] + adjust.pre
+    value = jnp.where(value > 0, value / adjust.scale, value * adjust.scale) + adjust.post
+    return logits.at[adjust.rows, adjust.ids].set(value, mode="drop")
 
 
 def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

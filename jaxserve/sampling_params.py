@@ -15,6 +15,10 @@ MAX_TEMPERATURE = 100.0     # far above any useful value, far below float32's ra
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20           # alternatives per token (OpenAI's top_logprobs limit; one compiled variant)
+MAX_PENALTY = 2.0           # presence/frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0            # logit_bias values lie in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS = 1024       # tokens one logit_bias may name
+REPETITION_RANGE = (0.01, 10.0)   # repetition_penalty bounds: far past any useful value, far from 0 and inf
 
 
 @dataclass
@@ -38,6 +42,20 @@ class SamplingParams:
     (``RequestOutput.prompt_logprobs``; the first token has none). The prompt
     is then computed in full: what the prefix cache holds of it is not reused,
     as the cache keeps the KV of those tokens but not the logits.
+
+    Logit adjustments, applied to the logits before temperature, top-k/top-p
+    and any structured-output mask, in this order (transformers' and vLLM's):
+    ``logit_bias`` (token id -> value added to its logit, each in [-100, 100],
+    at most ``MAX_LOGIT_BIAS`` tokens); ``min_tokens``: the request's stop
+    tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) cannot be
+    sampled and its stop strings are not matched before ``min_tokens`` tokens
+    are generated; ``repetition_penalty`` (transformers' and vLLM's, 1 = off):
+    the logit of every token already in the context (prompt, generated and
+    API-returned tokens) is divided by it when positive and multiplied by it
+    otherwise; ``frequency_penalty`` and ``presence_penalty`` (OpenAI's, in
+    [-2, 2]): each token's logit loses ``frequency_penalty`` times the number
+    of times it was generated so far, and ``presence_penalty`` once if it was.
+    Log-probabilities stay the model's own (before these adjustments).
     """
 
     max_tokens: int = 16
@@ -52,6 +70,11 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,10 +108,42 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        self._validate_adjustments()
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise ValueError("structured must be a jaxserve.StructuredOutput")
             self.structured.validate()
+
+
+    def _validate_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        low, high = REPETITION_RANGE
+        if not _is_real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] (1 is off), "
+                             f"got {self.repetition_penalty!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to numbers")
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token <= INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_real(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                 f"got {value!r} for token {token}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit adjustment is on (``logit_bias``, ``min_tokens``, penalties)."""
+        return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or (self.logit_bias and any(self.logit_bias.values())))
 
 
 def _is_int(v) -> bool:

@@ -111,6 +111,7 @@ class Request:
     detokenizer: object | None = None
     tool_parser: object | None = None
     grammar: object | None = None           # structured-output state (kept across API pauses)
+    logit_adjuster: object | None = None    # logit_bias, min_tokens, penalties (``jaxserve.logit_adjust``)
     pending_tool_calls: list[dict] = field(default_factory=list)   # client-side calls the caller must answer
     logprobs: list | None = None            # one record per generated token when asked (``StepResult.logprobs``)
     # When asked: one entry per prompt token scored so far, ``None`` first (the first token has no

@@ -382,7 +382,10 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
                               stop=list(body.stop or []), ignore_eos=body.ignore_eos,
                               skip_special_tokens=body.skip_special_tokens, structured=structured,
                               logprobs=body.num_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs,
-                              prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None)
+                              prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
+                              logit_bias=body.logit_bias, min_tokens=body.min_tokens,
+                              repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty)
     except ValueError as e:
         raise from_value_error(e, prompt_param) from None
 

@@ -18,7 +18,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_CHARS
+from jaxserve.sampling_params import (INT32_MAX, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_CHARS,
+                                      REPETITION_RANGE)
 
 MAX_N = 16
 
@@ -98,25 +99,28 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True   # (vLLM's extra parameter) False: special tokens stay in the text
-    presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None   # refused when it biases anything (it would change the output)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    # token id (a string, as JSON keys are) -> bias; checked against the vocabulary by the engine
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1],
+                                      allow_inf_nan=False)   # (vLLM's extra parameter)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)   # (vLLM's extra parameter)
     user: Text | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported; use 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v and any(bias != 0 for bias in v.values()):
-            raise ValueError("not supported")
-        return v
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return None
+        out = {}
+        for key, bias in v.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            out[int(key)] = bias
+        return out
 
     @field_validator("stop")
     @classmethod

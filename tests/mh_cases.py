@@ -40,7 +40,7 @@ def engine_settings(role: str, address: str | None) -> dict:
 
 
 def generate(model_dir: str, role: str, address: str | None) -> dict:
-    from jaxserve import LLM, ApiCall, SamplingParams
+    from jaxserve import LLM, ApiCall, SamplingParams, StructuredOutput
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 500, n).tolist() for n in PROMPT_LENS]
@@ -48,7 +48,14 @@ def generate(model_dir: str, role: str, address: str | None) -> dict:
     llm = LLM(model_dir, **engine_settings(role, address))
     outs = llm.generate(prompt_token_ids=prompts, api_calls=calls,
                         sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    result = dict(tokens=[o.token_ids for o in outs], swapped_out=llm.engine.stats.swapped_out_pages,
+    refused = {}   # what the multi-host protocol cannot run yet is refused, naming the option
+    for name, params in [("logprobs", SamplingParams(logprobs=1)), ("penalties", SamplingParams(presence_penalty=1.0)),
+                         ("structured", SamplingParams(structured=StructuredOutput.json_object()))]:
+        try:
+            llm.engine.make_request(f"refused-{name}", None, params, prompts[0])
+        except ValueError as e:
+            refused[name] = str(e)
+    result = dict(tokens=[o.token_ids for o in outs], swapped_out=llm.engine.stats.swapped_out_pages, refused=refused,
                   swapped_in=llm.engine.stats.swapped_in_pages, processes=__import__("jax").process_count(),
                   mesh_devices=llm.engine.executor.mesh.size)
     llm.engine.shutdown()

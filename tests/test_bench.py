@@ -61,8 +61,9 @@ def test_shape_checkpoints_are_one_directory_per_shape(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
 
 
-@pytest.mark.parametrize("flags", [["--logprobs", "3"], ["--prompt-logprobs", "2", "--no-enable-prefix-caching"]])
-def test_logprobs_cost_reports_paired_figures_and_same_tokens(tmp_path, flags):
+@pytest.mark.parametrize("flags", [["--logprobs", "3"], ["--prompt-logprobs", "2", "--no-enable-prefix-caching"],
+                                   ["--penalties"]])
+def test_option_cost_reports_paired_figures_and_same_tokens(tmp_path, flags):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "cost.json"
@@ -70,8 +71,11 @@ def test_logprobs_cost_reports_paired_figures_and_same_tokens(tmp_path, flags):
                               "--rounds", "2", "--json", str(out)])
     assert bench.main(args) == 0
     cost = json.loads(out.read_text())
-    asked = flags[0][2:].replace("-", "_")
-    assert cost["same_tokens"] is True and cost[asked] == int(flags[1])   # scoring never changes what is generated
+    if flags == ["--penalties"]:
+        assert cost["asked"]["repetition_penalty"] == 1.1   # (penalties may change the tokens)
+    else:
+        asked = flags[0][2:].replace("-", "_")
+        assert cost["same_tokens"] is True and cost["asked"] == {asked: int(flags[1])}   # scoring changes nothing
     for key in ("engine_step_wall", "engine_step_cpu"):
         m = cost[key]
         assert m["median_without_ms"] > 0 and m["median_with_ms"] > 0

@@ -60,6 +60,10 @@ def test_generate_prints_outputs_and_api_call_handling(capsys):
     assert rc == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     assert len(line["token_ids"]) == 6 and line["api_calls"][0]["handling"] == "swap"
+    rc = cli.main(["generate", "demo", "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos", "--json",
+                   "--logit-bias", "81:100", "--repetition-penalty", "1.2", "--max-num-batched-tokens", "32",
+                   "--max-model-len", "128", "--num-pages", "32"])
+    assert rc == 0 and json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"] == [81] * 4
 
 
 def test_bench_runs_with_the_default_dtype(capsys):
@@ -75,6 +79,10 @@ def test_bench_runs_with_the_default_dtype(capsys):
     (["generate", "demo", "--prompt", ""], "jaxserve generate: --prompt must not be empty"),
     (["generate", "demo", "--api-call", "x:0.1:hi"], "jaxserve generate: --api-call 'x:0.1:hi'"),
     (["generate", "demo", "--api-call", "2:inf:hi"], "duration_s must be a finite number"),
+    (["generate", "demo", "--logit-bias", "5=1"], "jaxserve generate: --logit-bias must look like TOKEN_ID:VALUE"),
+    (["generate", "demo", "--logit-bias", "5:500"], "jaxserve generate: logit_bias values must be"),
+    (["generate", "demo", "--presence-penalty", "3"], "jaxserve generate: presence_penalty must be"),
+    (["generate", "demo", "--min-tokens", "64"], "jaxserve generate: min_tokens must be"),
 ])
 def test_generate_refuses_bad_options_in_one_line_before_loading_a_model(argv, message, monkeypatch):
     import jaxserve.llm

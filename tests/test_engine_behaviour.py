@@ -25,6 +25,12 @@ def prompt(n: int, seed: int) -> list[int]:
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(seed=-1), "seed"),
     (dict(logprobs=-1), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=11), "repetition_penalty"),
+    (dict(min_tokens=17), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias keys"), (dict(logit_bias={5: 101}), "logit_bias values"),
+    (dict(logit_bias={5: float("inf")}), "logit_bias values"), (dict(logit_bias=[5]), "logit_bias"),
+    (dict(logit_bias={t: 1.0 for t in range(1025)}), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -181,6 +187,74 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
     finished = llm.engine.stats.finished
     assert finished.get("stop", 0) == finished_before.get("stop", 0) + 1
     assert finished.get("length", 0) == finished_before.get("length", 0)
+
+
+def test_min_tokens_holds_back_stop_strings_and_stop_ids(llm):
+    """Before ``min_tokens`` are generated neither a stop string nor a stop id ends the
+    request: the stop string first seen early is not matched (the text runs on), and the
+    stop id is never sampled (greedy would have picked it at once)."""
+    p = prompt(9, 5)
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    needle = free.text[:2]
+    stopped = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, stop=[needle]))[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 10
+    held = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, stop=[needle], min_tokens=10))[0]
+    assert held.finish_reason == "length" and held.token_ids == free.token_ids and held.text == free.text
+    first = free.token_ids[0]
+    out = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[first], min_tokens=3))[0]
+    assert first not in out.token_ids[:3] and out.token_ids[0] != first
+
+
+def test_penalised_sampling_is_the_same_alone_and_in_a_batch(llm):
+    """A seeded, sampled request with every logit adjustment gives the same tokens alone and
+    batched with requests that have other adjustments or none (rows never mix), and its
+    penalties act: no token repeats under a large presence penalty and repetition penalty."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=2.0,
+                            repetition_penalty=10.0, logit_bias={7: -100.0}, min_tokens=4)
+    alone = llm.generate(prompt_token_ids=[prompt(7, 8)], sampling_params=params)[0]
+    batch = llm.generate(prompt_token_ids=[prompt(30, 9), prompt(7, 8), prompt(5, 10)], sampling_params=[
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), params,
+        SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True, frequency_penalty=-2.0)])
+    assert batch[1].token_ids == alone.token_ids
+    assert len(set(alone.token_ids)) == len(alone.token_ids) and 7 not in alone.token_ids
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_and_nothing_is_queued(llm):
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias: its keys must be token ids in \\[0, {vocab}\\)"):
+        llm.generate(prompt_token_ids=[prompt(5, 1)], sampling_params=SamplingParams(logit_bias={vocab: 1.0}))
+    assert not llm.engine.has_unfinished()
+
+
+def test_the_logit_adjuster_reads_each_new_token_once():
+    """Entries grow past the first arrays; the repetition penalty covers every context token
+    (API-returned ones too), presence and frequency only generated ones; a request whose only
+    adjustment is ``min_tokens`` has nothing to adjust once it is reached, or without stop ids."""
+    from jaxserve.logit_adjust import LogitAdjuster, entry_bucket, step_adjustments
+    params = SamplingParams(max_tokens=40, repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.5,
+                            logit_bias={900: 2.5}, min_tokens=2)
+    adjuster = LogitAdjuster(params, frozenset({1}))
+    context = list(range(100, 130))   # 30 prompt tokens: more entries than the first arrays hold
+    ids, pre, scale, post = adjuster.entries(context, 30, [])
+    assert ids[:2].tolist() == [900, 1] and pre[:2].tolist() == [2.5, -np.inf]
+    assert set(ids[2:].tolist()) == set(context) and (scale[2:] == 2.0).all() and (post == 0).all()
+    context += [100, 100, 555, 556, 100]   # generated 100, 100, then an API returned 555, 556, then 100
+    generated = [100, 100, 100]
+    ids, pre, scale, post = adjuster.entries(context, len(context), generated)
+    by_token = dict(zip(ids.tolist(), zip(pre.tolist(), scale.tolist(), post.tolist())))
+    assert by_token[100] == (0.0, 2.0, -(0.5 * 3 + 1.0))
+    assert by_token[555] == (0.0, 2.0, 0.0) and by_token[1] == (0.0, 1.0, 0.0)   # min_tokens reached
+    assert len(ids) == 34
+    only_min = LogitAdjuster(SamplingParams(max_tokens=8, min_tokens=2), frozenset({1}))
+    assert only_min.active(1) and not only_min.active(2)
+    assert not LogitAdjuster(SamplingParams(max_tokens=8, min_tokens=2), frozenset()).active(0)
+    arrays = step_adjustments([(3, (ids, pre, scale, post))])
+    assert len(arrays["adjust_ids"]) == entry_bucket(34) == 64 and arrays["adjust_rows"][:34].tolist() == [3] * 34
+    assert (arrays["adjust_ids"][34:] == 2**31 - 1).all() and (arrays["adjust_scale"][34:] == 1).all()
 
 
 def test_eos_stops_unless_ignored(llm):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from jaxserve import LLM, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -232,3 +233,57 @@ def test_prompt_logprobs_match_transformers_log_softmax(pool, hf_checkpoints, re
         assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 40   # 5 full pages of 8
     else:
         assert any(preempted_scoring)
+
+
+class _OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens, as its API
+    reference writes them: ``logit[j] -= frequency * count[j] + presence * (count[j] > 0)``."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1]).to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_logit_adjustments_match_transformers(pool, hf_checkpoints, references):
+    """Greedy outputs under ``logit_bias``, ``repetition_penalty``, presence/frequency
+    penalties and ``min_tokens`` equal transformers' ``generate`` with its processors
+    (``sequence_bias`` of single tokens, ``repetition_penalty``, ``min_new_tokens``; the
+    OpenAI penalties as a processor written from OpenAI's formula), each request batched
+    with the others and with a plain one (which stays the plain reference). The tight
+    pool preempts requests mid-generation: their adjustments carry on from their context."""
+    model, path = hf_checkpoints["llama"]
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=256 if pool == "roomy" else 12,
+              max_num_batched_tokens=64, max_model_len=128, check_invariants=True, warmup=False)
+    ids = prompts()
+    plain = references["llama"]
+    greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    stop = 77
+    cases = [   # (prompt index, engine settings, transformers generate settings)
+        (1, dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
+        (2, dict(logit_bias={plain[2][0]: -100.0, 7: 3.0}), dict(sequence_bias={(plain[2][0],): -100.0, (7,): 3.0})),
+        (3, dict(presence_penalty=1.5, frequency_penalty=0.8), dict(penalties=(1.5, 0.8))),
+        (4, dict(logit_bias={stop: 100.0}, min_tokens=5, stop_token_ids=[stop]),
+         dict(sequence_bias={(stop,): 100.0}, min_new_tokens=5, eos_token_id=stop)),
+        (5, dict(logit_bias={plain[5][1]: -5.0}, repetition_penalty=0.7, presence_penalty=-0.5, frequency_penalty=0.3),
+         dict(sequence_bias={(plain[5][1],): -5.0}, repetition_penalty=0.7, penalties=(-0.5, 0.3))),
+    ]
+    outs = llm.generate(prompt_token_ids=[ids[i] for i, _, _ in cases] + [ids[0]],
+                        sampling_params=[SamplingParams(**greedy, **engine) for _, engine, _ in cases]
+                        + [SamplingParams(**greedy)])
+    assert outs[-1].token_ids == plain[0]
+    for (i, _, hf), out in zip(cases, outs):
+        hf = dict(hf)
+        penalties = hf.pop("penalties", None)
+        processors = LogitsProcessorList([_OpenAIPenalties(len(ids[i]), *penalties)] if penalties else [])
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids[i]]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  logits_processor=processors, **hf)[0, len(ids[i]):].tolist()
+        assert out.token_ids == want, (i, out.token_ids, want)
+        assert out.token_ids != plain[i]   # the adjustment changed the answer
+    assert outs[3].token_ids[-1] == stop and len(outs[3].token_ids) == 6 and outs[3].finish_reason == "stop"
+    if pool == "tight":
+        assert llm.engine.scheduler.num_preemptions > 0

@@ -65,6 +65,9 @@ def test_two_processes_at_tp4_generate_what_one_process_does(checkpoint, tmp_pat
     assert ref["mesh_devices"] == leader["mesh_devices"] == 4
     assert leader["swapped_out"] > 0 and leader["swapped_in"] > 0
     assert leader["tokens"] == ref["tokens"]
+    assert ref["refused"] == {}
+    assert sorted(leader["refused"]) == ["logprobs", "penalties", "structured"]
+    assert all("not supported across hosts" in m for m in leader["refused"].values()), leader["refused"]
 
 
 def test_a_dead_worker_makes_health_503_and_requests_fail(checkpoint, tmp_path):

@@ -262,6 +262,33 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(demo):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "skip_special_tokens"
 
 
+def test_logit_bias_and_penalties_steer_the_answer(demo):
+    """A +100 ``logit_bias`` makes greedy decoding write that token only (completions and
+    chat); with a repetition penalty and a presence penalty no token comes twice where the
+    free answer repeats."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.demo import demo_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_dir()))
+    body = {"model": "demo", "prompt": [72, 101, 108], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    forced = tokenizer.encode("Q", add_special_tokens=False)[0]
+    r = demo.post("/v1/completions", json={**body, "logit_bias": {str(forced): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([forced])] * 12
+    asked = chat("Hi", model="demo", max_tokens=16, ignore_eos=True, logprobs=True)
+
+    def token_bytes(extra: dict) -> list[tuple[int, ...]]:   # (bytes: distinct tokens may print alike)
+        r = demo.post("/v1/chat/completions", json={**asked, **extra})
+        assert r.status_code == 200, r.text
+        return [tuple(item["bytes"]) for item in r.json()["choices"][0]["logprobs"]["content"]]
+    free = token_bytes({})
+    assert len(set(free)) < len(free) == 16
+    penalised = token_bytes({"repetition_penalty": 10, "presence_penalty": 2})
+    assert len(set(penalised)) == len(penalised) == 16
+    assert token_bytes({"logit_bias": {str(forced): 100}, "max_tokens": 6}) == [tuple(b"Q")] * 6
+
+
 def test_completions_token_ids_batches_and_n(demo):
     body = {"model": "demo", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     ids = demo.post("/v1/completions", json={**body, "prompt": [72, 101, 108]}).json()

@@ -341,12 +341,10 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
         assert error["param"] == param and message in error["message"], error
 
 
-@pytest.mark.parametrize("path, field, value", [
-    ("/v1/completions", "best_of", 2),
-    ("/v1/completions", "logit_bias", {"50": 5}), ("/v1/chat/completions", "logit_bias", {"50": -100})])
+@pytest.mark.parametrize("path, field, value", [("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "x")])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
     """Fields this server does not implement but that change what a client gets back
-    (best_of, logit_bias) are 400s naming the field, never silently dropped."""
+    (best_of, suffix) are 400s naming the field, never silently dropped."""
     body = {"model": "m", field: value, **({"prompt": "hi"} if "chat" not in path
                                            else {"messages": [{"role": "user", "content": "hi"}]})}
     with _client(_ScriptedEngine()) as client:
@@ -371,6 +369,57 @@ def test_bad_logprobs_fields_are_400s_naming_the_field(path, body, field):
     with _client(_ScriptedEngine()) as client:
         error = _error(client.post(path, json={"model": "m", **body}), 400)
         assert error["param"] == field, error
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logit_bias": {"50": 101}}, "logit_bias.50"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"fifty": 1}}, "logit_bias"),
+    ({"logit_bias": {"5" * 11: 1}}, "logit_bias"), ({"logit_bias": {"1000000": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias")])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_penalties_and_logit_bias_are_400s_naming_the_field(path, body, field):
+    """Penalties within OpenAI's [-2, 2], a repetition penalty within [0.01, 10],
+    ``min_tokens`` within ``max_tokens``, ``logit_bias`` keys that are token ids of the
+    vocabulary (the demo's is 512) and values within [-100, 100]."""
+    prompt = {"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    with _client(_Recorder(), max_model_len=2048) as client:
+        error = _error(client.post(path, json={"model": "m", **prompt, **body}), 400)
+        assert error["param"] == field, error
+
+
+class _Recorder(_ScriptedEngine):
+    """Answers every request with one token and keeps its ``SamplingParams``; refuses, as the
+    engine does, a ``logit_bias`` key outside the demo's 512-token vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = []
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput
+        if sampling_params.logit_bias and max(sampling_params.logit_bias) >= 512:
+            raise ValueError("logit_bias: its keys must be token ids in [0, 512)")
+        self.params.append(sampling_params)
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65],
+                            text="b", delta_token_ids=[65], delta_text="b", finish_reason="stop")
+
+
+def test_penalties_and_logit_bias_reach_the_engine():
+    """OpenAI's ``logit_bias`` (string keys), ``presence_penalty``, ``frequency_penalty``
+    and vLLM's ``repetition_penalty`` and ``min_tokens`` become the engine's settings."""
+    engine = _Recorder()
+    with _client(engine, max_model_len=2048) as client:
+        for path, prompt in [("/v1/completions", {"prompt": "hi"}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+            r = client.post(path, json={"model": "m", **prompt, "logit_bias": {"50": 5, "007": -100.0},
+                                        "presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.2,
+                                        "min_tokens": 3, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            p = engine.params[-1]
+            assert (p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (
+                {50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3)
 
 
 def test_a_model_is_retrieved_by_its_name():

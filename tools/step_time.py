@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace) -> dict:
         elif args.structured:   # every token allowed: the cost of the path, not of a grammar
             allow_all = np.full((len(inputs.logits_indices), bitmask_words(engine.model_config.vocab_size)), -1,
                                 np.int32)
-            call = lambda batch: runner.forward_masked(batch, lambda: allow_all)[0]   # noqa: E731
+            call = lambda batch: runner.forward_sampled(batch, lambda: allow_all)[0]   # noqa: E731
         else:
             call = lambda batch: runner.forward(batch)[0]   # noqa: E731
         for _ in range(3):   # compile, then warm

@@ -36,7 +36,9 @@ from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_pages_sharding, put_replicated,
                                         replicated, to_host)
 from jaxserve.predictor.probe import probe_predict
-from jaxserve.sampling import SamplingArrays, sample, sample_masked, token_logprobs
+from jaxserve.logit_adjust import step_adjustments
+from jaxserve.sampling import (LogitAdjustments, SamplingArrays, adjust_logits, apply_token_bitmask, sample,
+                              sample_masked, token_logprobs)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from kernels import compute_capability
 from scheduler import CACHE_OWNER, Request, ScheduledChunk, StepPlan, StepResult, SwapOp
@@ -137,7 +139,8 @@ class StepInputs:
     reads. Prompt tokens scored for ``SamplingParams.prompt_logprobs`` take rows
     after those: ``scored`` lists ``(chunk index, first row, rows)``, and
     ``given[row]`` is the prompt token whose log-probability that row gives
-    (-1 on the sampled rows: their sampled token's)."""
+    (-1 on the sampled rows: their sampled token's). ``adjust``: the sampled rows'
+    logit adjustments (``jaxserve.logit_adjust.step_adjustments``), None when no row has any."""
 
     token_bucket: int
     input_ids: np.ndarray
@@ -147,6 +150,7 @@ class StepInputs:
     num_seqs: int
     given: np.ndarray | None = None
     scored: list[tuple[int, int, int]] = field(default_factory=list)
+    adjust: dict[str, np.ndarray] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -190,10 +194,18 @@ def _sampling_arrays(arrays: dict[str, jax.Array]) -> SamplingArrays:
     return SamplingArrays(**{f.name: arrays[f.name] for f in fields(SamplingArrays)})
 
 
-def _sample_masked_packed(logits: jax.Array, bitmask: jax.Array, packed: jax.Array, layout: Layout) -> jax.Array:
-    """``sample_masked`` of the sampled rows (the first ``S_b``; ``StepInputs``) with the sampling
-    settings packed in one array."""
-    return sample_masked(logits[:bitmask.shape[0]], bitmask, _sampling_arrays(unpack(packed, layout)))
+def _sample_packed(logits: jax.Array, bitmask: jax.Array | None, packed: jax.Array, layout: Layout) -> jax.Array:
+    """``sample`` of the sampled rows (the first ``S_b``; ``StepInputs``) with the sampling settings
+    packed in one array: after their logit adjustments when the packed arrays hold them
+    (``StepInputs.adjust``), under ``bitmask`` when given."""
+    arrays = unpack(packed, layout)
+    sampling = _sampling_arrays(arrays)
+    rows = logits[:sampling.temperature.shape[0]]
+    if "adjust_ids" in arrays:
+        rows = adjust_logits(rows, LogitAdjustments(*(arrays[f"adjust_{f.name}"] for f in fields(LogitAdjustments))))
+    if bitmask is not None:
+        rows = apply_token_bitmask(rows, bitmask)
+    return sample(rows, sampling)
 
 
 class ModelExecutor:
@@ -246,7 +258,9 @@ class ModelExecutor:
                              compiler_options=options)
         self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
                                 static_argnums=(3,), compiler_options=options)
-        self._sample_masked = jax.jit(_sample_masked_packed, static_argnums=(3,), compiler_options=options)
+        # Sampling apart from the forward: a structured-output mask filled while the device computes,
+        # or logit adjustments (one small program per row and entry bucket, never a step variant).
+        self._sample = jax.jit(_sample_packed, static_argnums=(3,), compiler_options=options)
         # Log-probabilities: a small program of their own over the step's logits, so a request that
         # asks compiles one program per row bucket, never a variant of every step shape mid-serving.
         self._logprobs = jax.jit(token_logprobs, static_argnums=(2,), compiler_options=options)
@@ -282,7 +296,7 @@ class ModelExecutor:
         start = time.perf_counter()
         fill = self.constraints and self.constraints.bitmask_fn(   # rows that sample a token only
             [c.request.grammar if c.samples else None for c in plan.chunks], len(inputs.sampling["temperature"]))
-        device_tokens, logits = self.forward_masked(inputs, fill) if fill else self.forward(inputs)
+        device_tokens, logits = self.forward_sampled(inputs, fill or None)
         self.last_logits = logits if self.config.keep_logits else None
         with_logprobs = any(c.request.logprobs is not None for c in plan.chunks if c.samples)
         logprob_arrays = None
@@ -409,6 +423,7 @@ class ModelExecutor:
         seed = np.zeros(s_b, np.uint32)
         step = np.zeros(s_b, np.int32)
         t = 0
+        adjusting = []   # chunks of requests with logit adjustments
         for i, ch in enumerate(chunks):
             request = ch.request
             context = request.token_ids
@@ -433,6 +448,8 @@ class ModelExecutor:
             params = request.sampling_params
             temp[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
             seed[i], step[i] = request.seed, request.num_generated
+            if request.logit_adjuster is not None:
+                adjusting.append(i)
         cu[len(chunks) + 1:] = t
         given, scored = None, []
         if to_score:   # each scored place's logits row (after the sampled ones: nothing samples from it)
@@ -447,7 +464,15 @@ class ModelExecutor:
         meta = dict(positions=positions, slot_mapping=slots, page_table=page_table, kv_lens=kv_lens,
                     cu_q_lens=cu, num_seqs=np.array([len(chunks)], np.int32))
         sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
-        return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks), given, scored)
+        adjusted = []   # (sampled row, its entries)
+        for i in adjusting:
+            c = chunks[i]
+            request, adjuster = c.request, c.request.logit_adjuster
+            if c.samples and adjuster.active(request.num_generated):
+                adjusted.append((i, adjuster.entries(request.token_ids, c.start + c.num_tokens,
+                                                     request.output_token_ids)))
+        return StepInputs(t_b, input_ids, meta, logits_idx, sampling, len(chunks), given, scored,
+                          step_adjustments(adjusted) if adjusted else None)
 
     def forward(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
         """Run the forward + sampler (under ``bitmask`` when given); returns device arrays
@@ -476,19 +501,30 @@ class ModelExecutor:
         lowered.compile()
         return lowered_at - start, time.perf_counter() - lowered_at
 
-    def forward_masked(self, inputs: StepInputs,
-                       fill_bitmask: Callable[[], np.ndarray]) -> tuple[jax.Array, jax.Array]:
-        """``forward`` with the sampler restricted by a token bitmask ``fill_bitmask() ->
-        int32 [S_b, ceil(V / 32)]``. With ``overlap_mask_fill`` (accelerators): dispatch
-        the forward, fill the mask on the host while the device computes (dispatch is
-        asynchronous), then sample under it in a second program; otherwise (CPU) fill
-        first and run the one step program with the mask."""
-        if not self.overlap_mask_fill:
-            return self.forward(inputs, fill_bitmask())
+    def forward_sampled(self, inputs: StepInputs, fill_bitmask: Callable[[], np.ndarray] | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
+        """The step as ``execute`` runs it: ``forward`` under the token bitmask ``fill_bitmask()``
+        (int32 ``[S_b, ceil(V / 32)]``) when given, after ``inputs.adjust``'s logit adjustments.
+        Sampled in a second program (``forward_sampled_apart``) when there are adjustments, or
+        a mask to fill while the device computes (``overlap_mask_fill``: accelerators); else
+        the one step program (a mask filled first: on CPU a second program costs more than
+        the overlap saves)."""
+        if inputs.adjust is not None or (fill_bitmask is not None and self.overlap_mask_fill):
+            return self.forward_sampled_apart(inputs, fill_bitmask)
+        return self.forward(inputs) if fill_bitmask is None else self.forward(inputs, fill_bitmask())
+
+    def forward_sampled_apart(self, inputs: StepInputs, fill_bitmask: Callable[[], np.ndarray] | None = None
+                              ) -> tuple[jax.Array, jax.Array]:
+        """``forward``, its sampler a second program: dispatch the forward, then (while the
+        device computes: dispatch is asynchronous) fill the token bitmask ``fill_bitmask() ->
+        int32 [S_b, ceil(V / 32)]`` when given and stage the sampling settings with the
+        logit adjustments (``inputs.adjust``), then sample. Returns device arrays
+        ``(tokens [S_b], logits [R, V])``."""
         logits = self.forward_logits(inputs)
-        flat, layout = pack(inputs.sampling)
-        bitmask, packed = put_replicated((fill_bitmask(), flat), self.mesh)
-        tokens = self._sample_masked(logits, bitmask, packed, layout)
+        flat, layout = pack({**inputs.sampling, **(inputs.adjust or {})})
+        bitmask = None if fill_bitmask is None else fill_bitmask()
+        bitmask, packed = put_replicated((bitmask, flat), self.mesh)
+        tokens = self._sample(logits, bitmask, packed, layout)
         return tokens, logits
 
     def forward_logits(self, inputs: StepInputs) -> jax.Array:
