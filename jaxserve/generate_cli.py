@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0, help="draw only tokens at least this fraction as likely "
+                                                                  "as the likeliest (0 is off)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--min-tokens", type=int, default=0, help="no stop token or stop string before this many")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off (transformers' and vLLM's)")
@@ -77,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:   # what can be checked without the model, before it loads
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
                                 min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                 logit_bias=parse_logit_bias(args.logit_bias) or None)

@@ -1,4 +1,4 @@
-"""The jitted sampler: greedy, temperature, top-k, top-p, per-request seeds;
+"""The jitted sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds;
 optionally after sparse logit adjustments (``jaxserve.logit_adjust``) and under a
 packed token bitmask (structured output)."""
 
@@ -18,6 +18,7 @@ class SamplingArrays:
     temperature: jax.Array  # [S] float32; 0 = greedy
     top_k: jax.Array        # [S] int32; 0 = off
     top_p: jax.Array        # [S] float32
+    min_p: jax.Array        # [S] float32; 0 = off
     seed: jax.Array         # [S] uint32
     step: jax.Array         # [S] int32: tokens generated so far (folds into the key)
 
@@ -45,26 +46,31 @@ def adjust_logits(logits: jax.Array, adjust: LogitAdjustments) -> jax.Array:
     return logits.at[adjust.rows, adjust.ids].set(value, mode="drop")
 
 
-def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Set logits outside each row's top-k / nucleus to -inf. ``logits [S, V]``."""
+def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Set logits outside each row's top-k, nucleus or min-p set to -inf. ``logits [S, V]``
+    (temperature-scaled). In transformers' and vLLM's order: top-k, then top-p over the
+    distribution renormalized to what top-k kept, then min-p, which keeps the tokens at
+    least ``min_p`` times as likely as the likeliest (``logit >= max logit + log(min_p)``,
+    whatever the others removed)."""
     vocab = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    probs = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc), axis=-1)   # (ties at the k-th kept)
     before = jnp.cumsum(probs, axis=-1) - probs     # mass strictly above each sorted entry
-    keep = before < top_p[:, None]
+    keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)   # (float32 sums can pass 1 in a long tail)
     p_threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth, p_threshold)
+    min_p_threshold = sorted_desc[:, :1] + jnp.log(min_p)[:, None]   # (log 0 = -inf: off)
+    threshold = jnp.maximum(jnp.maximum(kth, p_threshold), min_p_threshold)
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
 def _sample_random(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Temperature / top-k / top-p sampling of every row of ``logits [S, V]``; ``[S]`` int32."""
+    """Temperature / top-k / top-p / min-p sampling of every row of ``logits [S, V]``; ``[S]`` int32."""
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
-    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, k, p: x, scaled, params.top_k, params.top_p)
+    needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
+    scaled = jax.lax.cond(needs_filter, _filter, lambda x, k, p, m: x, scaled, params.top_k, params.top_p, params.min_p)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
     return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 

@@ -25,8 +25,9 @@ REPETITION_RANGE = (0.01, 10.0)   # repetition_penalty bounds: far past any usef
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable
-    those filters. ``seed`` makes sampling reproducible per request: the same
+    ``temperature == 0`` is greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p
+    == 0`` disable those filters (``min_p``: only tokens at least ``min_p`` times
+    as likely as the likeliest are drawn, after temperature). ``seed`` makes sampling reproducible per request: the same
     seed gives the same tokens whether the request runs alone or in a batch.
     ``max_tokens`` counts generated tokens only (not API-returned ones).
     ``structured`` constrains the output (JSON Schema, JSON object, forced tool
@@ -62,6 +63,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -90,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise ValueError(f"top_k must be an integer in [-1, {INT32_MAX}] (0 or -1 disable it), "
                              f"got {self.top_k!r}")

@@ -378,6 +378,7 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
                        f"window of {state.max_model_len} tokens", param=field, code="context_length_exceeded")
     try:
         return SamplingParams(max_tokens=limit, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                              min_p=body.min_p,
                               seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
                               stop=list(body.stop or []), ignore_eos=body.ignore_eos,
                               skip_special_tokens=body.skip_special_tokens, structured=structured,

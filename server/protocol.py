@@ -92,6 +92,7 @@ class _SamplingFields(_Request):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)   # (vLLM's extra parameter)
     seed: int | None = Field(default=None, ge=0, lt=2**32)
     stop: Text | list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)

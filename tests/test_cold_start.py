@@ -77,7 +77,8 @@ def test_greedy_rows_skip_random_sampling_but_mixed_batches_still_sample():
     def arrays(temps):
         n = len(temps)
         return SamplingArrays(temperature=jnp.asarray(temps, jnp.float32), top_k=jnp.zeros(n, jnp.int32),
-                              top_p=jnp.ones(n, jnp.float32), seed=jnp.arange(n, dtype=jnp.uint32),
+                              top_p=jnp.ones(n, jnp.float32), min_p=jnp.zeros(n, jnp.float32),
+                              seed=jnp.arange(n, dtype=jnp.uint32),
                               step=jnp.zeros(n, jnp.int32))
 
     argmax = np.argmax(np.asarray(logits), axis=-1)

@@ -23,7 +23,7 @@ def prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-5), "top_k"), (dict(seed=-1), "seed"),
+    (dict(top_k=-5), "top_k"), (dict(seed=-1), "seed"), (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
     (dict(logprobs=-1), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=11), "repetition_penalty"),
@@ -83,11 +83,11 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_16(llm):
     assert different != alone
 
 
-def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy(llm):
+def test_top_k_one_top_p_tiny_and_min_p_one_are_greedy(llm):
     p = prompt(9, 4)
     greedy = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
                                                                                 ignore_eos=True))[0].token_ids
-    for extra in (dict(top_k=1), dict(top_p=1e-6)):
+    for extra in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
         out = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
             max_tokens=8, temperature=1.5, seed=7, ignore_eos=True, **extra))[0].token_ids
         assert out == greedy, extra

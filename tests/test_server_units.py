@@ -373,7 +373,7 @@ def test_bad_logprobs_fields_are_400s_naming_the_field(path, body, field):
 
 @pytest.mark.parametrize("body, field", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"), ({"min_p": 2}, "min_p"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logit_bias": {"50": 101}}, "logit_bias.50"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"fifty": 1}}, "logit_bias"),
     ({"logit_bias": {"5" * 11: 1}}, "logit_bias"), ({"logit_bias": {"1000000": 1}}, "logit_bias"),
@@ -408,18 +408,18 @@ class _Recorder(_ScriptedEngine):
 
 def test_penalties_and_logit_bias_reach_the_engine():
     """OpenAI's ``logit_bias`` (string keys), ``presence_penalty``, ``frequency_penalty``
-    and vLLM's ``repetition_penalty`` and ``min_tokens`` become the engine's settings."""
+    and vLLM's ``repetition_penalty``, ``min_tokens`` and ``min_p`` become the engine's settings."""
     engine = _Recorder()
     with _client(engine, max_model_len=2048) as client:
         for path, prompt in [("/v1/completions", {"prompt": "hi"}),
                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
             r = client.post(path, json={"model": "m", **prompt, "logit_bias": {"50": 5, "007": -100.0},
                                         "presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.2,
-                                        "min_tokens": 3, "max_tokens": 8})
+                                        "min_tokens": 3, "max_tokens": 8, "min_p": 0.05})
             assert r.status_code == 200, r.text
             p = engine.params[-1]
-            assert (p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (
-                {50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3)
+            assert (p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
+                    p.min_p) == ({50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3, 0.05)
 
 
 def test_a_model_is_retrieved_by_its_name():

@@ -378,7 +378,8 @@ def test_masked_sampler_only_picks_allowed_tokens():
     sample = jax.jit(sample_masked)
     for temp in (0.0, 1.0):
         params = SamplingArrays(temperature=jnp.full(rows, temp, jnp.float32), top_k=jnp.zeros(rows, jnp.int32),
-                                top_p=jnp.ones(rows, jnp.float32), seed=jnp.arange(rows, dtype=jnp.uint32),
+                                top_p=jnp.ones(rows, jnp.float32), min_p=jnp.zeros(rows, jnp.float32),
+                                seed=jnp.arange(rows, dtype=jnp.uint32),
                                 step=jnp.zeros(rows, jnp.int32))
         for step in range(5):
             params = SamplingArrays(**{**params.__dict__, "step": jnp.full(rows, step, jnp.int32)})

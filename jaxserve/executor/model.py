@@ -420,6 +420,7 @@ class ModelExecutor:
         temp = np.zeros(s_b, np.float32)
         top_k = np.zeros(s_b, np.int32)
         top_p = np.ones(s_b, np.float32)
+        min_p = np.zeros(s_b, np.float32)
         seed = np.zeros(s_b, np.uint32)
         step = np.zeros(s_b, np.int32)
         t = 0
@@ -446,7 +447,7 @@ class ModelExecutor:
             cu[i + 1] = t
             logits_idx[i] = t - 1
             params = request.sampling_params
-            temp[i], top_k[i], top_p[i] = params.temperature, params.top_k, params.top_p
+            temp[i], top_k[i], top_p[i], min_p[i] = params.temperature, params.top_k, params.top_p, params.min_p
             seed[i], step[i] = request.seed, request.num_generated
             if request.logit_adjuster is not None:
                 adjusting.append(i)
@@ -463,7 +464,7 @@ class ModelExecutor:
                 row += hi - lo
         meta = dict(positions=positions, slot_mapping=slots, page_table=page_table, kv_lens=kv_lens,
                     cu_q_lens=cu, num_seqs=np.array([len(chunks)], np.int32))
-        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, step=step)
+        sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step)
         adjusted = []   # (sampled row, its entries)
         for i in adjusting:
             c = chunks[i]
@@ -551,7 +552,8 @@ class ModelExecutor:
                     page_table=page_table, kv_lens=np.full(s_b, context, np.int32),
                     cu_q_lens=np.minimum(np.arange(s_b + 1, dtype=np.int32), t_b), num_seqs=np.array([s_b], np.int32))
         sampling = dict(temperature=np.zeros(s_b, np.float32), top_k=np.zeros(s_b, np.int32),
-                        top_p=np.ones(s_b, np.float32), seed=np.zeros(s_b, np.uint32), step=np.zeros(s_b, np.int32))
+                        top_p=np.ones(s_b, np.float32), min_p=np.zeros(s_b, np.float32), seed=np.zeros(s_b, np.uint32),
+                        step=np.zeros(s_b, np.int32))
         return StepInputs(t_b, np.zeros(t_b, np.int32), meta, np.arange(s_b, dtype=np.int32), sampling, s_b)
 
     def warmup(self, swap_pages: int = 0, all_buckets: bool = False, all_shapes: bool = False) -> None:

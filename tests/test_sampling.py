@@ -1,0 +1,39 @@
+"""The sampler's filters against transformers' logits warpers (the reference users know)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
+
+from jaxserve.sampling import _filter
+
+# (temperature, top_k, top_p, min_p) per row: each filter alone, pairs, all three, none
+ROWS = [(1.0, 5, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.05), (1.0, 0, 1.0, 0.3), (0.5, 20, 0.9, 0.1),
+        (2.0, 0, 0.95, 0.02), (1.0, 3, 1.0, 0.5), (1.0, 0, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_k_top_p_min_p_keep_what_transformers_warpers_keep(seed):
+    """Row by row, the tokens left after temperature, top-k, top-p and min-p are the ones
+    transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``
+    and ``MinPLogitsWarper`` leave (min-p only compares a token's probability with the
+    likeliest's, so its place in that chain does not matter), and their values are the
+    temperature-scaled logits."""
+    logits = np.random.default_rng(seed).normal(0, 3, (len(ROWS), 300)).astype(np.float32)
+    temperature, top_k, top_p, min_p = (np.array(column) for column in zip(*ROWS))
+    scaled = logits / temperature[:, None]
+    ours = np.asarray(_filter(jnp.asarray(scaled), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+                              jnp.asarray(min_p, jnp.float32)))
+    for row, (t, k, p, m) in enumerate(ROWS):
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else [])
+                                      + ([TopPLogitsWarper(p)] if p < 1 else []) + ([MinPLogitsWarper(m)] if m else []))
+        want = warpers(None, torch.tensor(logits[row:row + 1]))[0].numpy()
+        kept = np.isfinite(want)
+        assert np.array_equal(np.isfinite(ours[row]), kept), (row, np.isfinite(ours[row]).sum(), kept.sum())
+        np.testing.assert_allclose(ours[row][kept], want[kept], rtol=1e-6)
+        if (k, p, m) != (0, 1.0, 0.0):
+            assert kept.sum() < logits.shape[1]   # the filter removed something
