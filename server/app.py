@@ -39,8 +39,8 @@ from server.logprobs import TokenSpellings, chat_logprobs, completion_logprobs
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
-from server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PromptTokensDetails,
-                             ToolChoice, Usage)
+from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
+                             PromptTokensDetails, TokenizeRequest, ToolChoice, Usage)
 from server.tokenizers import TokenizerPool
 
 log = logging.getLogger("jaxserve.server")
@@ -206,6 +206,14 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _serve(state, request, body, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await _tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await _detokenize(state, body)
 
     return app
 
@@ -450,6 +458,39 @@ async def _echo_text(state: ServerState, body: CompletionRequest, prompt, ids: l
     except Exception as e:  # noqa: BLE001 - ids the tokenizer cannot spell are the client's input
         raise APIError(400, f"prompt: the tokenizer cannot decode these token ids ({type(e).__name__})",
                        param="prompt") from None
+
+
+def _need_tokenizer(state: ServerState, route: str) -> None:
+    if state.tokenizers is None:
+        raise APIError(400, f"{route}: this model has no tokenizer")
+
+
+async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+    """The token ids a completions ``prompt`` or chat ``messages`` become here, and their count."""
+    _check_model(state, body.model)
+    _need_tokenizer(state, "/tokenize")
+    if body.messages is not None:
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
+                                     tool_choice=body.tool_choice)
+        ids, _ = await _render_chat(state, chat)
+    else:
+        state.check_prompt_bytes([body.prompt], "prompt")
+        try:
+            ids = await state.tokenize(lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's input
+            raise APIError(400, f"prompt: the tokenizer rejected it ({type(e).__name__})", param="prompt") from None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+
+async def _detokenize(state: ServerState, body: DetokenizeRequest) -> dict:
+    """The text ``tokens`` spell (``skip_special_tokens`` as for generation)."""
+    _check_model(state, body.model)
+    _need_tokenizer(state, "/detokenize")
+    vocab = len(state.tokenizer)
+    if max(body.tokens) >= vocab:
+        raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+    text = await state.tokenize(lambda tok: tok.decode(body.tokens, skip_special_tokens=body.skip_special_tokens))
+    return {"prompt": text}
 
 
 async def _collect(merger: ChoiceMerger, choices: list[ChoiceState]) -> None:

@@ -254,6 +254,34 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a completions ``prompt``, or chat ``messages`` (with
+    ``tools`` and ``tool_choice``) rendered exactly as ``/v1/chat/completions`` renders them."""
+
+    model: Text
+    prompt: Text | None = None
+    add_special_tokens: bool = True   # (a prompt: as completions encode it)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.prompt == "":
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model: Text
+    tokens: list[TokenId] = Field(min_length=1)
+    skip_special_tokens: bool = True
+
+
 # ------------------------------------------------------------------ responses
 class _Response(BaseModel):
     def dump(self) -> dict:

@@ -422,6 +422,46 @@ def test_penalties_and_logit_bias_reach_the_engine():
                     p.min_p) == ({50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3, 0.05)
 
 
+def test_tokenize_counts_what_generation_would_send_and_detokenize_spells_it():
+    """``/tokenize`` gives a completions prompt's ids (with or without special tokens) and
+    a chat's ids exactly as ``/v1/chat/completions`` sends them to the engine (template,
+    tools and all); ``/detokenize`` spells ids back; bad input is a 400 naming the field."""
+    engine = _Recorder()
+    tok = engine.tokenizer
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    with _client(engine, max_model_len=2048) as client:
+        r = client.post("/tokenize", json={"model": "m", "prompt": "Hello world"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"count": len(tok.encode("Hello world")), "max_model_len": 2048,
+                            "tokens": tok.encode("Hello world")}
+        plain = client.post("/tokenize", json={"model": "m", "prompt": "Hello world", "add_special_tokens": False})
+        assert plain.json()["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+        counted = client.post("/tokenize", json={"model": "m", **chat}).json()
+        sent = []
+        engine.generate = _keep_prompt(engine.generate, sent)
+        assert client.post("/v1/chat/completions", json={"model": "m", **chat}).status_code == 200
+        assert counted["tokens"] == sent[0] and counted["count"] == len(sent[0])
+        assert client.post("/detokenize", json={"model": "m", "tokens": tok.encode("Hello world", add_special_tokens=False)}
+                           ).json() == {"prompt": "Hello world"}
+        for route, body, status, param in [
+                ("/tokenize", {"prompt": "a", "messages": chat["messages"]}, 400, None),
+                ("/tokenize", {}, 400, None), ("/tokenize", {"prompt": ""}, 400, None),
+                ("/detokenize", {"tokens": [len(tok)]}, 400, "tokens"), ("/detokenize", {"tokens": []}, 400, "tokens"),
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")]:
+            error = _error(client.post(route, json={"model": "m", **body}), status)
+            assert param is None or error["param"] == param, (route, body, error)
+        assert _error(client.post("/tokenize", json={"model": "x", "prompt": "a"}), 404)["code"] == "model_not_found"
+
+
+def _keep_prompt(generate, sent: list):
+    """``generate`` that first keeps each request's prompt token ids in ``sent``."""
+    def wrapped(*args, **kw):
+        sent.append(kw["prompt_token_ids"])
+        return generate(*args, **kw)
+    return wrapped
+
+
 def test_a_model_is_retrieved_by_its_name():
     """``client.models.retrieve(name)``: ``GET /v1/models/{name}``."""
     with _client(_ScriptedEngine()) as client:
