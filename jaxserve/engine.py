@@ -242,13 +242,12 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None and self.config.num_processes > 1:
                 raise ValueError(f"{name}: not supported across hosts (num_processes={self.config.num_processes}) yet")
-        if params.adjusts_logits:
-            if self.config.num_processes > 1:   # (a second sampling program the multi-host protocol does not send)
-                raise ValueError(f"logit_bias, min_tokens and penalties: not supported across hosts "
-                                 f"(num_processes={self.config.num_processes}) yet")
-            vocab = self.model_config.vocab_size
-            if params.logit_bias and max(params.logit_bias) >= vocab:
-                raise ValueError(f"logit_bias: its keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: its keys must be token ids in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.adjusts_logits and self.config.num_processes > 1:   # (a second sampling program, not broadcast)
+            raise ValueError(f"logit_bias, min_tokens and penalties: not supported across hosts "
+                             f"(num_processes={self.config.num_processes}) yet")
         stop_ids = self._stop_ids(params)
         if grammar is not None and grammar.ends_with_eos:
             stop_ids -= self.eos_token_ids   # its EOS ends the turn of calls (a pause), not the request
@@ -311,7 +310,9 @@ class LLMEngine:
         """Return the result of the external (client-side) calls the request is paused on:
         context ``token_ids``, or ``text`` (one string, or one per call of the turn, in call
         order, each wrapped as its own tool turn). ``max_tokens``: a fresh budget of
-        generated tokens for the continuation (None: keep the rest)."""
+        generated tokens for the continuation, a new turn: ``min_tokens`` and the presence and
+        frequency penalties count from here, as for a new request whose prompt holds the
+        context (None: keep the rest, the same turn)."""
         if (token_ids is None) == (text is None):
             raise ValueError("resume: give exactly one of token_ids or text")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
@@ -325,11 +326,13 @@ class LLMEngine:
             self._check_token_ids(token_ids, "token_ids")
         elif not (isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
             raise ValueError("text must be a string or a non-empty list of strings")
-        if max_tokens is not None:
+        if max_tokens is not None:   # a new turn: min_tokens and presence/frequency count from here
             request.max_tokens = request.num_generated + max_tokens
             request.sampling_params = dataclasses.replace(   # (a shorter budget ends it first: length)
                 request.sampling_params, max_tokens=request.max_tokens,
-                min_tokens=min(request.sampling_params.min_tokens, request.max_tokens))
+                min_tokens=min(request.sampling_params.min_tokens, max_tokens))
+            if request.logit_adjuster is not None:
+                request.logit_adjuster.new_turn(request.num_generated)
         self.api.resume(request_id, token_ids=token_ids, text=text)
 
     def has_unfinished(self) -> bool:
@@ -359,7 +362,8 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         if request.detokenizer is None or (request.finish_reason == "stop" and token in request.stop_token_ids):
             return
-        delta, hit_stop = request.detokenizer.add(token, request.num_generated >= request.sampling_params.min_tokens)
+        adjuster = request.logit_adjuster
+        delta, hit_stop = request.detokenizer.add(token, adjuster is None or not adjuster.holds_stops(request.num_generated))
         if hit_stop:
             self.core.finish(request, "stop")   # (a stop string completed by the last allowed token: see finish)
             return
@@ -380,6 +384,8 @@ class LLMEngine:
             grammar.turn_complete = False
             calls, grammar.calls = grammar.calls, []
             request.stop_token_ids = frozenset(self._stop_ids(request.sampling_params))
+            if request.logit_adjuster is not None:
+                request.logit_adjuster.set_stop_ids(request.stop_token_ids, request.num_generated)
         if calls:
             self._pause_for_tools(request, calls, now)
 

@@ -49,16 +49,52 @@ class LogitAdjuster:
                 slot = self._entry(token)   # (may grow the arrays: look them up after)
                 self._pre[slot] = value
         self._always = bool(self._slot) or self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
-        self._held: list[tuple[int, float]] = []   # (entry, its bias) of each stop token held back
-        self.min_tokens = params.min_tokens if stop_token_ids else 0   # (nothing to hold back without them)
-        if self.min_tokens:
-            for token in sorted(stop_token_ids):
-                slot = self._entry(token)
-                self._held.append((slot, float(self._pre[slot])))
-                self._pre[slot] = -np.inf
         self._views = None       # the last ``entries`` (views of the arrays, while they hold the same entries)
         self._context_read = 0   # context tokens read so far (repetition)
         self._outputs_read = 0   # generated tokens read so far (presence, frequency)
+        # ``min_tokens``: until ``min_generated`` tokens are generated (in all: a continuation with a fresh
+        # budget moves it, ``new_turn``) the stop tokens are held back (``-inf``) and stop strings not matched.
+        self.min_tokens = params.min_tokens
+        self.min_generated = params.min_tokens
+        self._stop_ids = frozenset(stop_token_ids)
+        self._held: list[tuple[int, float]] = []   # (entry, its bias) of each stop token held back
+        self._hold_stops(0)
+
+    def _hold_stops(self, num_generated: int) -> None:
+        """Hold back the stop tokens (their entries' ``pre`` at ``-inf``) when ``min_generated``
+        is ahead of ``num_generated``; the ones held before are let go first."""
+        self._release_stops()
+        if num_generated < self.min_generated:
+            for token in sorted(self._stop_ids):
+                slot = self._entry(token)   # (may grow the arrays: look them up after)
+                self._held.append((slot, float(self._pre[slot])))
+                self._pre[slot] = -np.inf
+
+    def _release_stops(self) -> None:
+        for slot, bias in self._held:
+            self._pre[slot] = bias
+        self._held = []
+
+    def holds_stops(self, num_generated: int) -> bool:
+        """Whether stop tokens and stop strings are held back after ``num_generated`` tokens."""
+        return num_generated < self.min_generated
+
+    def set_stop_ids(self, stop_token_ids: frozenset[int], num_generated: int) -> None:
+        """The request's stop tokens changed after ``num_generated`` tokens (EOS ends the
+        request again after a forced turn of tool calls, which ended on it): hold these back."""
+        self._stop_ids = frozenset(stop_token_ids)
+        self._hold_stops(num_generated)
+
+    def new_turn(self, num_generated: int) -> None:
+        """A continuation with a fresh budget (``LLMEngine.resume(max_tokens=...)``: the next
+        turn of a conversation) starts after ``num_generated`` tokens: as for a new request
+        whose prompt holds them, ``min_tokens`` counts from here and presence and frequency
+        only the tokens generated from here (the repetition penalty still covers the context)."""
+        self.min_generated = num_generated + self.min_tokens
+        self._generated[:] = 0
+        self._post[:] = 0
+        self._outputs_read = num_generated
+        self._hold_stops(num_generated)
 
     def _entry(self, token: int) -> int:
         """The entry of ``token``, added (and the arrays grown) when it has none."""
@@ -81,7 +117,7 @@ class LogitAdjuster:
 
     def active(self, num_generated: int) -> bool:
         """Whether a row sampling token ``num_generated + 1`` has anything to adjust."""
-        return self._always or num_generated < self.min_tokens
+        return self._always or (bool(self._held) and num_generated < self.min_generated)
 
     def entries(self, context: list[int], context_len: int, generated: list[int]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -101,10 +137,8 @@ class LogitAdjuster:
                 count = self._generated[slot] = self._generated[slot] + 1
                 self._post[slot] = -(self.frequency * count + self.presence)
             self._outputs_read = len(generated)
-        if self._held and len(generated) >= self.min_tokens:
-            for slot, bias in self._held:
-                self._pre[slot] = bias
-            self._held = []
+        if self._held and len(generated) >= self.min_generated:
+            self._release_stops()
         n = len(self._slot)
         if self._views is None or len(self._views[0]) != n:
             self._views = (self._ids[:n], self._pre[:n], self._scale[:n], self._post[:n])

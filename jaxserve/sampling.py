@@ -48,10 +48,10 @@ def adjust_logits(logits: jax.Array, adjust: LogitAdjustments) -> jax.Array:
 
 def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Set logits outside each row's top-k, nucleus or min-p set to -inf. ``logits [S, V]``
-    (temperature-scaled). In transformers' and vLLM's order: top-k, then top-p over the
-    distribution renormalized to what top-k kept, then min-p, which keeps the tokens at
-    least ``min_p`` times as likely as the likeliest (``logit >= max logit + log(min_p)``,
-    whatever the others removed)."""
+    (temperature-scaled). In transformers' order: top-k, then top-p over the distribution
+    renormalized to what top-k kept, then min-p, which keeps the tokens at least ``min_p``
+    times as likely as the likeliest (``logit >= max logit + log(min_p)``, whatever the
+    others removed)."""
     vocab = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)

@@ -415,7 +415,8 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str
                 job.request_id = job.resume_from.request_id
                 longer = len(job.resume_from.context_ids) - job.resume_at   # the model's own spelling: > 0 tokens
                 if params.max_tokens > room - longer:
-                    job.params = dataclasses.replace(params, max_tokens=room - longer)
+                    job.params = dataclasses.replace(params, max_tokens=room - longer,
+                                                     min_tokens=min(params.min_tokens, room - longer))
                 state.metrics.resumed.inc()
                 state.metrics.resumed_context_tokens.inc(job.cached_tokens)
                 state.metrics.resume_appended_tokens.inc(len(ids) - job.cached_tokens)

@@ -120,6 +120,8 @@ class _SamplingFields(_Request):
         for key, bias in v.items():
             if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > INT32_MAX:
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if int(key) in out:
+                raise ValueError(f"token {int(key)} is given twice")
             out[int(key)] = bias
         return out
 

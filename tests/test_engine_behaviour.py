@@ -209,18 +209,29 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids(llm):
     assert first not in out.token_ids[:3] and out.token_ids[0] != first
 
 
-def test_penalised_sampling_is_the_same_alone_and_in_a_batch(llm):
-    """A seeded, sampled request with every logit adjustment gives the same tokens alone and
-    batched with requests that have other adjustments or none (rows never mix), and its
-    penalties act: no token repeats under a large presence penalty and repetition penalty."""
+def test_penalties_act_and_penalised_sampling_is_the_same_alone_and_in_a_batch(llm):
+    """Greedy, a prompt whose free answer repeats tokens: with a repetition and a presence
+    penalty none repeats, and a -100 bias removes a token the free answer has. Sampled and
+    seeded, with every adjustment: the same tokens alone and batched with requests that have
+    other adjustments or none (rows never mix), and not the tokens drawn without them."""
+    greedy = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+    p = [ids for seed in range(20) for ids in [prompt(7, seed)]
+         if len(set(out := llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(**greedy))[0].token_ids))
+         < len(out)][0]   # the first of these prompts whose free answer repeats a token
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(**greedy))[0].token_ids
+    penalised = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        **greedy, repetition_penalty=10.0, presence_penalty=2.0, logit_bias={free[0]: -100.0}))[0].token_ids
+    assert len(set(penalised)) == len(penalised) and free[0] not in penalised
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=2.0,
-                            repetition_penalty=10.0, logit_bias={7: -100.0}, min_tokens=4)
-    alone = llm.generate(prompt_token_ids=[prompt(7, 8)], sampling_params=params)[0]
-    batch = llm.generate(prompt_token_ids=[prompt(30, 9), prompt(7, 8), prompt(5, 10)], sampling_params=[
+                            repetition_penalty=10.0, logit_bias={free[1]: -100.0}, min_tokens=4)
+    alone = llm.generate(prompt_token_ids=[p], sampling_params=params)[0]
+    plain = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0.8, seed=3, ignore_eos=True))[0]
+    batch = llm.generate(prompt_token_ids=[prompt(30, 9), p, prompt(5, 10)], sampling_params=[
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), params,
         SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True, frequency_penalty=-2.0)])
-    assert batch[1].token_ids == alone.token_ids
-    assert len(set(alone.token_ids)) == len(alone.token_ids) and 7 not in alone.token_ids
+    assert batch[1].token_ids == alone.token_ids != plain.token_ids
+    assert len(set(alone.token_ids)) == len(alone.token_ids) and free[1] not in alone.token_ids
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_and_nothing_is_queued(llm):
@@ -252,6 +263,23 @@ def test_the_logit_adjuster_reads_each_new_token_once():
     only_min = LogitAdjuster(SamplingParams(max_tokens=8, min_tokens=2), frozenset({1}))
     assert only_min.active(1) and not only_min.active(2)
     assert not LogitAdjuster(SamplingParams(max_tokens=8, min_tokens=2), frozenset()).active(0)
+    # a forced tool turn ended on EOS, which ends the request again from here: it is held back too
+    held = LogitAdjuster(SamplingParams(max_tokens=40, min_tokens=10), frozenset({1}))
+    held.set_stop_ids(frozenset({1, 2}), 5)
+    e_ids, e_pre, _, _ = held.entries([9] * 20, 20, [9] * 5)
+    assert dict(zip(e_ids.tolist(), e_pre.tolist())) == {1: -np.inf, 2: -np.inf} and held.active(5)
+    e_ids, e_pre, _, _ = held.entries([9] * 25, 25, [9] * 10)
+    assert (e_pre == 0).all() and not held.active(10) and not held.holds_stops(10)
+    held.set_stop_ids(frozenset({3}), 12)   # past min_tokens: nothing to hold
+    assert not held.active(12)
+    # a new turn (a fresh budget) counts min_tokens and presence/frequency from its start
+    turn = LogitAdjuster(SamplingParams(max_tokens=40, min_tokens=3, presence_penalty=1.0), frozenset({1}))
+    turn.entries([5, 6], 2, [6])
+    turn.new_turn(1)
+    assert turn.holds_stops(3) and not turn.holds_stops(4)
+    t_ids, t_pre, _, t_post = turn.entries([5, 6, 6], 3, [6, 6])
+    by = dict(zip(t_ids.tolist(), zip(t_pre.tolist(), t_post.tolist())))
+    assert by[1] == (-np.inf, 0.0) and by[6] == (0.0, -1.0)   # one 6 in this turn, not two
     arrays = step_adjustments([(3, (ids, pre, scale, post))])
     assert len(arrays["adjust_ids"]) == entry_bucket(34) == 64 and arrays["adjust_rows"][:34].tolist() == [3] * 34
     assert (arrays["adjust_ids"][34:] == 2**31 - 1).all() and (arrays["adjust_scale"][34:] == 1).all()

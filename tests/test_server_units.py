@@ -377,7 +377,7 @@ def test_bad_logprobs_fields_are_400s_naming_the_field(path, body, field):
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logit_bias": {"50": 101}}, "logit_bias.50"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"fifty": 1}}, "logit_bias"),
     ({"logit_bias": {"5" * 11: 1}}, "logit_bias"), ({"logit_bias": {"1000000": 1}}, "logit_bias"),
-    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias")])
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"7": 1, "007": 2}}, "logit_bias")])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_penalties_and_logit_bias_are_400s_naming_the_field(path, body, field):
     """Penalties within OpenAI's [-2, 2], a repetition penalty within [0.01, 10],

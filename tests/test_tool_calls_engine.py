@@ -119,3 +119,32 @@ def test_resume_is_validated_and_cannot_outgrow_the_page_pool(tool_checkpoint):
     assert final is not None and final.finish_reason in ("length", "stop")
     assert engine.scheduler.num_preemptions == 0
     assert engine.scheduler.kv.num_free_device == pages
+
+
+def test_a_resumed_turn_counts_min_tokens_and_penalties_as_a_new_request_would(tool_checkpoint):
+    """``resume(max_tokens=...)`` starts a new turn: its tokens are those of a fresh request
+    whose prompt is the whole context so far, under the same ``min_tokens`` (which holds the
+    answer's end-of-turn back longer than the answer is) and presence/frequency penalties
+    (which count only this turn's tokens). Before, the first turn's tokens already counted
+    towards ``min_tokens`` and were penalised as generated."""
+    path, convs = tool_checkpoint
+    weather = conversation(convs, "get_weather")
+    llm = LLM(str(path), **SIZES)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=48, temperature=0.0, min_tokens=40, presence_penalty=0.4, frequency_penalty=0.2)
+    engine.add_request("w", prompt_token_ids=weather.prompt_ids, sampling_params=params)
+    paused = None
+    while paused is None:
+        paused = next((o for o in engine.step() if o.finish_reason == "tool_calls"), None)
+    first_turn = list(paused.token_ids)
+    engine.resume("w", token_ids=weather.tool_turn_ids, max_tokens=48)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+        if not engine.scheduler.has_work():
+            time.sleep(0.001)
+    continued = final.token_ids[len(first_turn):]
+    fresh = llm.generate(prompt_token_ids=[weather.prompt_ids + first_turn + weather.tool_turn_ids],
+                         sampling_params=params)[0].token_ids
+    assert continued == fresh
+    assert len(continued) >= 40   # the end of the answer held back for this turn's 40 tokens
