@@ -259,7 +259,7 @@ class ModelExecutor:
         self._forward = jax.jit(traced(self._forward_fn), donate_argnums=(1,),   # structured output: sample apart
                                 static_argnums=(3,), compiler_options=options)
         # Sampling apart from the forward: a structured-output mask filled while the device computes,
-        # or logit adjustments (one small program per row and entry bucket, never a step variant).
+        # or logit adjustments (one small program per row and entry bucket, after ``_forward``).
         self._sample = jax.jit(_sample_packed, static_argnums=(3,), compiler_options=options)
         # Log-probabilities: a small program of their own over the step's logits, so a request that
         # asks compiles one program per row bucket, never a variant of every step shape mid-serving.
