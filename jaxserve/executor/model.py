@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import jax
 import jax.numpy as jnp
@@ -506,27 +506,34 @@ class ModelExecutor:
                         ) -> tuple[jax.Array, jax.Array]:
         """The step as ``execute`` runs it: ``forward`` under the token bitmask ``fill_bitmask()``
         (int32 ``[S_b, ceil(V / 32)]``) when given, after ``inputs.adjust``'s logit adjustments.
-        Sampled in a second program (``forward_sampled_apart``) when there are adjustments, or
-        a mask to fill while the device computes (``overlap_mask_fill``: accelerators); else
-        the one step program (a mask filled first: on CPU a second program costs more than
-        the overlap saves)."""
-        if inputs.adjust is not None or (fill_bitmask is not None and self.overlap_mask_fill):
-            return self.forward_sampled_apart(inputs, fill_bitmask)
+        Returns device arrays ``(tokens [S_b], logits [R, V])``.
+
+        - Adjustments: the fused step program (compiled for every step shape already) runs
+          greedy, the cheap branch of its sampler, whose tokens are not used, for the logits;
+          then the sampler program with the adjustments (and the mask): only that small
+          program compiles, per row and entry bucket.
+        - A mask on an accelerator (``overlap_mask_fill``): the forward alone is dispatched,
+          the mask is filled while the device computes (dispatch is asynchronous), then the
+          sampler program runs.
+        - Otherwise one step program (a mask filled first: on CPU a second program costs
+          more than the overlap saves)."""
+        if inputs.adjust is not None:
+            greedy = {**inputs.sampling, "temperature": np.zeros_like(inputs.sampling["temperature"])}
+            _, logits = self.forward(replace(inputs, sampling=greedy))
+            return self._sample_logits(logits, inputs, fill_bitmask), logits
+        if fill_bitmask is not None and self.overlap_mask_fill:
+            logits = self.forward_logits(inputs)
+            return self._sample_logits(logits, inputs, fill_bitmask), logits
         return self.forward(inputs) if fill_bitmask is None else self.forward(inputs, fill_bitmask())
 
-    def forward_sampled_apart(self, inputs: StepInputs, fill_bitmask: Callable[[], np.ndarray] | None = None
-                              ) -> tuple[jax.Array, jax.Array]:
-        """``forward``, its sampler a second program: dispatch the forward, then (while the
-        device computes: dispatch is asynchronous) fill the token bitmask ``fill_bitmask() ->
-        int32 [S_b, ceil(V / 32)]`` when given and stage the sampling settings with the
-        logit adjustments (``inputs.adjust``), then sample. Returns device arrays
-        ``(tokens [S_b], logits [R, V])``."""
-        logits = self.forward_logits(inputs)
+    def _sample_logits(self, logits: jax.Array, inputs: StepInputs,
+                       fill_bitmask: Callable[[], np.ndarray] | None) -> jax.Array:
+        """The sampler program over a step's ``logits``: ``inputs``' sampling settings and
+        adjustments staged in one transfer, under ``fill_bitmask()`` when given."""
         flat, layout = pack({**inputs.sampling, **(inputs.adjust or {})})
         bitmask = None if fill_bitmask is None else fill_bitmask()
         bitmask, packed = put_replicated((bitmask, flat), self.mesh)
-        tokens = self._sample(logits, bitmask, packed, layout)
-        return tokens, logits
+        return self._sample(logits, bitmask, packed, layout)
 
     def forward_logits(self, inputs: StepInputs) -> jax.Array:
         """Dispatch the forward alone (no sampler); returns the device array ``logits
