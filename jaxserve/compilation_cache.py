@@ -16,10 +16,9 @@ def cache_dir() -> Path:
     return cache_root() / "xla-cache"
 
 
-def enable_compilation_cache(max_gb: float) -> None:
-    """Point JAX's persistent cache at ``~/.cache/jaxserve/xla-cache``, at most ``max_gb``
-    GiB (JAX drops the least recently used programs past it), once per process;
-    ``JAXSERVE_NO_COMPILATION_CACHE=1`` turns it off."""
+def enable_compilation_cache() -> None:
+    """Point JAX's persistent cache at ``~/.cache/jaxserve/xla-cache`` (once per
+    process; ``JAXSERVE_NO_COMPILATION_CACHE=1`` turns it off)."""
     global _enabled
     if _enabled or os.environ.get("JAXSERVE_NO_COMPILATION_CACHE"):
         return
@@ -28,5 +27,4 @@ def enable_compilation_cache(max_gb: float) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", int(max_gb * 2**30))
     _enabled = True
