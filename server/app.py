@@ -473,6 +473,7 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     if body.messages is not None:
         chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
                                      tool_choice=body.tool_choice)
+        _structured(state, chat)   # the same 400s as chat completions (bad tool schemas, unknown names)
         ids, _ = await _render_chat(state, chat)
     else:
         state.check_prompt_bytes([body.prompt], "prompt")

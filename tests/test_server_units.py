@@ -448,7 +448,9 @@ def test_tokenize_counts_what_generation_would_send_and_detokenize_spells_it():
                 ("/tokenize", {"prompt": "a", "messages": chat["messages"]}, 400, None),
                 ("/tokenize", {}, 400, None), ("/tokenize", {"prompt": ""}, 400, None),
                 ("/detokenize", {"tokens": [len(tok)]}, 400, "tokens"), ("/detokenize", {"tokens": []}, 400, "tokens"),
-                ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")]:
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+                ("/tokenize", {"messages": chat["messages"], "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools")]:
             error = _error(client.post(route, json={"model": "m", **body}), status)
             assert param is None or error["param"] == param, (route, body, error)
         assert _error(client.post("/tokenize", json={"model": "x", "prompt": "a"}), 404)["code"] == "model_not_found"
