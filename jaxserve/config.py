@@ -147,6 +147,9 @@ class EngineConfig:
         "with --warmup, compile every step shape (token bucket x page-table width) before serving, so none "
         "compiles mid-run (timed replays; a slower start)"))
     compilation_cache: bool = field(default=True, metadata=_flag("use JAX's persistent compilation cache"))
+    compilation_cache_max_gb: float = field(default=4.0, metadata=_flag(
+        "size limit of the persistent compilation cache in GiB, applied when an engine starts: the oldest "
+        "programs are deleted until it fits"))
     cuda_graphs: bool | None = field(default=None, metadata=_flag(
         "GPUs (tried on CUDA only): compile the step programs with XLA command buffers (CUDA graphs) for every "
         "command kind, the attention kernel's custom call and the sampler's conditionals included, to cut the "
@@ -190,6 +193,9 @@ class EngineConfig:
         if isinstance(self.prefix_retention_s, bool) or not isinstance(self.prefix_retention_s, (int, float)) \
                 or not 0 <= self.prefix_retention_s < float("inf"):
             raise ValueError(f"prefix_retention_s must be a finite number >= 0, got {self.prefix_retention_s!r}")
+        if isinstance(self.compilation_cache_max_gb, bool) or not isinstance(self.compilation_cache_max_gb, (int, float)) \
+                or not 0 < self.compilation_cache_max_gb < float("inf"):
+            raise ValueError(f"compilation_cache_max_gb must be a number > 0, got {self.compilation_cache_max_gb!r}")
         positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         positive("num_processes", self.num_processes, allow_none=False)
         if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) \

@@ -67,7 +67,7 @@ class LLMEngine:
         self.tools: dict[str, Tool] = normalize_tools(tools)
         init_distributed(config)   # multi-host: before anything starts JAX's backends
         if config.compilation_cache:
-            enable_compilation_cache()
+            enable_compilation_cache(config.compilation_cache_max_gb)
         self.model_dir = resolve_model(config.model)
         attention_impl = config.attention_impl or self._default_attention_impl(config)
         interpret = config.interpret

@@ -14,6 +14,7 @@ BAD_SETTINGS = [
     ("max_num_batched_tokens", -5), ("max_num_seqs", 0), ("swap_budget_tokens", 0), ("seed", -1),
     ("dtype", "int8"), ("load_format", "pickle"), ("attention_impl", "flash"), ("handling", "keep"),
     ("policy", "lifo"), ("predictor", "psychic"), ("tool_call_parser", "xml"), ("max_num_seqs", True),
+    ("compilation_cache_max_gb", 0), ("compilation_cache_max_gb", float("inf")), ("compilation_cache_max_gb", "4"),
 ]
 
 ENGINE_SUBCOMMANDS = ("serve", "generate", "replay", "profile", "bench")   # the ones that build an engine
@@ -108,3 +109,35 @@ def test_prefix_cache_settings_flags_and_validation():
             EngineConfig(prefix_retention_s=bad)
     with pytest.raises(ValueError, match="^enable_prefix_caching"):
         EngineConfig(enable_prefix_caching="yes")
+
+
+def test_the_compilation_cache_is_pruned_to_its_limit_oldest_first(tmp_path):
+    """``compilation_cache.prune``: the oldest files go first until the folder fits; a
+    folder within the limit is left alone."""
+    import os
+
+    from jaxserve.compilation_cache import prune
+    for age, name in enumerate(["newest", "newer", "older", "oldest"]):
+        f = tmp_path / name
+        f.write_bytes(b"x" * 1000)
+        os.utime(f, ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    assert prune(tmp_path, 4000) == 0 and len(list(tmp_path.iterdir())) == 4
+    assert prune(tmp_path, 2500) == 2000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newer", "newest"]
+
+
+def test_an_engine_start_prunes_the_compilation_cache(tmp_path):
+    """An engine with ``compilation_cache_max_gb`` of 1 MiB starts by deleting an old 2 MB
+    file from its cache folder (a fresh process: the cache is set up once per process)."""
+    import os
+    import subprocess
+    import sys
+    cache = tmp_path / "xla-cache"
+    cache.mkdir()
+    (cache / "old-program-cache").write_bytes(b"x" * 2_000_000)
+    script = "from jaxserve import LLMEngine; LLMEngine('demo', warmup=False, compilation_cache_max_gb=1 / 1024)"
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_NO_COMPILATION_CACHE"}
+    proc = subprocess.run([sys.executable, "-c", script], env={**env, "JAXSERVE_CACHE_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (cache / "old-program-cache").exists()
