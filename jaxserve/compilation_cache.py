@@ -19,7 +19,7 @@ def cache_dir() -> Path:
 def prune(path: Path, max_bytes: int) -> int:
     """Delete the oldest files of the folder ``path`` (by modification time: a program is
     written once) until it holds at most ``max_bytes``; returns the bytes freed. A file
-    another process deletes meanwhile is skipped (JAX reads a missing entry as a miss)."""
+    another process deletes meanwhile is skipped."""
     entries = []
     for entry in os.scandir(path):
         try:
