@@ -49,7 +49,6 @@ class LogitAdjuster:
                 slot = self._entry(token)   # (may grow the arrays: look them up after)
                 self._pre[slot] = value
         self._always = bool(self._slot) or self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
-        self._views = None       # the last ``entries`` (views of the arrays, while they hold the same entries)
         self._context_read = 0   # context tokens read so far (repetition)
         self._outputs_read = 0   # generated tokens read so far (presence, frequency)
         # ``min_tokens``: until ``min_generated`` tokens are generated (in all: a continuation with a fresh
@@ -113,11 +112,10 @@ class LogitAdjuster:
             new[:len(old)] = old
             new[len(old):] = {"_ids": PADDING_TOKEN, "_scale": 1}.get(name, 0)
             setattr(self, name, new)
-        self._views = None
 
     def active(self, num_generated: int) -> bool:
         """Whether a row sampling token ``num_generated + 1`` has anything to adjust."""
-        return self._always or (bool(self._held) and num_generated < self.min_generated)
+        return self._always or (bool(self._held) and self.holds_stops(num_generated))
 
     def entries(self, context: list[int], context_len: int, generated: list[int]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -140,9 +138,7 @@ class LogitAdjuster:
         if self._held and len(generated) >= self.min_generated:
             self._release_stops()
         n = len(self._slot)
-        if self._views is None or len(self._views[0]) != n:
-            self._views = (self._ids[:n], self._pre[:n], self._scale[:n], self._post[:n])
-        return self._views
+        return self._ids[:n], self._pre[:n], self._scale[:n], self._post[:n]
 
 
 def entry_bucket(n: int) -> int:

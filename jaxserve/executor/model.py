@@ -37,8 +37,8 @@ from jaxserve.parallel.sharding import (chunk_sharding, host_chunk_sharding, kv_
                                         replicated, to_host)
 from jaxserve.predictor.probe import probe_predict
 from jaxserve.logit_adjust import step_adjustments
-from jaxserve.sampling import (LogitAdjustments, SamplingArrays, adjust_logits, apply_token_bitmask, sample,
-                              sample_masked, token_logprobs)
+from jaxserve.sampling import (LogitAdjustments, SamplingArrays, adjust_logits, sample, sample_masked,
+                              token_logprobs)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from kernels import compute_capability
 from scheduler import CACHE_OWNER, Request, ScheduledChunk, StepPlan, StepResult, SwapOp
@@ -203,9 +203,7 @@ def _sample_packed(logits: jax.Array, bitmask: jax.Array | None, packed: jax.Arr
     rows = logits[:sampling.temperature.shape[0]]
     if "adjust_ids" in arrays:
         rows = adjust_logits(rows, LogitAdjustments(*(arrays[f"adjust_{f.name}"] for f in fields(LogitAdjustments))))
-    if bitmask is not None:
-        rows = apply_token_bitmask(rows, bitmask)
-    return sample(rows, sampling)
+    return sample(rows, sampling) if bitmask is None else sample_masked(rows, bitmask, sampling)
 
 
 class ModelExecutor:
