@@ -571,6 +571,7 @@ class Scheduler:
         page_size = kv.page_size
         running, swapping_in, max_seqs = self.running, self.swapping_in, self.config.max_num_seqs
         may_admit, swapped = self.policy.may_admit, RequestState.SWAPPED
+        frontiers: dict[bytes, Request] | None = None   # built on first need (``_filling_frontiers``)
         for request in self._ranked:
             if budget <= 0 or len(running) + len(swapping_in) >= max_seqs:
                 break
@@ -595,6 +596,12 @@ class Scheduler:
                 continue
             # The longest cached run of its full pages (none when it holds device KV).
             hits = kv.lookup(request)
+            if self._filling and len(request.block_hashes) > len(hits) and kv.cache is not None \
+                    and not request.device_pages:
+                if frontiers is None:
+                    frontiers = self._filling_frontiers()
+                if request.block_hashes[len(hits)] in frontiers:
+                    continue   # its next page is being computed for another request: linked from the cache later
             computed = len(hits) * page_size if hits else request.num_computed_tokens
             n = min(request.num_tokens - computed, budget)
             held = len(hits) if hits else len(request.device_pages)
@@ -615,6 +622,26 @@ class Scheduler:
             kv.allocate_slots(request, need)
             self._add_chunk(plan, request, n, now)
             budget -= n
+            if frontiers is not None:
+                self._add_frontier(frontiers, request)
+
+    def _filling_frontiers(self) -> dict[bytes, Request]:
+        """Hash of the page each running request still computing its context computes
+        next (its first page not computed; this step's chunk starts in it) -> that request.
+        A waiting request whose first uncached page is one of them waits for it to reach
+        the prefix cache (its pages are committed as they fill) rather than compute it
+        again: a prompt sent n times at once (``n`` choices, a burst of agents with one
+        system prompt) is computed once."""
+        frontiers: dict[bytes, Request] = {}
+        for request in self._filling:
+            self._add_frontier(frontiers, request)
+        return frontiers
+
+    def _add_frontier(self, frontiers: dict[bytes, Request], request: Request) -> None:
+        """File ``request``'s next page in ``frontiers`` (see ``_filling_frontiers``)."""
+        index, hashes = request.num_computed_tokens // self.kv.page_size, request.block_hashes
+        if index < len(hashes):
+            frontiers[hashes[index]] = request
 
     def _add_chunk(self, plan: StepPlan, request: Request, n: int, now: float) -> None:
         start = request.num_computed_tokens

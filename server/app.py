@@ -528,12 +528,14 @@ async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> No
 def _usage(choices: list[ChoiceState]) -> Usage:
     prompts = {id(c.job.prompt_ids): c.job for c in choices}
     prompt_tokens = sum(len(j.prompt_ids) for j in prompts.values())
-    # Cached: the resumed parked context, or the prefix-cache hit of the prompt's first admission.
+    # Cached: the resumed parked context, or the prefix-cache hit of the prompt's first admission,
+    # counted once per prompt: the least of its choices' hits (with ``n`` > 1 the later choices link
+    # the pages the first one computed for this request; those were not cached before it).
     cached_of: dict[int, int] = {}
     for c in choices:
-        hit = c.last.num_cached_tokens if c.last is not None else 0
+        hit = max(c.job.cached_tokens, c.last.num_cached_tokens if c.last is not None else 0)
         key = id(c.job.prompt_ids)
-        cached_of[key] = max(cached_of.get(key, 0), c.job.cached_tokens, hit)
+        cached_of[key] = min(cached_of.get(key, hit), hit)
     cached = sum(cached_of.values())
     completion = sum(c.completion_tokens for c in choices)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,

@@ -434,7 +434,7 @@ def test_outputs_identical_with_and_without_the_cache(handling, num_pages):
     with the tight pool, device eviction to host and host eviction both happen
     and hits are served from host (the fake model reads the copied pages back)."""
     host_hits = host_evictions = 0
-    for seed in range(3):
+    for seed in range(4):
         want, _ = run_agents(False, num_pages, handling, seed)
         device_only, sched = run_agents(True, num_pages, handling, seed, host_cache=False)
         assert device_only == want and sched.kv.cache.num_host_pages == 0
@@ -448,6 +448,41 @@ def test_outputs_identical_with_and_without_the_cache(handling, num_pages):
         host_evictions += cache.host_evicted_pages
     if num_pages == 12:
         assert host_hits > 0 and host_evictions > 0
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_prompt_sent_several_times_at_once_is_computed_once(cache):
+    """Four requests with one 40-token prompt arrive together (``n`` choices, a burst
+    of agents): the first computes it, the others wait while the page they would
+    compute next is being computed and then link its 9 full pages (one token is
+    always left to compute). A request with another prompt is not held behind them.
+    Without the cache each computes all of it."""
+    ps = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=cache),
+                      make_policy("fcfs"), PageAllocator(64, ps), PageAllocator(4, ps, "host"), COST)
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    same = [Request(f"s{i}", 0.0, prompt_len=40, max_tokens=3, token_ids=list(prompt)) for i in range(4)]
+    other = Request("o", 0.0, prompt_len=20, max_tokens=3, token_ids=list(range(60, 80)))
+    for r in [other] + same:   # (the other first: the waiting list of pages in flight is built before s0 joins it)
+        sched.add_request(r, 0.0)
+    model, now = PagedModel(ps), 0.0
+    computed_tokens = dict.fromkeys([r.request_id for r in same + [other]], 0)
+    first_step = {}
+    while sched.has_unfinished():
+        plan = sched.schedule(now)
+        for chunk in plan.chunks:
+            computed_tokens[chunk.request.request_id] += chunk.num_tokens
+            first_step.setdefault(chunk.request.request_id, sched.iteration)
+        sched.update(plan, model.step(plan), now + 0.01)
+        now += 0.01
+        sched.check_invariants()
+    if cache:
+        assert computed_tokens == {"s0": 40 + 2, "s1": 4 + 2, "s2": 4 + 2, "s3": 4 + 2, "o": 20 + 2}
+        assert [r.num_cached_tokens for r in same] == [0, 36, 36, 36]
+        assert first_step["o"] == first_step["s0"] and first_step["s1"] == first_step["s0"] + 1
+    else:
+        assert all(computed_tokens[r.request_id] == 42 for r in same)
+    assert len({tuple(r.output_token_ids) for r in same}) == 1
 
 
 def test_soft_discard_recomputes_only_what_was_evicted():

@@ -325,6 +325,21 @@ def test_chat_streaming_role_content_usage_done(demo):
     assert all("usage" not in e for e in without_usage[:-1]) and without_usage[-1] == "[DONE]"
 
 
+def test_n_choices_compute_their_prompt_once(demo):
+    """With ``n`` = 3 the first choice computes the prompt and the other two link its 3
+    full pages from the prefix cache (they wait a step for them rather than computing
+    them again alongside): the cache serves 2 x 48 tokens of this 60-token prompt. The
+    prompt was not cached before the request, so usage reports no cached tokens."""
+    prompt = [(37 * i * i + 11 * i) % 480 + 20 for i in range(60)]   # token ids no other test sends
+    before = metrics(demo)
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 3}
+    out = demo.post("/v1/completions", json=body).json()
+    after = wait_idle(demo)
+    assert len(out["choices"]) == 3 and len({c["text"] for c in out["choices"]}) == 1
+    assert out["usage"]["prompt_tokens"] == 60 and "prompt_tokens_details" not in out["usage"]
+    assert after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"] == 2 * 48
+
+
 def _timed_stream(client: httpx.Client, body: dict) -> tuple[list, float]:
     """SSE events of a streamed chat completion with usage, and its TTFT (s, test clock)."""
     start, ttft, events = time.monotonic(), None, []
