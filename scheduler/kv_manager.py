@@ -274,9 +274,8 @@ class KVManager:
         if cache is None or request.device_pages:
             return []
         last = request.num_tokens - 1
-        scored = request.prompt_logprobs
-        if scored is not None and len(scored) < request.prompt_len:
-            last = len(scored) - 1   # its prompt logprobs need the logits from the first unscored token's place on
+        if request.scores_prompt:
+            last = len(request.prompt_logprobs) - 1   # its prompt logprobs need the logits from the first unscored place on
         hashes = self.hashes(request, last // self.page_size)
         match = cache.match_tiers if self.host_tier else cache.match
         pages = self._cached_run(self._lookups.get(request.request_id), hashes, match)

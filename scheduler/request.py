@@ -174,6 +174,13 @@ class Request:
         return self.num_computed_tokens + self.service_offset
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether it still scores prompt tokens (``prompt_logprobs`` asked and not complete):
+        those need the logits of their places, so the prefix cache cannot serve them."""
+        scored = self.prompt_logprobs
+        return scored is not None and len(scored) < self.prompt_len
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

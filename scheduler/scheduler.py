@@ -597,7 +597,7 @@ class Scheduler:
             # The longest cached run of its full pages (none when it holds device KV).
             hits = kv.lookup(request)
             if self._filling and len(request.block_hashes) > len(hits) and kv.cache is not None \
-                    and not request.device_pages:
+                    and not request.device_pages and not request.scores_prompt:
                 if frontiers is None:
                     frontiers = self._filling_frontiers()
                 if request.block_hashes[len(hits)] in frontiers:

@@ -485,6 +485,21 @@ def test_a_prompt_sent_several_times_at_once_is_computed_once(cache):
     assert len({tuple(r.output_token_ids) for r in same}) == 1
 
 
+def test_a_request_scoring_its_prompt_is_not_held_for_pages_in_flight():
+    """``prompt_logprobs`` needs the logits of every prompt place, so the cache cannot
+    serve such a request: it is admitted beside the one computing the same prompt."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8),
+                      make_policy("fcfs"), PageAllocator(64, 4), PageAllocator(4, 4, "host"), COST)
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    first = Request("first", 0.0, prompt_len=40, max_tokens=2, token_ids=list(prompt))
+    scoring = Request("scoring", 0.0, prompt_len=40, max_tokens=2, token_ids=list(prompt), prompt_logprobs=[])
+    for r in (first, scoring):
+        sched.add_request(r, 0.0)
+    plan = sched.schedule(0.0)
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("first", 0, 40),
+                                                                                   ("scoring", 0, 40)]
+
+
 def test_soft_discard_recomputes_only_what_was_evicted():
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, handling=Handling.DISCARD),
                       make_policy("fcfs"), PageAllocator(16, 4), PageAllocator(4, 4, "host"), COST)
