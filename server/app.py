@@ -355,11 +355,13 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
     state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)]
-                             + [json.dumps(t) for t in tools or []], "messages")
+                             + [json.dumps(t) for t in tools or []]
+                             + ([json.dumps(body.chat_template_kwargs)] if body.chat_template_kwargs else []),
+                             "messages")
 
     def render(tok):
         msgs, tool_defs = prepare_chat(messages, tools or None, state.tool_format, tok.chat_template)
-        text = tok.apply_chat_template(msgs, tools=tool_defs, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(msgs, tools=tool_defs, tokenize=False, **body.template_options())
         return tok.encode(text, add_special_tokens=False)
 
     try:
@@ -388,7 +390,8 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
         return SamplingParams(max_tokens=limit, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                               min_p=body.min_p,
                               seed=None if body.seed is None else (body.seed + seed_offset) % 2**32,
-                              stop=list(body.stop or []), ignore_eos=body.ignore_eos,
+                              stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
+                              ignore_eos=body.ignore_eos,
                               skip_special_tokens=body.skip_special_tokens, structured=structured,
                               logprobs=body.num_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs,
                               prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
@@ -472,7 +475,9 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     _need_tokenizer(state, "/tokenize")
     if body.messages is not None:
         chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
-                                     tool_choice=body.tool_choice)
+                                     tool_choice=body.tool_choice, add_generation_prompt=body.generation_prompt,
+                                     continue_final_message=body.continue_final_message,
+                                     chat_template_kwargs=body.chat_template_kwargs)
         _structured(state, chat)   # the same 400s as chat completions (bad tool schemas, unknown names)
         ids, _ = await _render_chat(state, chat)
     else:

@@ -22,6 +22,13 @@ from jaxserve.sampling_params import (INT32_MAX, MAX_BIAS, MAX_LOGIT_BIAS, MAX_L
                                       REPETITION_RANGE)
 
 MAX_N = 16
+MAX_STOP_TOKEN_IDS = 64
+# ``apply_chat_template``'s own arguments: ``chat_template_kwargs`` may not set them (the
+# template, the tools and the rendering mode are the server's to choose from the request).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _valid_unicode(v: str) -> str:
@@ -108,6 +115,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float = Field(default=1.0, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1],
                                       allow_inf_nan=False)   # (vLLM's extra parameter)
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)   # (vLLM's extra parameter)
+    # (vLLM's extra parameter) token ids that end the output as EOS does (finish_reason "stop"; not in the text)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     user: Text | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
 
@@ -231,7 +240,45 @@ class ToolDef(_Request):
         return {"type": "function", "function": fn}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Request):
+    """How ``messages`` are rendered (vLLM's extra parameters): ``add_generation_prompt``
+    opens the assistant's turn after them; ``continue_final_message`` leaves the last
+    message open instead, so the model continues it (an assistant prefill; the reply
+    holds only the continuation); ``chat_template_kwargs`` are extra variables for the
+    chat template (e.g. ``{"enable_thinking": false}``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict | None) -> dict | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(v or ()))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the server, not by chat_template_kwargs")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt: not both (the reply either "
+                             "continues the last message or opens a new one)")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the rendering opens the assistant's turn (not when continuing the last message)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+    def template_options(self) -> dict:
+        """``apply_chat_template`` keyword arguments for the rendering these fields ask for."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[ToolDef] | None = None
@@ -256,7 +303,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateFields):
     """``POST /tokenize`` (vLLM's): a completions ``prompt``, or chat ``messages`` (with
     ``tools`` and ``tool_choice``) rendered exactly as ``/v1/chat/completions`` renders them."""
 
@@ -270,7 +317,11 @@ class TokenizeRequest(_Request):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise ValueError("prompt or messages: give exactly one of them")
+        if self.prompt is not None and self.model_fields_set & {"add_generation_prompt", "continue_final_message",
+                                                                "chat_template_kwargs"}:
+            raise ValueError("prompt cannot take add_generation_prompt, continue_final_message or "
+                             "chat_template_kwargs (they render messages)")
         if self.prompt == "":
             raise ValueError("prompt must not be empty")
         return self

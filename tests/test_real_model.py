@@ -257,6 +257,11 @@ def test_openai_client_chat_answer_is_english(gguf_path, tmp_path, llm):
         assert [t.model_dump() for part in streamed for t in part] == [t.model_dump() for t in content]
         with pytest.raises(openai.BadRequestError, match="top_logprobs"):
             client.chat.completions.create(model="smollm2-135m", messages=question, top_logprobs=2)
+        # vLLM's continue_final_message: the model continues an assistant prefill; the reply is the rest
+        prefilled = client.chat.completions.create(
+            model="smollm2-135m", messages=question + [{"role": "assistant", "content": "The capital of France is"}],
+            max_tokens=12, temperature=0, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        assert prefilled.choices[0].message.content == " Paris." and prefilled.choices[0].finish_reason == "stop"
         assert "Traceback" not in server.log_tail() and "WARNING" not in server.log_tail()
     finally:
         server.stop()

@@ -415,11 +415,14 @@ def test_penalties_and_logit_bias_reach_the_engine():
                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
             r = client.post(path, json={"model": "m", **prompt, "logit_bias": {"50": 5, "007": -100.0},
                                         "presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.2,
-                                        "min_tokens": 3, "max_tokens": 8, "min_p": 0.05})
+                                        "min_tokens": 3, "max_tokens": 8, "min_p": 0.05, "stop_token_ids": [9, 40]})
             assert r.status_code == 200, r.text
             p = engine.params[-1]
             assert (p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
-                    p.min_p) == ({50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3, 0.05)
+                    p.min_p, p.stop_token_ids) == ({50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3, 0.05, [9, 40])
+            for bad in ([-1], [1] * 65, ["1"], 5):
+                assert _error(client.post(path, json={"model": "m", **prompt, "stop_token_ids": bad}),
+                              400)["param"].startswith("stop_token_ids")
 
 
 def test_tokenize_counts_what_generation_would_send_and_detokenize_spells_it():
@@ -454,6 +457,47 @@ def test_tokenize_counts_what_generation_would_send_and_detokenize_spells_it():
             error = _error(client.post(route, json={"model": "m", **body}), status)
             assert param is None or error["param"] == param, (route, body, error)
         assert _error(client.post("/tokenize", json={"model": "x", "prompt": "a"}), 404)["code"] == "model_not_found"
+
+
+def test_chat_rendering_options_reach_the_template():
+    """vLLM's ``add_generation_prompt``, ``continue_final_message`` (an assistant prefill the
+    model continues) and ``chat_template_kwargs`` render the messages as the template does
+    with them, for generation and ``/tokenize`` alike; contradictory or reserved settings
+    are 400s naming the field."""
+    engine = _Recorder()
+    tok = engine.tokenizer
+    tok.chat_template += "{% if closing_words %}{{ closing_words }}{% endif %}"
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Sure, the answer is"}]
+
+    def rendered(msgs, **options):
+        return tok.encode(tok.apply_chat_template(msgs, tokenize=False, **options), add_special_tokens=False)
+
+    sent = []
+    engine.generate = _keep_prompt(engine.generate, sent)
+    cases = [({"messages": messages[:1]}, rendered(messages[:1], add_generation_prompt=True)),
+             ({"messages": messages[:1], "add_generation_prompt": False}, rendered(messages[:1])),
+             ({"messages": messages, "continue_final_message": True},
+              rendered(messages, continue_final_message=True)),
+             ({"messages": messages[:1], "chat_template_kwargs": {"closing_words": "Bye"}},
+              rendered(messages[:1], add_generation_prompt=True, closing_words="Bye"))]
+    with _client(engine, max_model_len=2048) as client:
+        for body, want in cases:
+            body = {"model": "m", "tool_choice": "none", **body}   # (no tools advertised in the prompt)
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert sent[-1] == want, body
+            assert client.post("/tokenize", json=body).json()["tokens"] == want, body
+        assert tok.decode(cases[2][1]).endswith("Sure, the answer is")   # left open for the model to continue
+        assert tok.decode(cases[3][1]).endswith("Bye") and cases[3][1] != cases[0][1]
+        for route, body in [
+                ("/v1/chat/completions", {"messages": messages, "continue_final_message": True,
+                                          "add_generation_prompt": True}),
+                ("/v1/chat/completions", {"messages": messages[:1], "chat_template_kwargs": {"tools": []}}),
+                ("/v1/chat/completions", {"messages": messages[:1], "chat_template_kwargs": {"chat_template": "x"}}),
+                ("/v1/chat/completions", {"messages": messages[:1], "chat_template_kwargs": ["x"]}),
+                ("/tokenize", {"prompt": "a", "continue_final_message": True})]:
+            error = _error(client.post(route, json={"model": "m", **body}), 400)
+            assert "chat_template" in error["message"] or "continue_final_message" in error["message"], error
+        assert len(sent) == len(cases)
 
 
 def _keep_prompt(generate, sent: list):
