@@ -32,22 +32,23 @@ from jaxserve.constraints import StructuredOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
-from server.errors import APIError, from_value_error, install_handlers, sse_error_event
+from server.errors import APIError, from_value_error, install_handlers
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
                                wait_or_disconnect)
-from server.logprobs import TokenSpellings, chat_logprobs, completion_logprobs
+from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                             PromptTokensDetails, TokenizeRequest, ToolChoice, Usage)
+                             ResponsesRequest, TokenizeRequest, ToolChoice)
+from server.responses import ResponsesWire, ResponseStore, chat_request, input_messages, responses_error
 from server.tokenizers import TokenizerPool
+from server.wire import ChatWire
 
 log = logging.getLogger("jaxserve.server")
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_FANOUT = 16                # engine requests one HTTP request may become (prompts x n)
-ARGUMENT_FRAGMENT_CHARS = 16   # streamed tool-call arguments arrive in pieces of this size
 
 
 class ConcurrencyLimit:
@@ -122,6 +123,7 @@ class ServerState:
         self.token_spellings = TokenSpellings(self.tokenizers.template) if self.tokenizers is not None else None
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
+        self.responses = ResponseStore()   # stored /v1/responses results (``previous_response_id``)
 
     @property
     def tokenizer(self):
@@ -207,6 +209,23 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _serve(state, request, body, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await _respond(state, request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        entry = state.responses.get(response_id, _owner(request, None))
+        if entry is None:
+            raise _response_not_found(response_id)
+        return entry.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        if not state.responses.delete(response_id, _owner(request, None)):
+            raise _response_not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return await _tokenize(state, body)
@@ -225,8 +244,12 @@ def _check_model(state: ServerState, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-async def _serve(state: ServerState, request: Request, body, chat: bool):
+async def _serve(state: ServerState, request: Request, body, chat: bool, wire=None):
+    """Run ``body`` (completions, or chat when ``chat``) and answer it in ``wire``'s shape
+    (by default ``ChatWire``: chat completions or completions)."""
     _check_model(state, body.model)
+    if wire is None:
+        wire = ChatWire(state.model_name, state.token_spellings, body, chat)
     if not state.engine.is_alive:
         raise APIError(503, "the engine is not running", code="engine_dead")
     if state.tokenizer is None:
@@ -248,15 +271,14 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         except BaseException as e:
             await merger.aclose()
             if isinstance(e, ValueError):
-                raise from_value_error(e, "messages" if chat else "prompt") from None
+                raise from_value_error(e, wire.prompt_param) from None
             if isinstance(e, EngineDeadError):
                 raise APIError(503, "the engine is not running", code="engine_dead") from None
             if isinstance(e, ClientDisconnected):
                 return Response(status_code=499)
             raise
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            stream = _stream(state, request, body, chat, merger, choices, response_id, owner)
+            stream = _stream(state, request, wire, merger, choices, owner)
             response = _ManagedStream(stream, on_close=slot.release, media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             slot = None   # released by the stream
@@ -272,9 +294,9 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         except EngineDeadError:
             raise APIError(503, "the engine stopped while generating", code="engine_dead") from None
         except ValueError as e:
-            raise from_value_error(e, "messages" if chat else "prompt") from None
+            raise from_value_error(e, wire.prompt_param) from None
         except Exception as e:  # noqa: BLE001 - e.g. a failed engine step: report it, keep serving
-            log.warning("request %s failed: %s", response_id, e)
+            log.warning("request %s failed: %s", wire.response_id, e)
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}") from None
         finally:
             await _abort_unsettled(state, choices)
@@ -283,7 +305,7 @@ async def _serve(state: ServerState, request: Request, body, chat: bool):
         # meanwhile (the C encoder holds the GIL while it writes, so the building is what moves).
         # Encoded as FastAPI's JSONResponse does: UTF-8, compact, no NaN.
         content = await asyncio.to_thread(lambda: json.dumps(
-            _full_response(state, body, chat, choices, response_id), ensure_ascii=False, allow_nan=False,
+            wire.full(choices), ensure_ascii=False, allow_nan=False,
             separators=(",", ":")).encode())
         return Response(content, media_type="application/json")
     finally:
@@ -307,10 +329,30 @@ def _fanout(state: ServerState, body, chat: bool) -> int:
 
 
 def _owner(request: Request, body) -> str:
-    """Who may resume a paused tool context: the API key sent and the ``user`` field.
-    Hashed so the key is not kept in memory next to the contexts."""
+    """Who may resume a paused tool context: the API key sent and the ``user`` field
+    (``body`` None: the key alone, the owner of stored responses). Hashed so the key is
+    not kept in memory next to the contexts."""
     key = request.headers.get("authorization", "")
-    return hashlib.sha256(f"{key}\0{body.user or ''}".encode("utf-8", "surrogatepass")).hexdigest()
+    user = (body.user or "") if body is not None else ""
+    return hashlib.sha256(f"{key}\0{user}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+async def _respond(state: ServerState, request: Request, body: ResponsesRequest):
+    """``POST /v1/responses``: the chat request it amounts to, answered as a ``response``."""
+    _check_model(state, body.model)
+    owner = _owner(request, None)
+    history = state.responses.conversation(body.previous_response_id, owner) if body.previous_response_id else []
+    added = input_messages(body)
+    try:
+        chat = chat_request(body, history, added)
+        wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added)
+        return await _serve(state, request, chat, chat=True, wire=wire)
+    except APIError as e:
+        raise responses_error(e) from None
+
+
+def _response_not_found(response_id: str) -> APIError:
+    return APIError(404, f"response {response_id!r} not found", param="response_id", code="response_not_found")
 
 
 def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict]:
@@ -530,75 +572,14 @@ async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> No
             await state.engine.abort(c.job.request_id)
 
 
-def _usage(choices: list[ChoiceState]) -> Usage:
-    prompts = {id(c.job.prompt_ids): c.job for c in choices}
-    prompt_tokens = sum(len(j.prompt_ids) for j in prompts.values())
-    # Cached: the resumed parked context, or the prefix-cache hit of the prompt's first admission,
-    # counted once per prompt: the least of its choices' hits (with ``n`` > 1 the later choices link
-    # the pages the first one computed for this request; those were not cached before it).
-    cached_of: dict[int, int] = {}
-    for c in choices:
-        hit = max(c.job.cached_tokens, c.last.num_cached_tokens if c.last is not None else 0)
-        key = id(c.job.prompt_ids)
-        cached_of[key] = min(cached_of.get(key, hit), hit)
-    cached = sum(cached_of.values())
-    completion = sum(c.completion_tokens for c in choices)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
-
-
-def _tool_call_dicts(c: ChoiceState) -> list[dict]:
-    return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in c.tool_calls]
-
-
-def _full_response(state: ServerState, body, chat: bool, choices: list[ChoiceState], response_id: str) -> dict:
-    out = {"id": response_id, "object": "chat.completion" if chat else "text_completion",
-           "created": int(time.time()), "model": state.model_name, "choices": []}
-    for c in choices:
-        reason = c.finish_reason or "abort"
-        if chat:
-            message: dict = {"role": "assistant"}
-            if c.text or not c.tool_calls:
-                message["content"] = c.text
-            if c.tool_calls:
-                message["tool_calls"] = _tool_call_dicts(c)
-            choice = {"index": c.index, "message": message, "finish_reason": reason}
-        else:
-            choice = {"index": c.index, "text": (c.job.echo or "") + c.text, "finish_reason": reason}
-        if c.logprobs is not None:
-            choice["logprobs"] = _logprobs(state, chat, c, c.prompt_logprobs + c.logprobs)
-        out["choices"].append(choice)
-    out["usage"] = _usage(choices).dump()
-    return out
-
-
-def _logprobs(state: ServerState, chat: bool, c: ChoiceState, records: list) -> dict:
-    """The OpenAI ``logprobs`` object of ``records``, the next of choice ``c``'s tokens."""
-    if chat:
-        return chat_logprobs(records, state.token_spellings)
-    return completion_logprobs(records, state.token_spellings, c.text_offsets)
-
-
 # --------------------------------------------------------------- streaming
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _stream(state: ServerState, request: Request, body, chat: bool, merger: ChoiceMerger,
-                  choices: list[ChoiceState], response_id: str, owner: str) -> AsyncIterator[str]:
-    created = int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choice: dict) -> str:
-        return _sse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
-                     "choices": [choice]})
-
+async def _stream(state: ServerState, request: Request, wire, merger: ChoiceMerger, choices: list[ChoiceState],
+                  owner: str) -> AsyncIterator[str]:
+    """The events of a streamed response as its choices progress, in ``wire``'s shape."""
     finished = False
     try:
-        if chat:
-            for c in choices:
-                yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}})
+        for event in wire.start(choices):
+            yield event
         while True:
             try:
                 item = await merger.next(timeout=0.25)
@@ -618,35 +599,21 @@ async def _stream(state: ServerState, request: Request, body, chat: bool, merger
             if first and c.job.echo is not None:   # the echoed prompt leads the choice's first chunk
                 text, logprobs = c.job.echo + text, c.prompt_logprobs + logprobs
             if text or logprobs:
-                piece = {"index": index, "delta": {"content": text}} if chat else {"index": index, "text": text}
-                if logprobs:
-                    piece["logprobs"] = _logprobs(state, chat, c, logprobs)
-                yield chunk(piece)
-            if c.finish_reason is None:
-                continue
-            for position, call in enumerate(c.tool_calls if chat else []):   # tool_calls[i] of the message
-                yield chunk({"index": index, "delta": {"tool_calls": [{"index": position, "id": call.id,
-                             "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
-                args = call.arguments
-                for at in range(0, len(args), ARGUMENT_FRAGMENT_CHARS):
-                    yield chunk({"index": index, "delta": {"tool_calls": [
-                        {"index": position, "function": {"arguments": args[at:at + ARGUMENT_FRAGMENT_CHARS]}}]}})
-            final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
-            final["finish_reason"] = c.finish_reason
-            yield chunk(final)
+                for event in wire.text(c, text, logprobs):
+                    yield event
+            if c.finish_reason is not None:
+                for event in wire.finish(c):
+                    yield event
         finished = True
         await _park_paused(state, choices, owner)
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield _sse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
-                        "choices": [], "usage": _usage(choices).dump()})
-        yield "data: [DONE]\n\n"
+        for event in wire.end(choices):
+            yield event
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
-        log.warning("stream %s failed: %s", response_id, e)
-        error = from_value_error(e) if isinstance(e, ValueError) else e
-        yield sse_error_event(error)
-        yield "data: [DONE]\n\n"
+        log.warning("stream %s failed: %s", wire.response_id, e)
+        for event in wire.error(from_value_error(e, wire.prompt_param) if isinstance(e, ValueError) else e):
+            yield event
     finally:
         if not finished:
             await merger.aclose()

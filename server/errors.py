@@ -71,6 +71,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
+    field = tuple(first.get("loc", ()))[:2]
+    # ``str | list[tagged union]`` (Responses ``input``) reports a miss per member; the tagged
+    # items name the real fault (an item's type or field, not "should be a valid string").
+    first = next((e for e in errors if tuple(e.get("loc", ()))[:2] == field
+                  and any(str(part).startswith("list[tagged-union") for part in e.get("loc", ()))), first)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}", param="body")

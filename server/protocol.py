@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from jaxserve.sampling_params import (INT32_MAX, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_CHARS,
                                       REPETITION_RANGE)
@@ -363,3 +363,140 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------ Responses API
+MAX_STORED_METADATA = 16   # ``metadata`` pairs (OpenAI's limit)
+
+
+class ResponseInputText(_Request):
+    """A text part of an input message (``input_text``; an earlier turn's ``output_text``)."""
+
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class ResponseMessageItem(_Request):
+    """``{"role", "content"}`` (``type: "message"`` optional): a message of the conversation."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[ResponseInputText]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFunctionCallItem(_Request):
+    """A tool call the model made in an earlier turn (as a response's ``output`` lists it)."""
+
+    type: Literal["function_call"]
+    call_id: Text = Field(min_length=1, max_length=256)
+    name: Text = Field(min_length=1, max_length=64)
+    arguments: Text
+
+
+class ResponseFunctionCallOutputItem(_Request):
+    """The client's result for the tool call ``call_id``."""
+
+    type: Literal["function_call_output"]
+    call_id: Text = Field(min_length=1, max_length=256)
+    output: Text | list[ResponseInputText]
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+def _input_item_type(item) -> str | None:
+    """The tag of an input item: its ``type``, ``message`` when it has none (``{"role", "content"}``)."""
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None)
+
+
+ResponseInputItem = Annotated[Union[Annotated[ResponseMessageItem, Tag("message")],
+                                    Annotated[ResponseFunctionCallItem, Tag("function_call")],
+                                    Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")]],
+                              Discriminator(_input_item_type, custom_error_type="invalid_input_item",
+                                            custom_error_message="an input item's type must be message, "
+                                            "function_call or function_call_output (others are not supported "
+                                            "by this server)")]
+
+
+class ResponseFunctionTool(_Request):
+    """``{"type": "function", "name", "description", "parameters", "strict"}`` (the Responses
+    API's flat form of a chat completions tool)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Text | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseToolChoiceFunction(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextFormat(_Request):
+    """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "name", "schema", "strict", "description"}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.schema_ is not None and self.name is not None):
+            raise ValueError("schema and name are required with type 'json_schema' and only allowed with it")
+        return self
+
+
+class ResponseTextConfig(_Request):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
+    tools, ``previous_response_id`` conversations, ``text.format``). Fields of the API this
+    server does not implement are refused when set (``reasoning``, ``background``,
+    ``truncation: "auto"``, ``include``, ``conversation``, ``prompt``)."""
+
+    model: Text
+    input: Text | list[ResponseInputItem] = Field(min_length=1)
+    instructions: Text | None = None
+    previous_response_id: Text | None = Field(default=None, max_length=256)
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseTextConfig | None = None
+    user: Text | None = Field(default=None, max_length=256)
+    metadata: dict[str, Annotated[Text, Field(max_length=512)]] | None = Field(default=None,
+                                                                               max_length=MAX_STORED_METADATA)
+    reasoning: dict | None = None
+    background: bool | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_implemented(self):
+        unsupported = [name for name, set_ in [
+            ("reasoning", self.reasoning is not None), ("background", bool(self.background)),
+            ("truncation", self.truncation == "auto"), ("include", bool(self.include)),
+            ("conversation", self.conversation is not None), ("prompt", self.prompt is not None)] if set_]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported by this server")
+        return self

@@ -577,9 +577,9 @@ def test_non_streamed_answers_are_built_off_the_event_loop(monkeypatch):
     """Every non-streamed answer, with logprobs or not, is built and serialized in a worker
     thread (no running event loop there): n=16 answers of 200 tokens took ~0.4 s on the loop,
     a stall for every other client's stream."""
-    import server.app as app_module
+    from server.wire import ChatWire
     built_on_loop = []
-    real = app_module._full_response
+    real = ChatWire.full
 
     def spy(*args):
         try:
@@ -588,7 +588,7 @@ def test_non_streamed_answers_are_built_off_the_event_loop(monkeypatch):
         except RuntimeError:
             built_on_loop.append(False)
         return real(*args)
-    monkeypatch.setattr(app_module, "_full_response", spy)
+    monkeypatch.setattr(ChatWire, "full", spy)
     with _client(_OneAnswerEngine(), max_model_len=2048) as client:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                            ("/v1/completions", {"prompt": "hi"})):
@@ -651,3 +651,131 @@ def test_completion_top_logprobs_keep_the_likeliest_of_alike_spellings_and_the_s
     assert top == {"\ufffd": -0.5, "The": -3.0}
     alone = completion_logprobs([TokenLogprob(the, -3.0)], spell, TextOffsets(True))["top_logprobs"][0]
     assert alone == {"The": -3.0}
+
+
+# ------------------------------------------------------------- Responses API
+FLAT_TOOL = {"type": "function", "name": "f", "description": "Does f.",
+             "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in FLAT_TOOL.items() if k != "type"}}
+
+
+def test_a_responses_request_renders_as_the_chat_request_it_amounts_to():
+    """``instructions`` a system message, message items, a ``function_call`` item the assistant
+    message that made it, a ``function_call_output`` item its tool message, flat function tools:
+    the engine gets exactly the tokens of the equivalent chat completions request; after
+    ``previous_response_id`` the stored conversation (its input and answer) comes first, without
+    the earlier ``instructions``."""
+    engine = _Recorder()
+    sent = []
+    engine.generate = _keep_prompt(engine.generate, sent)
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"x": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "3"},
+             {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                      "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}, {"role": "user", "content": "thanks"}]
+    with _client(engine, max_model_len=4096) as client:
+        r = client.post("/v1/responses", json={"model": "m", "instructions": "Be brief.", "input": items,
+                                               "tools": [FLAT_TOOL], "max_output_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "tools": [CHAT_TOOL],
+                                                          "max_tokens": 8, "temperature": 0}).status_code == 200
+        assert sent[0] == sent[1]
+        first = r.json()
+        assert first["object"] == "response" and first["status"] == "completed" and first["id"].startswith("resp_")
+        [message] = first["output"]
+        assert message["type"] == "message" and message["role"] == "assistant"
+        assert message["content"] == [{"type": "output_text", "text": "b", "annotations": []}]
+        assert first["usage"] == {"input_tokens": len(sent[0]), "input_tokens_details": {"cached_tokens": 0},
+                                  "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0},
+                                  "total_tokens": len(sent[0]) + 1}
+        assert first["tools"] == [FLAT_TOOL] and first["instructions"] == "Be brief." and first["max_output_tokens"] == 8
+        assert engine.params[0].max_tokens == 8 and engine.params[0].temperature == 0
+
+        r = client.post("/v1/responses", json={"model": "m", "previous_response_id": first["id"], "input": "more",
+                                               "tools": [FLAT_TOOL], "max_output_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["previous_response_id"] == first["id"]
+        follow = messages[1:] + [{"role": "assistant", "content": "b"}, {"role": "user", "content": "more"}]
+        assert client.post("/v1/chat/completions", json={"model": "m", "messages": follow, "tools": [CHAT_TOOL],
+                                                          "max_tokens": 8, "temperature": 0}).status_code == 200
+        assert sent[2] == sent[3]
+
+
+def test_stored_responses_are_retrieved_deleted_and_kept_per_api_key():
+    engine = _OneAnswerEngine()
+    mine, theirs = {"Authorization": "Bearer mine"}, {"Authorization": "Bearer theirs"}
+    with _client(engine, max_model_len=4096) as client:
+        first = client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=mine).json()
+        assert client.get(f"/v1/responses/{first['id']}", headers=mine).json() == first
+        assert _error(client.get(f"/v1/responses/{first['id']}", headers=theirs), 404)["param"] == "response_id"
+        assert _error(client.post("/v1/responses", json={"model": "m", "input": "x", "previous_response_id": first["id"]},
+                                  headers=theirs), 404)["param"] == "previous_response_id"
+        second = client.post("/v1/responses", json={"model": "m", "input": "more", "previous_response_id": first["id"]},
+                             headers=mine).json()
+        assert second["status"] == "completed"
+        unstored = client.post("/v1/responses", json={"model": "m", "input": "hi", "store": False}, headers=mine).json()
+        assert unstored["store"] is False
+        _error(client.get(f"/v1/responses/{unstored['id']}", headers=mine), 404)
+        assert client.delete(f"/v1/responses/{first['id']}", headers=mine).json() == {
+            "id": first["id"], "object": "response.deleted", "deleted": True}
+        _error(client.get(f"/v1/responses/{first['id']}", headers=mine), 404)
+        # the second turn is still stored, but its conversation lost its first turn
+        error = _error(client.post("/v1/responses", json={"model": "m", "input": "x",
+                                                           "previous_response_id": second["id"]}, headers=mine), 404)
+        assert error["code"] == "previous_response_not_found" and first["id"] in error["message"]
+
+
+def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_conversation():
+    from server.responses import ResponseStore, StoredResponse
+    store = ResponseStore(capacity=3)
+    store.put("a", StoredResponse("o", None, [{"role": "user", "content": "1"}], {}))
+    store.put("b", StoredResponse("o", "a", [{"role": "user", "content": "2"}], {}))
+    store.put("x", StoredResponse("o", None, [], {}))
+    assert [m["content"] for m in store.conversation("b", "o")] == ["1", "2"]   # refreshes a and b
+    store.put("y", StoredResponse("o", None, [], {}))                            # drops x, the oldest now
+    assert store.get("x", "o") is None and store.get("a", "o") is not None and store.get("a", "other") is None
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.function_call.call_id"),
+    ({"input": []}, 400, "input"),
+    ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    ({"input": "hi", "max_output_tokens": 100_000}, 400, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
+])
+def test_responses_bad_input_is_an_error_naming_the_field(body, status, param):
+    with _client(_OneAnswerEngine(), max_model_len=4096) as client:
+        error = _error(client.post("/v1/responses", json={"model": "m", **body}), status)
+        assert error["param"] == param, error
+
+
+def test_a_streamed_response_sends_the_typed_events_in_order():
+    with _client(_OneAnswerEngine(), max_model_len=4096) as client:
+        with client.stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            raw = r.read().decode()
+    blocks = [b for b in raw.split("\n\n") if b]
+    events = []
+    for block in blocks:
+        kind, data = block.split("\n")
+        event = json.loads(data[len("data: "):])
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["output"] == [events[-2]["item"]]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == \
+        done["output"][0]["content"][0]["text"] == _OneAnswerEngine.text

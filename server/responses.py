@@ -1,0 +1,300 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat machinery.
+
+A Responses request becomes the chat completions request it amounts to
+(``chat_request``): ``instructions`` a system message first, then the stored
+conversation of ``previous_response_id``, then the ``input`` items (messages;
+``function_call`` items the assistant message that made those calls;
+``function_call_output`` items tool messages), function tools in the chat form,
+``text.format`` as ``response_format``. So templates, tool-call parsing and
+markup hiding, server-side tools, parked client-side tool contexts and the
+prefix cache all work as for chat: a follow-up that sends a
+``function_call_output`` after ``previous_response_id`` renders to the same
+tokens as the paused context and resumes it.
+
+``ResponsesWire`` writes the answer as a ``response`` object (``output``: a
+``message`` item with ``output_text``, then one ``function_call`` item per call)
+or, streamed, as the API's typed events (``response.created``,
+``response.output_text.delta``, ``response.function_call_arguments.delta``,
+..., ``response.completed``). ``ResponseStore`` keeps stored responses
+(``store``, default true) for ``previous_response_id`` and
+``GET``/``DELETE /v1/responses/{id}``, per API key, in a bounded LRU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from server.errors import APIError
+from server.generation import ChoiceState
+from server.protocol import ChatCompletionRequest, ResponsesRequest, ResponseToolChoiceFunction
+from server.wire import argument_fragments, usage_of
+
+# Field names of the chat request that the Responses API spells otherwise (for 400s).
+_RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                     "response_format": "text.format", "prompt": "input"}
+
+
+@dataclass
+class StoredResponse:
+    owner: str
+    parent: str | None           # previous_response_id
+    messages: list[dict]         # what it added to the conversation: its input, then its answer (chat messages)
+    response: dict               # the response object, as returned
+
+
+class ResponseStore:
+    """Stored responses, at most ``capacity``, least recently used dropped first.
+
+    Each keeps only what it added to its conversation; ``conversation`` rebuilds the
+    whole by walking ``previous_response_id`` links (refreshing each link in the LRU,
+    so a live conversation's turns stay together). A response is visible only to the
+    owner (API key) that stored it."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        self._entries[response_id] = entry
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        if self.get(response_id, owner) is None:
+            return False
+        del self._entries[response_id]
+        return True
+
+    def conversation(self, response_id: str, owner: str) -> list[dict]:
+        """The chat messages of the conversation up to and including response ``response_id``;
+        a 404 naming ``previous_response_id`` when it (or a turn before it) is not stored."""
+        chain, at = [], response_id
+        while at is not None:
+            entry = self.get(at, owner)
+            if entry is None:
+                missing = "" if at == response_id else f" (its earlier turn {at!r} is no longer stored)"
+                raise APIError(404, f"previous response {response_id!r} not found{missing}",
+                               param="previous_response_id", code="previous_response_not_found")
+            chain.append(entry.messages)
+            at = entry.parent
+            if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
+                break
+        return [message for messages in reversed(chain) for message in messages]
+
+
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """``body.input`` as chat messages: a string is a user message; consecutive
+    ``function_call`` items join the assistant message before them (or start one)."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    out: list[dict] = []
+    for item in body.input:
+        if item.type == "message":
+            out.append({"role": item.role, "content": item.text})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+    return out
+
+
+def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict]) -> ChatCompletionRequest:
+    """The chat completions request ``body`` amounts to after ``history`` (the stored
+    conversation of its previous response) with ``added`` (``input_messages(body)``)."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history + added
+    choice = body.tool_choice
+    if isinstance(choice, ResponseToolChoiceFunction):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    fmt = body.text.format if body.text is not None else None
+    response_format = None
+    if fmt is not None:
+        response_format = {"type": fmt.type} if fmt.type != "json_schema" else {
+            "type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": t.parameters}} for t in body.tools or []]
+    try:
+        return ChatCompletionRequest.model_validate({
+            "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None, "tool_choice": choice,
+            "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format,
+            "user": body.user, "stream": body.stream})
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise APIError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
+
+
+def responses_error(error: APIError) -> APIError:
+    """``error`` (raised for the chat request) naming the Responses API's fields."""
+    if error.param is not None:
+        head, _, rest = error.param.partition(".")
+        if head in _RESPONSES_PARAMS:
+            error.param = _RESPONSES_PARAMS[head]
+    for chat_name in ("max_completion_tokens", "max_tokens"):
+        error.message = error.message.replace(chat_name, "max_output_tokens")
+    return error
+
+
+class ResponsesWire:
+    """A ``response`` object, or its typed stream events, for one choice (the Responses
+    API has no ``n``); stores the result when ``store`` is given."""
+
+    prompt_param = "input"
+
+    def __init__(self, body: ResponsesRequest, model_name: str, store: ResponseStore | None, owner: str,
+                 added: list[dict]) -> None:
+        self.body, self.model_name, self.store, self.owner, self.added = body, model_name, store, owner, added
+        self.response_id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._sequence = 0
+        self._text = ""               # the message's text streamed so far
+        self._message_open = False    # its output item has been announced
+
+    # ----------------------------------------------------------------- object
+    def _object(self, status: str, output: list[dict], choices: list[ChoiceState] | None = None,
+                incomplete: str | None = None) -> dict:
+        body = self.body
+        fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        obj = {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+               "model": self.model_name, "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+               "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponseToolChoiceFunction)
+               else (body.tool_choice or "auto"),
+               "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+               "temperature": body.temperature, "top_p": body.top_p, "store": body.store, "truncation": "disabled",
+               "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
+               "metadata": body.metadata or {}}
+        for name in ("instructions", "max_output_tokens", "previous_response_id", "user"):
+            if getattr(body, name) is not None:
+                obj[name] = getattr(body, name)
+        if incomplete is not None:
+            obj["incomplete_details"] = {"reason": incomplete}
+        if choices is not None:
+            usage = usage_of(choices)
+            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            obj["usage"] = {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                            "output_tokens": usage.completion_tokens,
+                            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
+        return obj
+
+    def _message_item(self, c: ChoiceState, status: str) -> dict:
+        return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": c.text, "annotations": []}]}
+
+    @staticmethod
+    def _call_item(call, status: str, arguments: str | None = None) -> dict:
+        return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+                "arguments": call.arguments if arguments is None else arguments, "status": status}
+
+    @staticmethod
+    def _outcome(c: ChoiceState) -> tuple[str, str | None]:
+        """``(status, incomplete_details.reason)`` of the finished choice."""
+        if c.finish_reason == "length":
+            return "incomplete", "max_output_tokens"
+        if c.finish_reason in ("stop", "tool_calls"):
+            return "completed", None
+        return "incomplete", "interrupted"
+
+    def full(self, choices: list[ChoiceState]) -> dict:
+        [c] = choices
+        status, reason = self._outcome(c)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        output = ([self._message_item(c, item_status)] if c.text or not c.tool_calls else []) + \
+            [self._call_item(call, "completed") for call in c.tool_calls]
+        return self._keep(c, self._object(status, output, choices, reason))
+
+    def _keep(self, c: ChoiceState, response: dict) -> dict:
+        """Store ``response`` (when asked) with the messages it adds to its conversation."""
+        if self.store is not None:
+            answer: dict = {"role": "assistant", "content": c.text or None}
+            if c.tool_calls:
+                answer["tool_calls"] = [{"id": call.id, "type": "function",
+                                         "function": {"name": call.name, "arguments": call.arguments}}
+                                        for call in c.tool_calls]
+            self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
+                                                            self.added + [answer], response))
+        return response
+
+    # ----------------------------------------------------------------- stream
+    def _event(self, kind: str, **fields) -> str:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+    def start(self, choices: list[ChoiceState]) -> list[str]:
+        pending = self._object("in_progress", [])
+        return [self._event("response.created", response=pending), self._event("response.in_progress",
+                                                                                response=pending)]
+
+    def _open_message(self) -> list[str]:
+        self._message_open = True
+        return [self._event("response.output_item.added", output_index=0,
+                            item={"type": "message", "id": self._message_id, "status": "in_progress",
+                                  "role": "assistant", "content": []}),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=0,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+
+    def text(self, c: ChoiceState, text: str, logprobs: list) -> list[str]:
+        if not text:
+            return []
+        events = [] if self._message_open else self._open_message()
+        self._text += text
+        return events + [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                                     content_index=0, delta=text, logprobs=[])]
+
+    def finish(self, c: ChoiceState) -> list[str]:
+        status, _ = self._outcome(c)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        events = []
+        if not self._message_open and not c.tool_calls:
+            events += self._open_message()   # an empty answer still has its message
+        if self._message_open:
+            part = {"type": "output_text", "text": c.text, "annotations": []}
+            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
+                                   content_index=0, text=c.text, logprobs=[]),
+                       self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                                   content_index=0, part=part),
+                       self._event("response.output_item.done", output_index=0,
+                                   item=self._message_item(c, item_status))]
+        first = 1 if self._message_open else 0
+        for index, call in enumerate(c.tool_calls, start=first):
+            item_id = f"fc_{call.id}"
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item=self._call_item(call, "in_progress", arguments="")))
+            events += [self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                                   delta=piece) for piece in argument_fragments(call.arguments)]
+            events += [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                   name=call.name, arguments=call.arguments),
+                       self._event("response.output_item.done", output_index=index,
+                                   item=self._call_item(call, "completed"))]
+        return events
+
+    def end(self, choices: list[ChoiceState]) -> list[str]:
+        response = self.full(choices)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return [self._event(kind, response=response)]
+
+    def error(self, error: APIError | Exception) -> list[str]:
+        if not isinstance(error, APIError):
+            error = APIError(500, f"generation failed: {type(error).__name__}: {error}")
+        failed = self._object("failed", [])
+        failed["error"] = {"code": error.code or error.type, "message": error.message}
+        return [self._event("error", code=error.code or error.type, message=error.message, param=error.param),
+                self._event("response.failed", response=failed)]
