@@ -639,6 +639,42 @@ def test_client_side_tool_call_streams_then_resumes_streaming(servers, tools):
     assert resumed["jaxserve:resumed_requests_total"] == paused["jaxserve:resumed_requests_total"] + 1
 
 
+def test_responses_api_round_trip_resumes_the_paused_context(servers, tools):
+    """OpenAI's Responses API through the official client: the model's call comes back as a
+    ``function_call`` item; the follow-up sends only ``previous_response_id`` and the
+    ``function_call_output`` (streamed), and resumes the paused context as chat's follow-up
+    does: the whole first context is cached, nothing is recomputed."""
+    import openai
+    client = openai.OpenAI(base_url=servers.tools.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    weather = {"type": "function", **WEATHER_TOOL["function"]}
+    first = client.responses.create(model="tool-model", input=WEATHER_USER, tools=[weather], temperature=0,
+                                    max_output_tokens=64)
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == WEATHER_CALL["arguments"]
+    paused = metrics(tools)
+    assert paused["jaxserve:num_parked_tool_contexts"] == 1
+
+    events = list(client.responses.create(
+        model="tool-model", previous_response_id=first.id, tools=[weather], temperature=0, max_output_tokens=64,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": WEATHER_RESULT}], stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == WEATHER_ANSWER
+    second = events[-1].response
+    assert second.output_text == WEATHER_ANSWER and second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens
+    resumed = wait_idle(tools)
+    assert resumed["jaxserve:recomputed_tokens_total"] == paused["jaxserve:recomputed_tokens_total"]
+    assert resumed["jaxserve:prompt_tokens_total"] == paused["jaxserve:prompt_tokens_total"]
+    assert resumed["jaxserve:resumed_requests_total"] == paused["jaxserve:resumed_requests_total"] + 1
+    assert client.responses.retrieve(second.id).output_text == WEATHER_ANSWER
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
 def test_follow_up_that_does_not_match_is_computed_fresh_and_stale_context_expires(servers, tools):
     first_request = chat(WEATHER_USER, tools=[WEATHER_TOOL])
     first = tools.post("/v1/chat/completions", json=first_request).json()
