@@ -150,3 +150,36 @@ def test_only_the_hashed_pages_text_is_tokenized():
     from jaxserve.distributed.routing import prompt_text
     assert hints.page_hashes == page_hashes([ord(c) for c in prompt_text(body)], 16)   # of the whole text
     assert len(hints.page_hashes) == MAX_HASHED_PAGES
+
+
+def test_a_stored_response_is_served_where_it_is_stored_under_every_policy():
+    """Responses API: ``previous_response_id`` (and GET/DELETE of a stored response) go to the
+    replica whose store holds it, whatever the policy; its function calls park like chat's; its
+    ``input`` gives prefix and tool-call hints as chat messages do."""
+    for policy in ("affinity", "least_loaded", "round_robin"):
+        router = ReplicaRouter(["r0", "r1"], policy)
+        router.stored("r1", ["resp_1"])
+        follow = read_hints({"previous_response_id": "resp_1", "input": [
+            {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}]}, {}, None, 4)
+        assert follow.stored_response == "resp_1" and follow.tool_call_ids == ["call_9"]
+        assert router.choose(follow) == ("r1", "stored")
+        router.set_alive("r1", False)   # its store restarted empty: nothing to find there
+        assert router.choose(follow)[0] == "r0"
+    router = ReplicaRouter(["r0", "r1"])
+    router.parked("r1", ["call_9"])
+    assert router.choose(read_hints({"input": [{"type": "function_call_output", "call_id": "call_9",
+                                                "output": "x"}]}, {}, None, 4)) == ("r1", "parked")
+    chat = read_hints({"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "a question long enough"}]}, {}, None, 4)
+    responses = read_hints({"instructions": "Be brief.", "input": "a question long enough"}, {}, None, 4)
+    assert responses.page_hashes == chat.page_hashes and len(chat.page_hashes) > 4
+
+
+def test_the_front_notes_stored_responses_and_responses_function_calls():
+    from jaxserve.distributed.frontend import _CALL_ID, _RESPONSE_ID, _STORED_PATH
+    body = ('{"id":"resp_0a1b","object":"response","output":[{"type":"function_call","id":"fc_call_7",'
+            '"call_id":"call_7","name":"f","arguments":"{}"}]}')
+    assert _RESPONSE_ID.findall(body) == ["resp_0a1b"] and _CALL_ID.findall(body) == ["call_7"]
+    assert _CALL_ID.findall('{"tool_calls":[{"id":"call_3","type":"function"}]}') == ["call_3"]
+    assert _STORED_PATH.match("/v1/responses/resp_0a1b").group(1) == "resp_0a1b"
+    assert _STORED_PATH.match("/v1/responses") is None

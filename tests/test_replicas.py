@@ -217,6 +217,32 @@ def test_client_tool_follow_up_resumes_on_the_parking_replica(cluster, app):
     assert after[resumed] == before.get(resumed, 0) + 1
 
 
+def test_responses_api_follow_up_and_retrieval_reach_the_storing_replica(cluster):
+    """``previous_response_id`` and ``GET /v1/responses/{id}`` go to the replica that stored the
+    response (the only store that has it); the follow-up resumes the parked tool context there."""
+    url = cluster["dp"]
+    weather = {"type": "function", **WEATHER_TOOL["function"]}
+    first = httpx.post(url + "/v1/responses", timeout=120, json={
+        "model": "demo", "instructions": SYSTEM, "input": "weather in Paris?", "tools": [weather],
+        "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
+        "max_output_tokens": 64, "temperature": 0})
+    assert first.status_code == 200, first.text
+    replica = first.headers["x-jaxserve-replica"]
+    [call] = [item for item in first.json()["output"] if item["type"] == "function_call"]
+    before = _metrics(url).get('jaxserve:router_decisions_total{reason="stored"}', 0)
+    for _ in range(3):   # whatever else is in flight, the stored response's replica answers
+        got = httpx.get(url + f"/v1/responses/{first.json()['id']}", timeout=60)
+        assert got.status_code == 200 and got.headers["x-jaxserve-replica"] == replica
+    assert _metrics(url)['jaxserve:router_decisions_total{reason="stored"}'] == before + 3
+    follow = httpx.post(url + "/v1/responses", timeout=120, json={
+        "model": "demo", "instructions": SYSTEM, "previous_response_id": first.json()["id"], "tools": [weather],
+        "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "sunny, 21C"}],
+        "max_output_tokens": 4, "temperature": 0})
+    assert follow.status_code == 200, follow.text
+    assert follow.headers["x-jaxserve-replica"] == replica
+    assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
 def _replica_actor(app: str, replica: str):
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{app}#{replica}#"):

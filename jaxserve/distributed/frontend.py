@@ -26,11 +26,13 @@ from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints
 
 log = logging.getLogger("jaxserve.distributed")
 
-ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+_STORED_PATH = re.compile(r"^/v1/responses/([^/]+)$")   # GET / DELETE of a stored response
 HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this long counts as down (one being
                                 # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
-_CALL_ID = re.compile(r'"id":\s*"(call_[A-Za-z0-9]+)"')
+_CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_calls[].id; Responses call_id
+_RESPONSE_ID = re.compile(r'"id":\s*"(resp_[A-Za-z0-9]+)"')
 _DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}
 
 def _error(status: int, message: str, code: str, replica: str | None = None) -> JSONResponse:
@@ -244,6 +246,9 @@ class Frontend:
         return _RelayResponse(relay(), close, status_code=head["status"], headers=out_headers)
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
+        stored = _STORED_PATH.match(path)
+        if stored is not None and method in ("GET", "DELETE"):
+            return RoutingHints(stored_response=stored.group(1))
         if method != "POST" or path not in ROUTED_PATHS:
             return RoutingHints()
         try:
@@ -258,10 +263,14 @@ class Frontend:
             return RoutingHints()
 
     def _note_tool_calls(self, replica: str, content: bytes) -> None:
-        if b'"tool_calls"' in content:
+        """Remember what ``replica``'s answer leaves there: the contexts parked on its client-side
+        tool calls, and Responses API responses it stored."""
+        if b'"tool_calls"' in content or b'"function_call"' in content:
             ids = _CALL_ID.findall(content.decode("utf-8", "replace"))
             if ids:
                 self.router.parked(replica, ids)
+        if b'"resp_' in content:
+            self.router.stored(replica, list(dict.fromkeys(_RESPONSE_ID.findall(content.decode("utf-8", "replace")))))
 
 
 class _RelayResponse(StreamingResponse):

@@ -29,6 +29,10 @@ and headers, and tells the router what happened (``routed``, ``finished``,
 4. **least loaded**: fewest requests in flight from this front.
 
 ``least_loaded`` and ``round_robin`` skip 1-3 (baselines for the benchmark).
+Under every policy, a request that names a stored Responses API response
+(``previous_response_id``; ``GET``/``DELETE /v1/responses/{id}``) goes to
+the replica that answered it (``stored``), as only that replica's store
+holds it: this is where the state lives, not a preference.
 A replica marked down (``set_alive``) gets nothing until it is back; the
 affinity entries pointing at it are dropped when it is marked down (its
 engine restarts empty).
@@ -59,6 +63,7 @@ class RoutingHints:
     session_key: str | None = None
     tool_call_ids: list[str] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)
+    stored_response: str | None = None   # the Responses API response it continues or reads
 
 
 def page_hashes(token_ids: list[int], page_size: int, max_pages: int = MAX_HASHED_PAGES) -> list[bytes]:
@@ -82,12 +87,30 @@ def _content_text(content) -> str:
     return json.dumps(content, sort_keys=True)
 
 
+def _message_list(body: dict) -> list | None:
+    """The conversation a body carries: chat ``messages``, or a Responses API ``input``
+    (a string is one user message; its items are read as messages: ``role``/``content``,
+    ``call_id`` of function calls and their outputs)."""
+    if isinstance(body.get("messages"), list):
+        return body["messages"]
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        return None
+    instructions = body.get("instructions")
+    head = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    return head + [{**item, "content": item.get("content", item.get("output", item.get("arguments")))}
+                   if isinstance(item, dict) else item for item in items]
+
+
 def prompt_text(body: dict) -> str:
     """A rendering of the request's prompt that is stable across turns: a
     conversation's next turn renders to a text that starts with this turn's."""
-    if "messages" in body and isinstance(body["messages"], list):
+    messages = _message_list(body)
+    if messages is not None:
         parts = []
-        for m in body["messages"]:
+        for m in messages:
             if not isinstance(m, dict):
                 continue
             calls = m.get("tool_calls")
@@ -109,16 +132,18 @@ def read_hints(body: dict, headers: dict[str, str], tokenize: Callable[[str], li
         if isinstance(key, str) and key:
             hints.session_key = key
             break
-    messages = body.get("messages")
-    for m in messages if isinstance(messages, list) else []:
+    if isinstance(body.get("previous_response_id"), str):
+        hints.stored_response = body["previous_response_id"]
+    for m in _message_list(body) or []:
         if not isinstance(m, dict):
             continue
         calls = m.get("tool_calls")
         for call in calls if isinstance(calls, list) else []:
             if isinstance(call, dict) and isinstance(call.get("id"), str):
                 hints.tool_call_ids.append(call["id"])
-        if isinstance(m.get("tool_call_id"), str):
-            hints.tool_call_ids.append(m["tool_call_id"])
+        for key in ("tool_call_id", "call_id"):   # (chat tool messages; Responses function call items)
+            if isinstance(m.get(key), str):
+                hints.tool_call_ids.append(m[key])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         ids = prompt
@@ -152,18 +177,22 @@ class ReplicaRouter:
         self.prefixes: dict[str, OrderedDict[bytes, None]] = {name: OrderedDict() for name in replicas}
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.parked_calls: OrderedDict[str, str] = OrderedDict()
+        self.stored_responses: OrderedDict[str, str] = OrderedDict()
         self.routed_by: dict[str, int] = {}
         self._cycle = itertools.cycle(self.replicas)
 
     # ------------------------------------------------------------ choosing
     def choose(self, hints: RoutingHints) -> tuple[str, str]:
-        """``(replica, reason)``; reason is parked | session | prefix | least_loaded | round_robin.
-        ``RuntimeError`` when no replica is up."""
+        """``(replica, reason)``; reason is stored | parked | session | prefix | least_loaded |
+        round_robin. ``RuntimeError`` when no replica is up."""
         up = [r for r in self.replicas if self.alive[r]]
         if not up:
             raise RuntimeError("no replica is up")
         choice = None
-        if self.policy == "round_robin":
+        holder = self.stored_responses.get(hints.stored_response) if hints.stored_response else None
+        if holder is not None and self.alive[holder]:
+            choice = holder, "stored"
+        elif self.policy == "round_robin":
             choice = next(r for r in self._cycle if self.alive[r]), "round_robin"
         elif self.policy == "affinity":
             choice = self._affinity(hints, up)
@@ -214,6 +243,11 @@ class ReplicaRouter:
         for call_id in tool_call_ids:
             _remember(self.parked_calls, call_id, replica, self.max_keys)
 
+    def stored(self, replica: str, response_ids: list[str]) -> None:
+        """``replica`` answered with these Responses API responses (its store holds them)."""
+        for response_id in response_ids:
+            _remember(self.stored_responses, response_id, replica, self.max_keys)
+
     def set_capacity(self, replica: str, cached_pages: int) -> None:
         """``replica`` reports ``cached_pages`` pages in its prefix cache (both tiers):
         keep at most that many of its hashes, plus those routed to it since its
@@ -230,7 +264,7 @@ class ReplicaRouter:
         """Mark a replica up or down; going down forgets what it held (it restarts empty)."""
         if self.alive[replica] and not alive:
             self.prefixes[replica].clear()
-            for table in (self.sessions, self.parked_calls):
+            for table in (self.sessions, self.parked_calls, self.stored_responses):
                 for key in [k for k, r in table.items() if r == replica]:
                     del table[key]
         self.alive[replica] = alive
