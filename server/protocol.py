@@ -466,7 +466,8 @@ class ResponsesRequest(_Request):
     """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
     tools, ``previous_response_id`` conversations, ``text.format``). Fields of the API this
     server does not implement are refused when set (``reasoning``, ``background``,
-    ``truncation: "auto"``, ``include``, ``conversation``, ``prompt``)."""
+    ``truncation: "auto"``, ``include``, ``conversation``, ``prompt``, ``top_logprobs``,
+    ``max_tool_calls``)."""
 
     model: Text
     input: Text | list[ResponseInputItem] = Field(min_length=1)
@@ -490,13 +491,16 @@ class ResponsesRequest(_Request):
     include: list | None = None
     conversation: str | dict | None = None
     prompt: dict | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
         unsupported = [name for name, set_ in [
             ("reasoning", self.reasoning is not None), ("background", bool(self.background)),
             ("truncation", self.truncation == "auto"), ("include", bool(self.include)),
-            ("conversation", self.conversation is not None), ("prompt", self.prompt is not None)] if set_]
+            ("conversation", self.conversation is not None), ("prompt", self.prompt is not None),
+            ("top_logprobs", bool(self.top_logprobs)), ("max_tool_calls", self.max_tool_calls is not None)] if set_]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
         return self

@@ -742,6 +742,7 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.function_call.call_id"),
     ({"input": []}, 400, "input"),
