@@ -276,6 +276,8 @@ class KVManager:
         last = request.num_tokens - 1
         if request.scores_prompt:
             last = len(request.prompt_logprobs) - 1   # its prompt logprobs need the logits from the first unscored place on
+            if last < 0:
+                return []   # nothing scored yet: every place's logits are needed
         hashes = self.hashes(request, last // self.page_size)
         match = cache.match_tiers if self.host_tier else cache.match
         pages = self._cached_run(self._lookups.get(request.request_id), hashes, match)

@@ -152,6 +152,16 @@ def test_link_commit_release_and_longest_run():
     kv.check_invariants([], set(), set())
 
 
+def test_a_request_scoring_its_prompt_links_only_pages_before_its_first_unscored_place():
+    kv = make_kv()
+    computed(kv, "a", list(range(12)))                 # 3 full pages cached
+    ids = list(range(12)) + [50]
+    for scored, pages in [([], 0), ([None], 0), ([None] * 5, 1), ([None] * 9, 2), ([None] * 13, 3)]:
+        r = Request(f"s{len(scored)}", 0.0, prompt_len=13, max_tokens=1, token_ids=ids, prompt_logprobs=scored)
+        kv.hash_context(r)   # (as at arrival)
+        assert len(kv.lookup(r)) == pages, scored
+
+
 def test_commit_of_a_prefix_computed_twice_keeps_one_copy():
     kv = make_kv()
     a = Request("a", 0.0, prompt_len=8, max_tokens=1, token_ids=list(range(8)))
