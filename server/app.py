@@ -124,6 +124,8 @@ class ServerState:
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
         self.responses = ResponseStore()   # stored /v1/responses results (``previous_response_id``)
+        config = getattr(getattr(engine, "engine", None), "config", None)
+        self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
     @property
     def tokenizer(self):
@@ -304,9 +306,12 @@ async def _serve(state: ServerState, request: Request, body, chat: bool, wire=No
         # take ~1 s to build and ~0.7 s to serialize, which would stall every other client's stream
         # meanwhile (the C encoder holds the GIL while it writes, so the building is what moves).
         # Encoded as FastAPI's JSONResponse does: UTF-8, compact, no NaN.
-        content = await asyncio.to_thread(lambda: json.dumps(
-            wire.full(choices), ensure_ascii=False, allow_nan=False,
-            separators=(",", ":")).encode())
+        def build() -> tuple[dict, bytes]:
+            response = wire.full(choices)
+            return response, json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+        response, content = await asyncio.to_thread(build)
+        wire.keep(choices, response)   # (on the loop: what the wire keeps is shared with other requests)
         return Response(content, media_type="application/json")
     finally:
         if slot is not None:
@@ -345,7 +350,8 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
     added = input_messages(body)
     try:
         chat = chat_request(body, history, added)
-        wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added)
+        wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
+                             state.cache_page_size)
         return await _serve(state, request, chat, chat=True, wire=wire)
     except APIError as e:
         raise responses_error(e) from None

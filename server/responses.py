@@ -46,24 +46,34 @@ class StoredResponse:
     parent: str | None           # previous_response_id
     messages: list[dict]         # what it added to the conversation: its input, then its answer (chat messages)
     response: dict               # the response object, as returned
+    size: int = 0                # bytes it is charged (its messages and response as JSON)
 
 
 class ResponseStore:
-    """Stored responses, at most ``capacity``, least recently used dropped first.
+    """Stored responses, at most ``capacity`` of them and ``max_bytes`` of their JSON,
+    least recently used dropped first.
 
     Each keeps only what it added to its conversation; ``conversation`` rebuilds the
     whole by walking ``previous_response_id`` links (refreshing each link in the LRU,
     so a live conversation's turns stay together). A response is visible only to the
-    owner (API key) that stored it."""
+    owner (API key) that stored it. Used from the event loop only."""
 
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = 4096, max_bytes: int = 256 * 2**20) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.num_bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
+        """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
+        entry.size = len(json.dumps([entry.messages, entry.response], ensure_ascii=False))
+        if entry.size > self.max_bytes:
+            return
+        old = self._entries.pop(response_id, None)
+        self.num_bytes += entry.size - (old.size if old is not None else 0)
         self._entries[response_id] = entry
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self.capacity or self.num_bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.num_bytes -= dropped.size
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -75,7 +85,7 @@ class ResponseStore:
     def delete(self, response_id: str, owner: str) -> bool:
         if self.get(response_id, owner) is None:
             return False
-        del self._entries[response_id]
+        self.num_bytes -= self._entries.pop(response_id).size
         return True
 
     def conversation(self, response_id: str, owner: str) -> list[dict]:
@@ -159,13 +169,14 @@ class ResponsesWire:
     prompt_param = "input"
 
     def __init__(self, body: ResponsesRequest, model_name: str, store: ResponseStore | None, owner: str,
-                 added: list[dict]) -> None:
+                 added: list[dict], cache_page_size: int | None = None) -> None:
+        """``cache_page_size``: the engine's page size when its prefix cache is on (else None)."""
         self.body, self.model_name, self.store, self.owner, self.added = body, model_name, store, owner, added
+        self.cache_page_size = cache_page_size
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._message_id = f"msg_{uuid.uuid4().hex}"
         self._sequence = 0
-        self._text = ""               # the message's text streamed so far
         self._message_open = False    # its output item has been announced
 
     # ----------------------------------------------------------------- object
@@ -189,7 +200,12 @@ class ResponsesWire:
         if choices is not None:
             usage = usage_of(choices)
             cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            obj["usage"] = {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            # Written to the cache: the prompt's full pages computed for this request (the prefix cache
+            # keeps them); none without a prefix cache.
+            page = self.cache_page_size
+            written = max(0, usage.prompt_tokens // page * page - cached) if page else 0
+            obj["usage"] = {"input_tokens": usage.prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
                             "output_tokens": usage.completion_tokens,
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
         return obj
@@ -218,10 +234,12 @@ class ResponsesWire:
         item_status = "incomplete" if status == "incomplete" else "completed"
         output = ([self._message_item(c, item_status)] if c.text or not c.tool_calls else []) + \
             [self._call_item(call, "completed") for call in c.tool_calls]
-        return self._keep(c, self._object(status, output, choices, reason))
+        return self._object(status, output, choices, reason)
 
-    def _keep(self, c: ChoiceState, response: dict) -> dict:
-        """Store ``response`` (when asked) with the messages it adds to its conversation."""
+    def keep(self, choices: list[ChoiceState], response: dict) -> None:
+        """Store ``response`` (when asked), delivered to the client, with the messages it
+        adds to its conversation (on the event loop)."""
+        [c] = choices
         if self.store is not None:
             answer: dict = {"role": "assistant", "content": c.text or None}
             if c.tool_calls:
@@ -230,7 +248,6 @@ class ResponsesWire:
                                         for call in c.tool_calls]
             self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
                                                             self.added + [answer], response))
-        return response
 
     # ----------------------------------------------------------------- stream
     def _event(self, kind: str, **fields) -> str:
@@ -255,7 +272,6 @@ class ResponsesWire:
         if not text:
             return []
         events = [] if self._message_open else self._open_message()
-        self._text += text
         return events + [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
                                      content_index=0, delta=text, logprobs=[])]
 
@@ -288,6 +304,7 @@ class ResponsesWire:
 
     def end(self, choices: list[ChoiceState]) -> list[str]:
         response = self.full(choices)
+        self.keep(choices, response)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [self._event(kind, response=response)]
 

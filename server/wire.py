@@ -79,6 +79,9 @@ class ChatWire:
         out["usage"] = usage_of(choices).dump()
         return out
 
+    def keep(self, choices: list[ChoiceState], response: dict) -> None:
+        """Nothing is kept of a chat or completions response once delivered."""
+
     # ----------------------------------------------------------------- stream
     def _chunk(self, choice: dict) -> str:
         return sse({"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -164,7 +164,8 @@ def test_a_stored_response_is_served_where_it_is_stored_under_every_policy():
         assert follow.stored_response == "resp_1" and follow.tool_call_ids == ["call_9"]
         assert router.choose(follow) == ("r1", "stored")
         router.set_alive("r1", False)   # its store restarted empty: nothing to find there
-        assert router.choose(follow)[0] == "r0"
+        router.set_alive("r1", True)
+        assert "resp_1" not in router.stored_responses and router.choose(follow)[1] != "stored"
     router = ReplicaRouter(["r0", "r1"])
     router.parked("r1", ["call_9"])
     assert router.choose(read_hints({"input": [{"type": "function_call_output", "call_id": "call_9",
@@ -173,6 +174,14 @@ def test_a_stored_response_is_served_where_it_is_stored_under_every_policy():
                                     {"role": "user", "content": "a question long enough"}]}, {}, None, 4)
     responses = read_hints({"instructions": "Be brief.", "input": "a question long enough"}, {}, None, 4)
     assert responses.page_hashes == chat.page_hashes and len(chat.page_hashes) > 4
+    call = {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = read_hints({"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [call]},
+                                    {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}, {}, None, 4)
+    responses = read_hints({"input": [{"role": "user", "content": "weather?"},
+                                      {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"},
+                                      {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}]},
+                           {}, None, 4)
+    assert responses.page_hashes == chat.page_hashes and responses.tool_call_ids == chat.tool_call_ids
 
 
 def test_the_front_notes_stored_responses_and_responses_function_calls():

@@ -650,6 +650,8 @@ def test_responses_api_round_trip_resumes_the_paused_context(servers, tools):
     first = client.responses.create(model="tool-model", input=WEATHER_USER, tools=[weather], temperature=0,
                                     max_output_tokens=64)
     assert first.status == "completed"
+    details = first.usage.input_tokens_details   # (pages of 16 tokens; the prefix cache keeps the computed ones)
+    assert details.cache_write_tokens == first.usage.input_tokens // 16 * 16 - details.cached_tokens
     [call] = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     assert json.loads(call.arguments) == WEATHER_CALL["arguments"]

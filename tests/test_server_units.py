@@ -688,7 +688,8 @@ def test_a_responses_request_renders_as_the_chat_request_it_amounts_to():
         [message] = first["output"]
         assert message["type"] == "message" and message["role"] == "assistant"
         assert message["content"] == [{"type": "output_text", "text": "b", "annotations": []}]
-        assert first["usage"] == {"input_tokens": len(sent[0]), "input_tokens_details": {"cached_tokens": 0},
+        assert first["usage"] == {"input_tokens": len(sent[0]),   # (a scripted engine: no prefix cache)
+                                  "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                                   "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0},
                                   "total_tokens": len(sent[0]) + 1}
         assert first["tools"] == [FLAT_TOOL] and first["instructions"] == "Be brief." and first["max_output_tokens"] == 8
@@ -737,6 +738,15 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
     assert [m["content"] for m in store.conversation("b", "o")] == ["1", "2"]   # refreshes a and b
     store.put("y", StoredResponse("o", None, [], {}))                            # drops x, the oldest now
     assert store.get("x", "o") is None and store.get("a", "o") is not None and store.get("a", "other") is None
+    # A byte budget too: large conversations push out the least recently used, one over it alone is not kept.
+    store = ResponseStore(capacity=100, max_bytes=3000)
+    for i in range(4):
+        store.put(f"r{i}", StoredResponse("o", None, [{"role": "user", "content": "x" * 900}], {}))
+    assert [store.get(f"r{i}", "o") is not None for i in range(4)] == [False, True, True, True]
+    assert store.num_bytes <= 3000
+    store.put("huge", StoredResponse("o", None, [{"role": "user", "content": "x" * 5000}], {}))
+    assert store.get("huge", "o") is None and store.get("r3", "o") is not None
+    assert store.delete("r3", "o") and store.num_bytes == sum(store.get(f"r{i}", "o").size for i in (1, 2))
 
 
 @pytest.mark.parametrize("body, status, param", [

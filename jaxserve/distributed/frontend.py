@@ -233,10 +233,14 @@ class Frontend:
             except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
                 finished = True
                 log.warning("replica %s failed while streaming: %s", replica, e)
-                error = {"error": {"message": f"replica {replica} failed while serving this request "
-                                   f"({type(e).__name__})", "type": "server_error", "param": None,
-                                   "code": "replica_failed"}}
-                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                message = f"replica {replica} failed while serving this request ({type(e).__name__})"
+                if path == "/v1/responses":   # the Responses API's error event (its streams have no [DONE])
+                    error = {"type": "error", "code": "replica_failed", "message": message, "param": None}
+                    yield f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+                else:
+                    error = {"error": {"message": message, "type": "server_error", "param": None,
+                                       "code": "replica_failed"}}
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
         def close() -> None:
             if not finished:   # the client left (maybe before the first chunk): stop the generation on the replica

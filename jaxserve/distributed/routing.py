@@ -87,10 +87,23 @@ def _content_text(content) -> str:
     return json.dumps(content, sort_keys=True)
 
 
+def _as_message(item):
+    """A Responses API input item as the chat message it stands for (a ``function_call``
+    an assistant message with that one call, its output a tool message)."""
+    if not isinstance(item, dict):
+        return item
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        return {"role": "assistant", "tool_calls": [{"id": item.get("call_id"), "type": "function", "function": {
+            "name": item.get("name"), "arguments": item.get("arguments")}}]}
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")}
+    return item
+
+
 def _message_list(body: dict) -> list | None:
-    """The conversation a body carries: chat ``messages``, or a Responses API ``input``
-    (a string is one user message; its items are read as messages: ``role``/``content``,
-    ``call_id`` of function calls and their outputs)."""
+    """The conversation a body carries: chat ``messages``, or a Responses API
+    ``instructions`` + ``input`` (a string is one user message) as chat messages."""
     if isinstance(body.get("messages"), list):
         return body["messages"]
     items = body.get("input")
@@ -100,8 +113,7 @@ def _message_list(body: dict) -> list | None:
         return None
     instructions = body.get("instructions")
     head = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
-    return head + [{**item, "content": item.get("content", item.get("output", item.get("arguments")))}
-                   if isinstance(item, dict) else item for item in items]
+    return head + [_as_message(item) for item in items]
 
 
 def prompt_text(body: dict) -> str:
@@ -141,9 +153,8 @@ def read_hints(body: dict, headers: dict[str, str], tokenize: Callable[[str], li
         for call in calls if isinstance(calls, list) else []:
             if isinstance(call, dict) and isinstance(call.get("id"), str):
                 hints.tool_call_ids.append(call["id"])
-        for key in ("tool_call_id", "call_id"):   # (chat tool messages; Responses function call items)
-            if isinstance(m.get(key), str):
-                hints.tool_call_ids.append(m[key])
+        if isinstance(m.get("tool_call_id"), str):
+            hints.tool_call_ids.append(m["tool_call_id"])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         ids = prompt
