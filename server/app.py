@@ -351,7 +351,7 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
     try:
         chat = chat_request(body, history, added)
         wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
-                             state.cache_page_size)
+                             state.cache_page_size, state.token_spellings)
         return await _serve(state, request, chat, chat=True, wire=wire)
     except APIError as e:
         raise responses_error(e) from None

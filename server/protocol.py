@@ -466,8 +466,8 @@ class ResponsesRequest(_Request):
     """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
     tools, ``previous_response_id`` conversations, ``text.format``). Fields of the API this
     server does not implement are refused when set (``reasoning``, ``background``,
-    ``truncation: "auto"``, ``include``, ``conversation``, ``prompt``, ``top_logprobs``,
-    ``max_tool_calls``)."""
+    ``truncation: "auto"``, ``include`` values other than ``message.output_text.logprobs``,
+    ``conversation``, ``prompt``, ``max_tool_calls``)."""
 
     model: Text
     input: Text | list[ResponseInputItem] = Field(min_length=1)
@@ -488,19 +488,27 @@ class ResponsesRequest(_Request):
     reasoning: dict | None = None
     background: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    include: list | None = None
+    # "message.output_text.logprobs": each output token's log-probability (and ``top_logprobs`` alternatives)
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     conversation: str | dict | None = None
     prompt: dict | None = None
-    top_logprobs: int | None = None
     max_tool_calls: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token when log-probabilities are asked (``include`` or
+        ``top_logprobs``), else None."""
+        asked = self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or ())
+        return (self.top_logprobs or 0) if asked else None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
         unsupported = [name for name, set_ in [
             ("reasoning", self.reasoning is not None), ("background", bool(self.background)),
-            ("truncation", self.truncation == "auto"), ("include", bool(self.include)),
+            ("truncation", self.truncation == "auto"),
             ("conversation", self.conversation is not None), ("prompt", self.prompt is not None),
-            ("top_logprobs", bool(self.top_logprobs)), ("max_tool_calls", self.max_tool_calls is not None)] if set_]
+            ("max_tool_calls", self.max_tool_calls is not None)] if set_]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
         return self

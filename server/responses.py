@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from server.errors import APIError
 from server.generation import ChoiceState
+from server.logprobs import TokenSpellings, chat_logprobs
 from server.protocol import ChatCompletionRequest, ResponsesRequest, ResponseToolChoiceFunction
 from server.wire import argument_fragments, usage_of
 
@@ -145,7 +146,8 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
             "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None, "tool_choice": choice,
             "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format,
-            "user": body.user, "stream": body.stream})
+            "user": body.user, "stream": body.stream, "logprobs": body.num_logprobs is not None,
+            "top_logprobs": body.num_logprobs})
     except ValidationError as e:
         first = e.errors()[0]
         raise APIError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
@@ -169,10 +171,13 @@ class ResponsesWire:
     prompt_param = "input"
 
     def __init__(self, body: ResponsesRequest, model_name: str, store: ResponseStore | None, owner: str,
-                 added: list[dict], cache_page_size: int | None = None) -> None:
-        """``cache_page_size``: the engine's page size when its prefix cache is on (else None)."""
+                 added: list[dict], cache_page_size: int | None = None,
+                 token_spellings: TokenSpellings | None = None) -> None:
+        """``cache_page_size``: the engine's page size when its prefix cache is on (else None);
+        ``token_spellings``: for ``output_text.logprobs``."""
         self.body, self.model_name, self.store, self.owner, self.added = body, model_name, store, owner, added
-        self.cache_page_size = cache_page_size
+        self.cache_page_size, self.token_spellings = cache_page_size, token_spellings
+        self._held_logprobs: list = []   # records of tokens streamed before any text (tool markup, held text)
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._message_id = f"msg_{uuid.uuid4().hex}"
@@ -192,7 +197,7 @@ class ResponsesWire:
                "temperature": body.temperature, "top_p": body.top_p, "store": body.store, "truncation": "disabled",
                "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
                "metadata": body.metadata or {}}
-        for name in ("instructions", "max_output_tokens", "previous_response_id", "user"):
+        for name in ("instructions", "max_output_tokens", "previous_response_id", "user", "top_logprobs"):
             if getattr(body, name) is not None:
                 obj[name] = getattr(body, name)
         if incomplete is not None:
@@ -210,9 +215,22 @@ class ResponsesWire:
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
         return obj
 
+    def _logprobs(self, records: list | None) -> list | None:
+        """``output_text.logprobs`` of ``records`` (as chat's ``logprobs.content``); None when not asked."""
+        if records is None or self.body.num_logprobs is None:
+            return None
+        return chat_logprobs(records, self.token_spellings)["content"]
+
+    def _text_part(self, c: ChoiceState) -> dict:
+        part = {"type": "output_text", "text": c.text, "annotations": []}
+        logprobs = self._logprobs(c.logprobs)
+        if logprobs is not None:
+            part["logprobs"] = logprobs
+        return part
+
     def _message_item(self, c: ChoiceState, status: str) -> dict:
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": c.text, "annotations": []}]}
+                "content": [self._text_part(c)]}
 
     @staticmethod
     def _call_item(call, status: str, arguments: str | None = None) -> dict:
@@ -269,11 +287,13 @@ class ResponsesWire:
                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
 
     def text(self, c: ChoiceState, text: str, logprobs: list) -> list[str]:
-        if not text:
+        if not text:   # (tokens with no visible text yet: their records go with the next delta)
+            self._held_logprobs += logprobs
             return []
         events = [] if self._message_open else self._open_message()
+        records, self._held_logprobs = self._held_logprobs + logprobs, []
         return events + [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                     content_index=0, delta=text, logprobs=[])]
+                                     content_index=0, delta=text, logprobs=self._logprobs(records) or [])]
 
     def finish(self, c: ChoiceState) -> list[str]:
         status, _ = self._outcome(c)
@@ -282,9 +302,9 @@ class ResponsesWire:
         if not self._message_open and not c.tool_calls:
             events += self._open_message()   # an empty answer still has its message
         if self._message_open:
-            part = {"type": "output_text", "text": c.text, "annotations": []}
+            part = self._text_part(c)
             events += [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
-                                   content_index=0, text=c.text, logprobs=[]),
+                                   content_index=0, text=c.text, logprobs=part.get("logprobs", [])),
                        self._event("response.content_part.done", item_id=self._message_id, output_index=0,
                                    content_index=0, part=part),
                        self._event("response.output_item.done", output_index=0,

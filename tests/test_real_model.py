@@ -257,6 +257,11 @@ def test_openai_client_chat_answer_is_english(gguf_path, tmp_path, llm):
         assert [t.model_dump() for part in streamed for t in part] == [t.model_dump() for t in content]
         with pytest.raises(openai.BadRequestError, match="top_logprobs"):
             client.chat.completions.create(model="smollm2-135m", messages=question, top_logprobs=2)
+        # The Responses API gives the same answer and the same records (chat's shape in output_text.logprobs)
+        response = client.responses.create(model="smollm2-135m", input=question, max_output_tokens=24, temperature=0,
+                                           include=["message.output_text.logprobs"], top_logprobs=3)
+        assert response.output_text == choice.message.content
+        assert [t.model_dump() for t in response.output[0].content[0].logprobs] == [t.model_dump() for t in content]
         # vLLM's continue_final_message: the model continues an assistant prefill; the reply is the rest
         prefilled = client.chat.completions.create(
             model="smollm2-135m", messages=question + [{"role": "assistant", "content": "The capital of France is"}],

@@ -752,7 +752,7 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": "hi", "background": True}, 400, "background"),
-    ({"input": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.function_call.call_id"),
     ({"input": []}, 400, "input"),
@@ -790,3 +790,30 @@ def test_a_streamed_response_sends_the_typed_events_in_order():
     assert done["status"] == "completed" and done["output"] == [events[-2]["item"]]
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == \
         done["output"][0]["content"][0]["text"] == _OneAnswerEngine.text
+
+
+def test_responses_logprobs_match_chat_logprobs():
+    """``include: ["message.output_text.logprobs"]`` / ``top_logprobs``: the ``output_text``
+    part carries each token's record in chat's ``logprobs.content`` shape, whole and streamed
+    (each delta with its tokens'); without them no ``logprobs`` are computed."""
+    engine = _LogprobsEngine()
+    with _client(engine, max_model_len=2048) as client:
+        chat = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                          "logprobs": True, "top_logprobs": 2}).json()
+        want = chat["choices"][0]["logprobs"]["content"]
+        body = {"model": "m", "input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+        r = client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["output"][0]["content"][0]["logprobs"] == want and r.json()["top_logprobs"] == 2
+        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+            events = [json.loads(line[len("data: "):]) for line in s.read().decode().splitlines()
+                      if line.startswith("data: ")]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert [item for e in deltas for item in e["logprobs"]] == want
+        done = next(e for e in events if e["type"] == "response.output_text.done")
+        assert done["logprobs"] == want
+        plain = client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
+        assert "logprobs" not in plain["output"][0]["content"][0]
+        error = _error(client.post("/v1/responses", json={"model": "m", "input": "hi",
+                                                          "include": ["file_search_call.results"]}), 400)
+        assert error["param"].startswith("include")
