@@ -51,42 +51,60 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses, at most ``capacity`` of them and ``max_bytes`` of their JSON,
-    least recently used dropped first.
+    """Stored responses, at most ``capacity`` of them and ``max_bytes`` of their JSON.
 
     Each keeps only what it added to its conversation; ``conversation`` rebuilds the
-    whole by walking ``previous_response_id`` links (refreshing each link in the LRU,
-    so a live conversation's turns stay together). A response is visible only to the
-    owner (API key) that stored it. Used from the event loop only."""
+    whole by walking ``previous_response_id`` links (refreshing each link in its
+    owner's LRU, so a live conversation's turns stay together). A response is visible
+    only to the owner (API key) that stored it. Over a limit, the owner holding the
+    most (bytes, or responses for the count) gives up its least recently used
+    response: one busy key cannot push out another key's conversations while it holds
+    more than they do. Used from the event loop only."""
 
     def __init__(self, capacity: int = 4096, max_bytes: int = 256 * 2**20) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
         self.num_bytes = 0
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: dict[str, StoredResponse] = {}
+        self._by_owner: dict[str, OrderedDict[str, None]] = {}   # owner -> its response ids, least recent first
+        self._owner_bytes: dict[str, int] = {}
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
         entry.size = len(json.dumps([entry.messages, entry.response], ensure_ascii=False))
         if entry.size > self.max_bytes:
             return
-        old = self._entries.pop(response_id, None)
-        self.num_bytes += entry.size - (old.size if old is not None else 0)
+        self._drop(response_id)
         self._entries[response_id] = entry
-        while len(self._entries) > self.capacity or self.num_bytes > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self.num_bytes -= dropped.size
+        self._by_owner.setdefault(entry.owner, OrderedDict())[response_id] = None
+        self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.size
+        self.num_bytes += entry.size
+        while len(self._entries) > self.capacity:
+            self._drop(next(iter(self._by_owner[max(self._by_owner, key=lambda o: len(self._by_owner[o]))])))
+        while self.num_bytes > self.max_bytes:
+            self._drop(next(iter(self._by_owner[max(self._owner_bytes, key=self._owner_bytes.get)])))
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return
+        ids = self._by_owner[entry.owner]
+        del ids[response_id]
+        self.num_bytes -= entry.size
+        self._owner_bytes[entry.owner] -= entry.size
+        if not ids:
+            del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
         if entry is None or entry.owner != owner:
             return None
-        self._entries.move_to_end(response_id)
+        self._by_owner[owner].move_to_end(response_id)
         return entry
 
     def delete(self, response_id: str, owner: str) -> bool:
         if self.get(response_id, owner) is None:
             return False
-        self.num_bytes -= self._entries.pop(response_id).size
+        self._drop(response_id)
         return True
 
     def conversation(self, response_id: str, owner: str) -> list[dict]:

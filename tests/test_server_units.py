@@ -747,6 +747,16 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
     store.put("huge", StoredResponse("o", None, [{"role": "user", "content": "x" * 5000}], {}))
     assert store.get("huge", "o") is None and store.get("r3", "o") is not None
     assert store.delete("r3", "o") and store.num_bytes == sum(store.get(f"r{i}", "o").size for i in (1, 2))
+    # Over a limit, the owner holding the most gives up its least recently used response.
+    store = ResponseStore(capacity=4, max_bytes=3000)
+    store.put("theirs", StoredResponse("b", None, [{"role": "user", "content": "y" * 300}], {}))
+    for i in range(6):
+        store.put(f"mine{i}", StoredResponse("a", None, [{"role": "user", "content": "x" * 900}], {}))
+    assert store.get("theirs", "b") is not None and store.get("mine5", "a") is not None
+    assert store.get("mine0", "a") is None and store.num_bytes <= 3000
+    for i in range(3):
+        store.put(f"small{i}", StoredResponse("c", None, [], {}))
+    assert store.get("theirs", "b") is not None and len(store._entries) == 4   # "a" gave up its responses
 
 
 @pytest.mark.parametrize("body, status, param", [
