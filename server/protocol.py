@@ -41,6 +41,11 @@ def _valid_unicode(v: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def joined_text(content) -> str:
+    """A message's content as one string: a string as is, text parts joined."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
@@ -207,9 +212,7 @@ class ChatMessage(_Request):
 
     def template_dict(self) -> dict:
         """The message as the chat template sees it (text parts joined)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        content = joined_text(self.content) if self.content is not None else None
         out: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
@@ -385,7 +388,7 @@ class ResponseMessageItem(_Request):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return joined_text(self.content)
 
 
 class ResponseFunctionCallItem(_Request):
@@ -406,7 +409,7 @@ class ResponseFunctionCallOutputItem(_Request):
 
     @property
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return joined_text(self.output)
 
 
 def _input_item_type(item) -> str | None:

@@ -174,7 +174,7 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
 def responses_error(error: APIError) -> APIError:
     """``error`` (raised for the chat request) naming the Responses API's fields."""
     if error.param is not None:
-        head, _, rest = error.param.partition(".")
+        head = error.param.partition(".")[0]
         if head in _RESPONSES_PARAMS:
             error.param = _RESPONSES_PARAMS[head]
     for chat_name in ("max_completion_tokens", "max_tokens"):

@@ -83,9 +83,11 @@ class ChatWire:
         """Nothing is kept of a chat or completions response once delivered."""
 
     # ----------------------------------------------------------------- stream
-    def _chunk(self, choice: dict) -> str:
+    def _chunk(self, choice: dict | None, **extra) -> str:
+        """One stream chunk: ``choice`` (None: no choice, e.g. the usage chunk) and ``extra`` fields."""
         return sse({"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                    "created": self.created, "model": self.model_name, "choices": [choice]})
+                    "created": self.created, "model": self.model_name,
+                    "choices": [choice] if choice is not None else [], **extra})
 
     def start(self, choices: list[ChoiceState]) -> list[str]:
         return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}})
@@ -112,9 +114,7 @@ class ChatWire:
     def end(self, choices: list[ChoiceState]) -> list[str]:
         events = []
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            events.append(sse({"id": self.response_id, "object": "chat.completion.chunk" if self.chat
-                               else "text_completion", "created": self.created, "model": self.model_name,
-                               "choices": [], "usage": usage_of(choices).dump()}))
+            events.append(self._chunk(None, usage=usage_of(choices).dump()))
         return events + ["data: [DONE]\n\n"]
 
     def error(self, error: APIError | Exception) -> list[str]:
