@@ -17,13 +17,16 @@ class IncrementalDetokenizer:
     string, since a shown character cannot be taken back.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 include_stop: bool = False) -> None:
+        """``include_stop``: a stop string stays in ``text`` (cut just after it, not before)."""
         self.tokenizer = tokenizer
         # The Rust tokenizer's decode is ~4x cheaper per call than the Python wrapper's.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_fn = backend.decode if backend is not None else getattr(tokenizer, "decode", None)
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0
@@ -34,8 +37,9 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int, match_stop: bool = True) -> tuple[str, bool]:
         """Append a token; returns ``(new text, hit a stop string)``. On a stop
-        string the text is cut just before it. ``match_stop`` False: the new
-        text is not searched for stop strings (``SamplingParams.min_tokens``)."""
+        string the text is cut just before it (``include_stop``: just after it;
+        the earliest to start, the shortest of those). ``match_stop`` False: the
+        new text is not searched for stop strings (``SamplingParams.min_tokens``)."""
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         full = self._decode(self.ids[self._prefix:])
@@ -45,15 +49,19 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         before = len(self.text)
         self.text += delta
-        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1] \
+        hits = [(at, len(s)) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1] \
             if match_stop else None
-        if hits:   # cut before the earliest, whichever stop string it is
-            self.text = self.text[:min(hits)]
+        if hits:   # cut at the earliest, whichever stop string it is
+            at, length = min(hits)
+            self.text = self.text[:at + length if self.include_stop else at]
             return self.text[before:], True
         return delta, False
 
     def releasable(self) -> int:
         """Length of the leading part of ``text`` that no stop string can still
         claim: all of it, less its longest tail that is a proper prefix of one
-        of ``stop`` (``text`` holds no whole stop string: ``add`` cut it)."""
+        of ``stop`` (``text`` holds no whole stop string: ``add`` cut it). With
+        ``include_stop`` nothing is held: a stop string is shown either way."""
+        if self.include_stop:
+            return len(self.text)
         return len(self.text) - max((partial_suffix(self.text, s) for s in self.stop), default=0)

@@ -257,7 +257,8 @@ class LLMEngine:
             predictions=dict(predictions or {}), token_ids=list(ids), stop_token_ids=frozenset(stop_ids),
             sampling_params=params, seed=seed, logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                                params.include_stop_str_in_output)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
             logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
@@ -360,13 +361,16 @@ class LLMEngine:
         calls and length)."""
         request = event.request
         token = request.output_token_ids[-1]
-        if request.detokenizer is None or (request.finish_reason == "stop" and token in request.stop_token_ids):
+        stop_token = request.finish_reason == "stop" and token in request.stop_token_ids
+        if request.detokenizer is None or (stop_token and not request.detokenizer.include_stop):
             return
         adjuster = request.logit_adjuster
         delta, hit_stop = request.detokenizer.add(token, adjuster is None or not adjuster.holds_stops(request.num_generated))
         if hit_stop:
             self.core.finish(request, "stop")   # (a stop string completed by the last allowed token: see finish)
             return
+        if stop_token:
+            return   # (its text is in the output: include_stop_str_in_output)
         grammar = request.grammar
         if grammar is not None and not request.is_finished \
                 and (reason := grammar.accept(token, request.max_tokens - request.num_generated)) is not None:

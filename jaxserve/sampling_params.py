@@ -33,6 +33,12 @@ class SamplingParams:
     ``structured`` constrains the output (JSON Schema, JSON object, forced tool
     call; see ``jaxserve.constraints``); a constraint that cannot be completed
     within ``max_tokens`` ends with ``finish_reason == "length"``.
+    ``stop`` strings and stop tokens (EOS unless ``ignore_eos``, and
+    ``stop_token_ids``) end the request with ``finish_reason == "stop"``; the
+    text ends just before the stop string or token, or, with
+    ``include_stop_str_in_output`` (vLLM's), just after it (a stop token's
+    text only where ``skip_special_tokens`` keeps it: a special token such as
+    EOS spells nothing then). The stop token's id is in the output ids either way.
     ``logprobs`` (None: off) keeps, for every generated token, its
     log-probability and the ``logprobs`` most likely tokens' (0 to
     ``MAX_LOGPROBS``) under the model's own distribution: the log-softmax of
@@ -69,6 +75,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -106,6 +113,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)

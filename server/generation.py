@@ -28,7 +28,8 @@ from jaxserve.tool_format import ToolFormat, get_format
 def sampling_key(params: SamplingParams) -> tuple:
     """The sampling settings a resumed continuation must share with the paused request."""
     return (params.temperature, params.top_k, params.top_p, params.min_p, params.seed, tuple(params.stop),
-            tuple(params.stop_token_ids), params.ignore_eos, params.skip_special_tokens, params.logprobs,
+            tuple(params.stop_token_ids), params.ignore_eos, params.skip_special_tokens,
+            params.include_stop_str_in_output, params.logprobs,
             tuple(sorted((params.logit_bias or {}).items())), params.repetition_penalty, params.presence_penalty,
             params.frequency_penalty, params.min_tokens)
 

@@ -122,6 +122,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)   # (vLLM's extra parameter)
     # (vLLM's extra parameter) token ids that end the output as EOS does (finish_reason "stop"; not in the text)
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False   # (vLLM's extra parameter) the text keeps the stop string or token
     user: Text | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
 

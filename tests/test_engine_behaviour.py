@@ -31,6 +31,7 @@ def prompt(n: int, seed: int) -> list[int]:
     (dict(logit_bias={"5": 1.0}), "logit_bias keys"), (dict(logit_bias={5: 101}), "logit_bias values"),
     (dict(logit_bias={5: float("inf")}), "logit_bias values"), (dict(logit_bias=[5]), "logit_bias"),
     (dict(logit_bias={t: 1.0 for t in range(1025)}), "logit_bias"),
+    (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"), (dict(ignore_eos=1), "ignore_eos"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -171,6 +172,50 @@ def test_the_text_is_cut_before_the_earliest_stop_string_whichever_is_listed_fir
     detok = IncrementalDetokenizer(Pieces(), stop=["User:", "\n"])
     assert detok.add(1) == ("hello", False)
     assert detok.add(2) == ("", True) and detok.text == "hello"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_or_token_and_holds_nothing_back(llm):
+    """vLLM's ``include_stop_str_in_output``: the text runs to the end of the stop string
+    (cut after it, not before), a stream shows it as it comes (nothing to hold back), and
+    a stop token's text stays (the demo's byte tokens are not special)."""
+    p = prompt(9, 5)
+    free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=12, temperature=0.0,
+                                                                              ignore_eos=True))[0]
+    text = free.text
+    needle = text[5:9]   # several tokens: a stream without the flag holds its start back
+    base = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    deltas, out = _stream(llm, p, SamplingParams(**base, stop=[needle], include_stop_str_in_output=True))
+    assert out.finish_reason == "stop" and out.text == text[:text.index(needle) + len(needle)]
+    assert "".join(deltas) == out.text
+    # a stop string that may still complete is shown at once: the deltas of a stream without stop strings
+    plain, _ = _stream(llm, p, SamplingParams(**base))
+    never = [needle + "\u2603"]
+    shown, _ = _stream(llm, p, SamplingParams(**base, stop=never, include_stop_str_in_output=True))
+    held, _ = _stream(llm, p, SamplingParams(**base, stop=never))
+    assert shown == plain and held != plain and "".join(held) == "".join(plain)
+    # a stop token whose own step shows text (not the first byte of a longer character), first seen there
+    first = next(k for k in range(2, 12) if plain[k] and free.token_ids.index(free.token_ids[k]) == k)
+    stop_id = free.token_ids[first]
+    kept = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(
+        **base, stop_token_ids=[stop_id], include_stop_str_in_output=True))[0]
+    dropped = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(**base, stop_token_ids=[stop_id]))[0]
+    assert kept.token_ids == dropped.token_ids == free.token_ids[:first + 1]
+    assert kept.finish_reason == dropped.finish_reason == "stop"
+    assert kept.text == "".join(plain[:first + 1]) and dropped.text == "".join(plain[:first])
+
+
+def test_with_include_stop_the_cut_is_after_the_earliest_stop_string_and_the_shortest_of_those():
+    from jaxserve.detokenizer import IncrementalDetokenizer
+
+    class Pieces:   # a tokenizer whose token i is the text pieces[i]
+        pieces = {1: "hello", 2: "\nUser: hi", 3: "x"}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.pieces[i] for i in ids)
+
+    detok = IncrementalDetokenizer(Pieces(), stop=["User:", "\nUser: h", "\nU"], include_stop=True)
+    assert detok.add(1) == ("hello", False)
+    assert detok.add(2) == ("\nU", True) and detok.text == "hello\nU"
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):

@@ -267,6 +267,23 @@ def test_openai_client_chat_answer_is_english(gguf_path, tmp_path, llm):
             model="smollm2-135m", messages=question + [{"role": "assistant", "content": "The capital of France is"}],
             max_tokens=12, temperature=0, extra_body={"continue_final_message": True, "add_generation_prompt": False})
         assert prefilled.choices[0].message.content == " Paris." and prefilled.choices[0].finish_reason == "stop"
+        # vLLM's include_stop_str_in_output: the stop string, or a (non-special) stop token's text, stays
+        period = llm.tokenizer.convert_tokens_to_ids(".")
+        for stop, include, content in [(dict(stop=["Paris"]), False, "The capital of France is "),
+                                       (dict(stop=["Paris"]), True, "The capital of France is Paris"),
+                                       (dict(extra_body={"stop_token_ids": [period]}), False,
+                                        "The capital of France is Paris"),
+                                       (dict(extra_body={"stop_token_ids": [period]}), True,
+                                        "The capital of France is Paris.")]:
+            extra = {**stop.pop("extra_body", {}), "include_stop_str_in_output": include}
+            for stream in (False, True):
+                reply = client.chat.completions.create(model="smollm2-135m", messages=question, max_tokens=24,
+                                                       temperature=0, stream=stream, extra_body=extra, **stop)
+                chunks = list(reply) if stream else [reply]
+                text = "".join((c.choices[0].delta.content or "") if stream else c.choices[0].message.content
+                               for c in chunks if c.choices)
+                reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert (text, reasons) == (content, ["stop"]), (stop, include, stream)
         assert "Traceback" not in server.log_tail() and "WARNING" not in server.log_tail()
     finally:
         server.stop()

@@ -408,18 +408,21 @@ class _Recorder(_ScriptedEngine):
 
 def test_penalties_and_logit_bias_reach_the_engine():
     """OpenAI's ``logit_bias`` (string keys), ``presence_penalty``, ``frequency_penalty``
-    and vLLM's ``repetition_penalty``, ``min_tokens`` and ``min_p`` become the engine's settings."""
+    and vLLM's ``repetition_penalty``, ``min_tokens``, ``min_p``, ``stop_token_ids`` and
+    ``include_stop_str_in_output`` become the engine's settings."""
     engine = _Recorder()
     with _client(engine, max_model_len=2048) as client:
         for path, prompt in [("/v1/completions", {"prompt": "hi"}),
                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
             r = client.post(path, json={"model": "m", **prompt, "logit_bias": {"50": 5, "007": -100.0},
                                         "presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.2,
-                                        "min_tokens": 3, "max_tokens": 8, "min_p": 0.05, "stop_token_ids": [9, 40]})
+                                        "min_tokens": 3, "max_tokens": 8, "min_p": 0.05, "stop_token_ids": [9, 40],
+                                        "include_stop_str_in_output": True})
             assert r.status_code == 200, r.text
             p = engine.params[-1]
             assert (p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens,
-                    p.min_p, p.stop_token_ids) == ({50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3, 0.05, [9, 40])
+                    p.min_p, p.stop_token_ids, p.include_stop_str_in_output) == (
+                {50: 5.0, 7: -100.0}, 0.5, -1.5, 1.2, 3, 0.05, [9, 40], True)
             for bad in ([-1], [1] * 65, ["1"], 5):
                 assert _error(client.post(path, json={"model": "m", **prompt, "stop_token_ids": bad}),
                               400)["param"].startswith("stop_token_ids")
