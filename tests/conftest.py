@@ -43,16 +43,18 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def build_hf_model(kind: str, **shape):
-    """A tiny random transformers model of family ``kind`` (llama, mistral, qwen2);
+    """A tiny random transformers model of family ``kind`` (llama, mistral, qwen2, qwen3);
     ``shape`` overrides entries of ``TINY`` (e.g. more attention heads).
 
     Weights use a wide init so greedy decoding has clear top-1 margins; Qwen2's
-    q/k/v biases are randomised so they matter.
+    q/k/v biases and Qwen3's per-head q/k norm weights are randomised so they
+    matter. Qwen3's heads are wider than ``hidden_size / heads``, as in the real
+    models (head_dim 128 at hidden 1024, 16 heads).
     """
     import torch
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2}[kind])
+    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3}[kind])
     tiny = {**TINY, **shape}
     if kind == "llama":
         cfg = tf.LlamaConfig(**tiny, tie_word_embeddings=True,
@@ -66,12 +68,18 @@ def build_hf_model(kind: str, **shape):
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**tiny, tie_word_embeddings=False, use_sliding_window=False)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**tiny, tie_word_embeddings=True, use_sliding_window=False,
+                             head_dim=tiny.get("head_dim", 32))
+        model = tf.Qwen3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -79,9 +87,9 @@ def build_hf_model(kind: str, **shape):
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
-    """``{kind: (torch model, checkpoint dir)}`` for llama, mistral and qwen2."""
+    """``{kind: (torch model, checkpoint dir)}`` for llama, mistral, qwen2 and qwen3."""
     out = {}
-    for kind in ("llama", "mistral", "qwen2"):
+    for kind in ("llama", "mistral", "qwen2", "qwen3"):
         model = build_hf_model(kind)
         path = tmp_path_factory.mktemp(f"hf-{kind}")
         model.save_pretrained(path)

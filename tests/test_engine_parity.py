@@ -12,7 +12,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from jaxserve import LLM, SamplingParams
 from scheduler.scheduler import Scheduler
 
-KINDS = ["llama", "mistral", "qwen2"]
+KINDS = ["llama", "mistral", "qwen2", "qwen3"]
 NEW_TOKENS = 24
 PROMPT_LENS = [3, 9, 16, 17, 30, 41]
 

@@ -1,5 +1,5 @@
 """Tensor parallelism on one host: tokens identical to transformers and logits
-within 1e-4 of TP 1 at TP 1, 2, 4 and 8 (llama, mistral, qwen2; 8 query heads,
+within 1e-4 of TP 1 at TP 1, 2, 4 and 8 (llama, mistral, qwen2, qwen3; 8 query heads,
 2 KV heads, so TP 4 and 8 repeat KV heads), with a tight pool and with Swap
 forced on sharded pages; bad TP degrees are refused before weights load.
 
@@ -22,7 +22,7 @@ import pytest
 from jaxserve import LLM, EngineConfig
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("llama", "mistral", "qwen2")
+KINDS = ("llama", "mistral", "qwen2", "qwen3")
 TP_DEGREES = (1, 2, 4, 8)
 
 

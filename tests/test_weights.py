@@ -102,7 +102,7 @@ def test_a_checkpoint_without_tokenizer_warns_in_one_line(tmp_path, caplog):
     assert "\n" not in message and message.endswith("prompts must be token ids")
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 def test_the_abstract_model_is_the_model_built_with_nnx_rngs(hf_checkpoints, kind):
     """``abstract_model`` builds without counting RNG draws (each costs time in proportion
     to the trace inside ``nnx.eval_shape``): the same graph, and every parameter of the

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from conftest import build_hf_model  # noqa: E402
 
-KINDS = ("llama", "mistral", "qwen2")
+KINDS = ("llama", "mistral", "qwen2", "qwen3")
 # 8 query heads so TP 8 divides them; 2 KV heads, so TP 4 and 8 repeat each KV head 2 and 4 times.
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=2)
 TP_DEGREES = (1, 2, 4, 8)

@@ -10,7 +10,9 @@ class ModelConfig:
     """Shapes and hyper-parameters of a Llama-family decoder.
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
-    ``qkv_bias`` is True for Qwen2. ``rope_scaling`` is the checkpoint's dict
+    ``qkv_bias`` is True for Qwen2. ``qk_norm`` (Qwen3): each head's query and
+    key are RMS-normalized over ``head_dim`` (weights ``[head_dim]``) before
+    the rotary embedding. ``rope_scaling`` is the checkpoint's dict
     (``rope_type`` "default", "linear" or "llama3") or None.
     """
 
@@ -30,6 +32,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -62,7 +65,7 @@ class ModelConfig:
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         sliding = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             model_type=model_type,
@@ -81,6 +84,7 @@ class ModelConfig:
             qkv_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -1,7 +1,8 @@
-"""Llama-family decoder in ``flax.nnx``: Llama 2/3, Mistral, Qwen2.
+"""Llama-family decoder in ``flax.nnx``: Llama 2/3, Mistral, Qwen2, Qwen3.
 
 RMSNorm, rotary embeddings (with llama3/linear scaling), grouped-query
-attention over a paged KV cache, SwiGLU MLP, tied or untied embeddings.
+attention over a paged KV cache (Qwen3: each head's q and k RMS-normalized
+first), SwiGLU MLP, tied or untied embeddings.
 Parameter names follow Hugging Face's so loading is a rename plus a transpose.
 """
 
@@ -66,6 +67,10 @@ class Attention(nnx.Module):
         self.k_proj = _linear(h, self.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.v_proj = _linear(h, self.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(self.num_heads * d, h, cfg.o_bias, dtype, rngs)
+        if cfg.qk_norm:   # Qwen3: per-head RMSNorm of q and k over head_dim, before RoPE
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling))
         self.sliding_window = cfg.sliding_window
         self.attention_impl = attention_impl
@@ -77,6 +82,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q, k = apply_rope(q, meta.positions, inv_freq), apply_rope(k, meta.positions, inv_freq)
         out, k_pages, v_pages = write_and_attend(
