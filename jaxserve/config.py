@@ -112,6 +112,10 @@ class EngineConfig:
     tool_call_parser: str | None = field(default=None, metadata=_flag(
         "tool-call format the model writes: hermes (qwen), llama3_json, mistral (default: detected from the "
         "chat template, else hermes)"))
+    reasoning_parser: str | None = field(default=None, metadata=_flag(
+        "split the reasoning a thinking model writes (<think>...</think>) from the answer: qwen3 (a turn "
+        "thinks when it starts with <think>), deepseek_r1 (a turn starts inside the reasoning; also QwQ) "
+        "(default: off: the reasoning stays in the text)", choices=("qwen3", "deepseek_r1")))
     # ---------------------------------------------------------- scale-out
     tensor_parallel_size: int = field(default=1, metadata=_flag(
         "devices the model is split over (Megatron-style tensor parallelism on a 'model' mesh axis; "
@@ -244,6 +248,12 @@ class EngineConfig:
                 get_format(self.tool_call_parser)
             except ValueError as e:
                 raise ValueError(f"tool_call_parser: {e}") from None
+        if self.reasoning_parser is not None:
+            from jaxserve.reasoning import get_reasoning_format
+            try:
+                get_reasoning_format(self.reasoning_parser)
+            except ValueError as e:
+                raise ValueError(f"reasoning_parser: {e}") from None
 
     # --------------------------------------------------------------- derived
     @property

@@ -36,6 +36,7 @@ from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
+from jaxserve.reasoning import ReasoningSplit, get_reasoning_format
 from jaxserve.tool_format import select_format
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype, read_config
@@ -120,6 +121,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
+        self.reasoning_format = None if config.reasoning_parser is None else get_reasoning_format(config.reasoning_parser)
         # Structured output: the executor asks it for the token bitmask of constrained rows.
         self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self._turn_end_ids(),
                                              self.tool_format) if self.tokenizer is not None else None
@@ -180,18 +182,21 @@ class LLMEngine:
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     sampling_params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                     api_calls: list[ApiCall] | None = None, parse_tool_calls: bool | None = None,
-                    arrival_time: float | None = None, predictions: dict | None = None) -> str:
+                    arrival_time: float | None = None, predictions: dict | None = None,
+                    parse_reasoning: bool | None = None) -> str:
         """Queue a request; returns its id. Bad input is a ``ValueError`` naming
-        the field, and nothing is queued."""
+        the field, and nothing is queued. ``parse_reasoning`` (None: whenever the
+        engine has a ``reasoning_parser``): split its reasoning from its answer."""
         request = self.make_request(request_id, prompt, sampling_params, prompt_token_ids, api_calls,
-                                    parse_tool_calls, arrival_time, predictions)
+                                    parse_tool_calls, arrival_time, predictions, parse_reasoning)
         self.core.add(request)
         return request.request_id
 
     def make_request(self, request_id: str | None = None, prompt: str | None = None,
                      sampling_params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                      api_calls: list[ApiCall] | None = None, parse_tool_calls: bool | None = None,
-                     arrival_time: float | None = None, predictions: dict | None = None) -> Request:
+                     arrival_time: float | None = None, predictions: dict | None = None,
+                     parse_reasoning: bool | None = None) -> Request:
         """The validated ``Request`` record for these inputs, not yet queued
         (``add_request`` queues it; a replay hands records to ``core.run``)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
@@ -261,6 +266,10 @@ class LLMEngine:
                                                 params.include_stop_str_in_output)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
+            # (a grammar constrains the text from its first token: there is no reasoning before it)
+            reasoning=ReasoningSplit(self.reasoning_format)
+            if self.reasoning_format is not None and parse_reasoning is not False and grammar is None
+            and self.tokenizer is not None else None,
             logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
         return request
 
@@ -366,6 +375,9 @@ class LLMEngine:
             return
         adjuster = request.logit_adjuster
         delta, hit_stop = request.detokenizer.add(token, adjuster is None or not adjuster.holds_stops(request.num_generated))
+        split = request.reasoning
+        if split is not None:
+            split.scan(request.detokenizer.text)
         if hit_stop:
             self.core.finish(request, "stop")   # (a stop string completed by the last allowed token: see finish)
             return
@@ -378,6 +390,8 @@ class LLMEngine:
             return
         if event.kind is not EventKind.TOKEN or request.tool_parser is None:
             return
+        if split is not None:
+            delta = split.take_content(request.detokenizer.text)   # (markup inside the reasoning is no call)
         calls = request.tool_parser.feed(delta) if delta else []
         if grammar is not None and grammar.forced_call and (grammar.active or grammar.turn_complete):
             # A forced turn of calls: pause on all of them once the grammar says the turn is complete
@@ -409,6 +423,8 @@ class LLMEngine:
             self.api.call_tools(request.request_id, [
                 (tool, c.arguments) if tool else ToolOutput(error=f"malformed tool call: {c.arguments[:200]}")
                 for tool, c in zip(tools, calls)], now)
+        if request.reasoning is not None:   # the turn after the results may think again
+            request.reasoning.new_turn(len(request.detokenizer.text))
         record = request.api_calls[-1]
         record.name, record.arguments = calls[0].name, calls[0].arguments
         record.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
@@ -462,6 +478,15 @@ class LLMEngine:
         new_ids = generated[request.reported_tokens:]
         new_text = text[request.reported_text:]
         request.reported_tokens, request.reported_text = len(generated), len(text)
+        reasoning = new_reasoning = ""
+        split = request.reasoning
+        if split is not None:   # the answer and the reasoning of the text released so far
+            if final:
+                split.finish(detokenizer.text)
+            reasoning = split.reasoning(detokenizer.text, len(text), final)
+            text = split.content(detokenizer.text, len(text), final)
+            new_text, new_reasoning = text[request.reported_content:], reasoning[request.reported_reasoning:]
+            request.reported_content, request.reported_reasoning = len(text), len(reasoning)
         scored = request.prompt_logprobs
         calls = [ApiCallOutput(
             api_type=rec.api_type, handling=rec.handling.value, call_time=rec.call_time,
@@ -481,6 +506,7 @@ class LLMEngine:
                              token_ids=list(generated), text=text, delta_token_ids=new_ids,
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
                              tool_calls=[dict(c) for c in tool_calls], error=request.error, metrics=metrics,
+                             reasoning=reasoning, delta_reasoning=new_reasoning,
                              num_cached_tokens=request.num_cached_tokens,
                              logprobs=None if request.logprobs is None else list(request.logprobs),
                              prompt_logprobs=scored if scored is not None and len(scored) == request.prompt_len

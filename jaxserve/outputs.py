@@ -75,6 +75,9 @@ class RequestOutput:
     for the first (nothing precedes it) and a ``TokenLogprob`` for each other,
     from the first output after the whole prompt was computed (None before; the
     same list in every output, not copied: it never changes once complete).
+    With a reasoning parser (``EngineConfig.reasoning_parser``) ``text`` is the
+    answer and ``reasoning`` the thinking written before it, tags left out
+    (``jaxserve.reasoning``); otherwise ``reasoning`` is empty and ``text`` all.
     """
 
     request_id: str
@@ -86,6 +89,8 @@ class RequestOutput:
     finish_reason: str | None = None
     api_calls: list[ApiCallOutput] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)   # {"name", "arguments"} each, with "tool_calls"
+    reasoning: str = ""                # with a reasoning parser: the thinking (``text`` is then the answer)
+    delta_reasoning: str = ""
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache

@@ -110,6 +110,7 @@ class Request:
     seed: int = 0
     detokenizer: object | None = None
     tool_parser: object | None = None
+    reasoning: object | None = None         # reasoning/answer split of the text (``jaxserve.reasoning``)
     grammar: object | None = None           # structured-output state (kept across API pauses)
     logit_adjuster: object | None = None    # logit_bias, min_tokens, penalties (``jaxserve.logit_adjust``)
     pending_tool_calls: list[dict] = field(default_factory=list)   # client-side calls the caller must answer
@@ -120,6 +121,8 @@ class Request:
     max_computed_tokens: int = 0            # high-water mark of computed context (recompute accounting)
     reported_tokens: int = 0                # streamed so far: generated tokens, text characters
     reported_text: int = 0
+    reported_content: int = 0               # with ``reasoning``: characters of answer and of reasoning
+    reported_reasoning: int = 0
 
     state: RequestState = RequestState.WAITING
     num_tokens: int = 0            # context: prompt + generated + API-returned

@@ -458,7 +458,7 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str
     jobs = []
     for i in range(body.n):
         params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages", structured=structured)
-        job = Job(f"{base}-{i}", ids, params, parse)
+        job = Job(f"{base}-{i}", ids, params, parse, parse_reasoning=True)
         if body.n == 1 and parse and structured is None:   # a paused request cannot take a new grammar
             room = state.max_model_len - len(ids)
             taken = await state.parked.take(ids, sampling_key(params), owner, state.spelling, room)
@@ -602,11 +602,11 @@ async def _stream(state: ServerState, request: Request, wire, merger: ChoiceMerg
             c = choices[index]
             first = c.last is None
             text = c.on_output(out)
-            logprobs = c.new_logprobs
+            logprobs, reasoning = c.new_logprobs, c.new_reasoning
             if first and c.job.echo is not None:   # the echoed prompt leads the choice's first chunk
                 text, logprobs = c.job.echo + text, c.prompt_logprobs + logprobs
-            if text or logprobs:
-                for event in wire.text(c, text, logprobs):
+            if text or logprobs or reasoning:
+                for event in wire.text(c, text, logprobs, reasoning):
                     yield event
             if c.finish_reason is not None:
                 for event in wire.finish(c):

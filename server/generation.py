@@ -43,6 +43,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     parse_tool_calls: bool
+    parse_reasoning: bool = False   # chat: split a thinking model's reasoning from its answer (when served so)
     resume_from: ParkedContext | None = None
     resume_at: int = 0   # prompt tokens the resumed context covers (its own tokens may cut them differently)
     echo: str | None = None   # completions with ``echo``: the prompt's text, which the choice's text starts with
@@ -72,7 +73,8 @@ async def job_outputs(engine, job: Job) -> AsyncIterator[RequestOutput]:
                 yield first
         if job.resume_from is None:
             agen = engine.generate(sampling_params=job.params, request_id=job.request_id,
-                                   prompt_token_ids=job.prompt_ids, parse_tool_calls=job.parse_tool_calls)
+                                   prompt_token_ids=job.prompt_ids, parse_tool_calls=job.parse_tool_calls,
+                                   parse_reasoning=job.parse_reasoning)
         async for out in agen:
             yield out
     finally:
@@ -152,6 +154,7 @@ class ChoiceState:
     timer: ResponseTimer
     hide_tool_markup: bool
     text_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)   # with a reasoning parser: the thinking
     completion_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)   # the turn's calls it paused on
@@ -171,6 +174,15 @@ class ChoiceState:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    @property
+    def new_reasoning(self) -> str:
+        """The reasoning the last output added (empty without a reasoning parser)."""
+        return self.last.delta_reasoning if self.last is not None and not self.job.scores_only else ""
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
@@ -208,6 +220,8 @@ class ChoiceState:
                 self.timer.on_end(self.finish_reason, time.monotonic())
             return ""
         self.completion_tokens += len(out.delta_token_ids)
+        if out.delta_reasoning:
+            self.reasoning_parts.append(out.delta_reasoning)
         text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
         if out.finished:
             if self._filter:

@@ -210,11 +210,18 @@ class ChatMessage(_Request):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
+    # An assistant message's reasoning as this server returned it (either name): templates that
+    # show the current turn's reasoning (Qwen3's) read ``reasoning_content``.
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     def template_dict(self) -> dict:
         """The message as the chat template sees it (text parts joined)."""
         content = joined_text(self.content) if self.content is not None else None
         out: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None and self.role == "assistant":
+            out["reasoning_content"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
@@ -413,6 +420,24 @@ class ResponseFunctionCallOutputItem(_Request):
         return joined_text(self.output)
 
 
+class ResponseReasoningText(_Request):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ResponseReasoningItem(_Request):
+    """The reasoning of an earlier turn (as a response's ``output`` lists it, before that
+    turn's message and calls); ``summary`` and ``encrypted_content`` are not read."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    content: list[ResponseReasoningText] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 def _input_item_type(item) -> str | None:
     """The tag of an input item: its ``type``, ``message`` when it has none (``{"role", "content"}``)."""
     if isinstance(item, dict):
@@ -422,11 +447,12 @@ def _input_item_type(item) -> str | None:
 
 ResponseInputItem = Annotated[Union[Annotated[ResponseMessageItem, Tag("message")],
                                     Annotated[ResponseFunctionCallItem, Tag("function_call")],
-                                    Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")]],
+                                    Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")],
+                                    Annotated[ResponseReasoningItem, Tag("reasoning")]],
                               Discriminator(_input_item_type, custom_error_type="invalid_input_item",
                                             custom_error_message="an input item's type must be message, "
-                                            "function_call or function_call_output (others are not supported "
-                                            "by this server)")]
+                                            "function_call, function_call_output or reasoning (others are not "
+                                            "supported by this server)")]
 
 
 class ResponseFunctionTool(_Request):

@@ -126,22 +126,30 @@ class ResponseStore:
 
 def input_messages(body: ResponsesRequest) -> list[dict]:
     """``body.input`` as chat messages: a string is a user message; consecutive
-    ``function_call`` items join the assistant message before them (or start one)."""
+    ``function_call`` items join the assistant message before them (or start one);
+    a ``reasoning`` item's text is the ``reasoning_content`` of the assistant message
+    that follows it."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     out: list[dict] = []
+    reasoning: str | None = None   # a reasoning item's, for the next assistant message
     for item in body.input:
+        if item.type == "reasoning":
+            reasoning = (reasoning or "") + item.text
+            continue
         if item.type == "message":
             out.append({"role": item.role, "content": item.text})
         elif item.type == "function_call":
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and reasoning is None:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+        if reasoning is not None and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], reasoning = reasoning, None
     return out
 
 
@@ -199,8 +207,11 @@ class ResponsesWire:
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._sequence = 0
         self._message_open = False    # its output item has been announced
+        self._reasoning_open = False  # a reasoning item is being streamed (before the message)
+        self._reasoning_streamed = ""  # its text so far (reasoning that comes after the message opened is not)
 
     # ----------------------------------------------------------------- object
     def _object(self, status: str, output: list[dict], choices: list[ChoiceState] | None = None,
@@ -246,6 +257,10 @@ class ResponsesWire:
             part["logprobs"] = logprobs
         return part
 
+    def _reasoning_item(self, text: str) -> dict:
+        return {"type": "reasoning", "id": self._reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def _message_item(self, c: ChoiceState, status: str) -> dict:
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
                 "content": [self._text_part(c)]}
@@ -270,6 +285,9 @@ class ResponsesWire:
         item_status = "incomplete" if status == "incomplete" else "completed"
         output = ([self._message_item(c, item_status)] if c.text or not c.tool_calls else []) + \
             [self._call_item(call, "completed") for call in c.tool_calls]
+        if c.reasoning:   # first, as it was streamed; last when it only came after the answer had started
+            first = self._reasoning_streamed or not self.body.stream
+            output = [self._reasoning_item(c.reasoning)] + output if first else output + [self._reasoning_item(c.reasoning)]
         return self._object(status, output, choices, reason)
 
     def keep(self, choices: list[ChoiceState], response: dict) -> None:
@@ -278,6 +296,8 @@ class ResponsesWire:
         [c] = choices
         if self.store is not None:
             answer: dict = {"role": "assistant", "content": c.text or None}
+            if c.reasoning:   # (templates that show the reasoning of the current turn read it back)
+                answer["reasoning_content"] = c.reasoning
             if c.tool_calls:
                 answer["tool_calls"] = [{"id": call.id, "type": "function",
                                          "function": {"name": call.name, "arguments": call.arguments}}
@@ -296,38 +316,74 @@ class ResponsesWire:
         return [self._event("response.created", response=pending), self._event("response.in_progress",
                                                                                 response=pending)]
 
-    def _open_message(self) -> list[str]:
-        self._message_open = True
-        return [self._event("response.output_item.added", output_index=0,
-                            item={"type": "message", "id": self._message_id, "status": "in_progress",
-                                  "role": "assistant", "content": []}),
-                self._event("response.content_part.added", item_id=self._message_id, output_index=0,
-                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+    @property
+    def _message_index(self) -> int:
+        """The message's ``output_index``: after the reasoning item, when one was streamed."""
+        return 1 if self._reasoning_streamed else 0
 
-    def text(self, c: ChoiceState, text: str, logprobs: list) -> list[str]:
+    def _open_message(self) -> list[str]:
+        events = self._close_reasoning()
+        self._message_open = True
+        index = self._message_index
+        return events + [
+            self._event("response.output_item.added", output_index=index,
+                        item={"type": "message", "id": self._message_id, "status": "in_progress",
+                              "role": "assistant", "content": []}),
+            self._event("response.content_part.added", item_id=self._message_id, output_index=index,
+                        content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _stream_reasoning(self, reasoning: str) -> list[str]:
+        """Reasoning text as a ``reasoning`` item's ``reasoning_text`` deltas, while the
+        message has not started (later reasoning goes to the final response only)."""
+        if not reasoning or self._message_open:
+            return []
+        events = []
+        if not self._reasoning_open:
+            self._reasoning_open = True
+            events.append(self._event("response.output_item.added", output_index=0,
+                                      item={"type": "reasoning", "id": self._reasoning_id, "summary": [],
+                                            "content": []}))
+        self._reasoning_streamed += reasoning
+        return events + [self._event("response.reasoning_text.delta", item_id=self._reasoning_id, output_index=0,
+                                     content_index=0, delta=reasoning)]
+
+    def _close_reasoning(self) -> list[str]:
+        if not self._reasoning_open:
+            return []
+        self._reasoning_open = False
+        text = self._reasoning_streamed
+        return [self._event("response.reasoning_text.done", item_id=self._reasoning_id, output_index=0,
+                            content_index=0, text=text),
+                self._event("response.output_item.done", output_index=0, item=self._reasoning_item(text))]
+
+    def text(self, c: ChoiceState, text: str, logprobs: list, reasoning: str = "") -> list[str]:
+        events = self._stream_reasoning(reasoning)
         if not text:   # (tokens with no visible text yet: their records go with the next delta)
             self._held_logprobs += logprobs
-            return []
-        events = [] if self._message_open else self._open_message()
+            return events
+        if not self._message_open:
+            events += self._open_message()
         records, self._held_logprobs = self._held_logprobs + logprobs, []
-        return events + [self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                     content_index=0, delta=text, logprobs=self._logprobs(records) or [])]
+        return events + [self._event("response.output_text.delta", item_id=self._message_id,
+                                     output_index=self._message_index, content_index=0, delta=text,
+                                     logprobs=self._logprobs(records) or [])]
 
     def finish(self, c: ChoiceState) -> list[str]:
         status, _ = self._outcome(c)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        events = []
+        events = self._close_reasoning()
         if not self._message_open and not c.tool_calls:
             events += self._open_message()   # an empty answer still has its message
+        index = self._message_index
         if self._message_open:
             part = self._text_part(c)
-            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
+            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=index,
                                    content_index=0, text=c.text, logprobs=part.get("logprobs", [])),
-                       self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                       self._event("response.content_part.done", item_id=self._message_id, output_index=index,
                                    content_index=0, part=part),
-                       self._event("response.output_item.done", output_index=0,
+                       self._event("response.output_item.done", output_index=index,
                                    item=self._message_item(c, item_status))]
-        first = 1 if self._message_open else 0
+        first = index + 1 if self._message_open else index
         for index, call in enumerate(c.tool_calls, start=first):
             item_id = f"fc_{call.id}"
             events.append(self._event("response.output_item.added", output_index=index,

@@ -68,6 +68,8 @@ class ChatWire:
                 message: dict = {"role": "assistant"}
                 if c.text or not c.tool_calls:
                     message["content"] = c.text
+                if c.reasoning:
+                    message.update(reasoning_fields(c.reasoning))
                 if c.tool_calls:
                     message["tool_calls"] = tool_call_dicts(c)
                 choice = {"index": c.index, "message": message, "finish_reason": reason}
@@ -93,8 +95,14 @@ class ChatWire:
         return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}})
                 for c in choices] if self.chat else []
 
-    def text(self, c: ChoiceState, text: str, logprobs: list) -> list[str]:
-        piece = {"index": c.index, "delta": {"content": text}} if self.chat else {"index": c.index, "text": text}
+    def text(self, c: ChoiceState, text: str, logprobs: list, reasoning: str = "") -> list[str]:
+        if self.chat:
+            delta = reasoning_fields(reasoning) if reasoning else {}
+            if text or not reasoning:
+                delta["content"] = text
+            piece = {"index": c.index, "delta": delta}
+        else:
+            piece = {"index": c.index, "text": text}
         if logprobs:
             piece["logprobs"] = self._logprobs(c, logprobs)
         return [self._chunk(piece)]
@@ -125,6 +133,12 @@ class ChatWire:
         if self.chat:
             return chat_logprobs(records, self.token_spellings)
         return completion_logprobs(records, self.token_spellings, c.text_offsets)
+
+
+def reasoning_fields(reasoning: str) -> dict:
+    """A chat message's (or delta's) reasoning, under both names clients read: ``reasoning``
+    (vLLM's current name) and ``reasoning_content`` (DeepSeek's API, SGLang, earlier vLLM)."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def tool_call_dicts(c: ChoiceState) -> list[dict]:

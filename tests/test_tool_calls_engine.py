@@ -148,3 +148,21 @@ def test_a_resumed_turn_counts_min_tokens_and_penalties_as_a_new_request_would(t
                          sampling_params=params)[0].token_ids
     assert continued == fresh
     assert len(continued) >= 40   # the end of the answer held back for this turn's 40 tokens
+
+
+def test_a_call_inside_the_reasoning_is_not_parsed(tool_checkpoint):
+    """With a reasoning parser the tool-call parser reads the answer only: a turn that
+    does not think (qwen3: no <think> first) calls its tool as before; a turn that
+    opens inside the reasoning and never closes it (deepseek_r1) keeps the call
+    markup as reasoning, and nothing is called."""
+    from jaxserve.reasoning import get_reasoning_format
+    path, convs = tool_checkpoint
+    calc = conversation(convs, "calculator")
+    llm = LLM(str(path), reasoning_parser="qwen3", **SIZES)
+    answer = llm.generate(prompt_token_ids=[calc.prompt_ids], sampling_params=GREEDY)[0]
+    assert answer.token_ids == expected_generated(calc) and answer.reasoning == ""
+    assert [c.name for c in answer.api_calls] == ["calculator"]
+    llm.engine.reasoning_format = get_reasoning_format("deepseek_r1")
+    thought = llm.generate(prompt_token_ids=[calc.prompt_ids], sampling_params=GREEDY)[0]
+    assert thought.api_calls == [] and thought.finish_reason in ("stop", "length")
+    assert thought.reasoning.startswith("<tool_call>") and "calculator" in thought.reasoning and thought.text == ""

@@ -1,0 +1,181 @@
+"""Reasoning split from the answer (``--reasoning-parser``): the splitter on its own,
+then the real engine and server on the demo model, whose greedy answer is cut at a
+tag taken from that answer (the demo model thinks in no known format)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.reasoning import ReasoningFormat, ReasoningSplit, get_reasoning_format
+
+
+def split_stream(fmt: ReasoningFormat | str, pieces: list[str]) -> tuple[str, str, str]:
+    """Feed ``pieces`` as a request's text grows; checks every shown reasoning and answer
+    only grows; returns the final ``(reasoning, content, text the tool parser got)``."""
+    split = ReasoningSplit(get_reasoning_format(fmt) if isinstance(fmt, str) else fmt)
+    text, shown, fed = "", ("", ""), ""
+    for piece in pieces:
+        text += piece
+        split.scan(text)
+        fed += split.take_content(text)
+        now = split.reasoning(text, len(text), False), split.content(text, len(text), False)
+        assert now[0].startswith(shown[0]) and now[1].startswith(shown[1]), (piece, now, shown)
+        shown = now
+    split.finish(text)
+    fed += split.take_content(text)
+    final = split.reasoning(text, len(text), True), split.content(text, len(text), True)
+    assert final[0].startswith(shown[0]) and final[1].startswith(shown[1])
+    return final[0], final[1], fed
+
+
+@pytest.mark.parametrize("pieces, want", [
+    (["<think>", "\n", "Let me", " add.", "\n", "</think>", "\n\n", "It is", " 4."], ("Let me add.", "It is 4.")),
+    (["<", "think>\nhm\n</th", "ink>\n\nok"], ("hm", "ok")),                     # tags cut across tokens
+    (["The", " answer"], ("", "The answer")),                                      # no <think>: all answer
+    (["<", "tool_call>{}"], ("", "<tool_call>{}")),                               # "<" was not a tag after all
+    (["<"], ("", "<")),                                                            # ... nor at the end
+    (["<think>\nabc </thi", "s is not"], ("abc </this is not", "")),              # unclosed: all reasoning
+    (["<think>\n\n</think>\n\nHi"], ("", "Hi")),                                   # an empty block
+])
+def test_qwen3_splits_a_turn_that_starts_with_think(pieces, want):
+    reasoning, content, fed = split_stream("qwen3", pieces)
+    assert (reasoning, content) == want
+    assert fed == content   # the tool-call parser sees the answer and nothing else
+
+
+@pytest.mark.parametrize("pieces, want", [
+    (["Let me", " see</think>", "\n\nYes"], ("Let me see", "Yes")),
+    (["<think>\nLet me", " see"], ("Let me see", "")),   # an explicit opening tag is passed over
+])
+def test_deepseek_r1_turns_start_inside_the_reasoning(pieces, want):
+    reasoning, content, fed = split_stream("deepseek_r1", pieces)
+    assert (reasoning, content) == want and fed == content
+
+
+def test_each_turn_after_a_pause_may_think_again():
+    split = ReasoningSplit(get_reasoning_format("qwen3"))
+    text = "<think>\ncall it\n</think>\n\n<tool_call>x</tool_call>"
+    split.scan(text)
+    assert split.take_content(text) == "<tool_call>x</tool_call>"
+    split.new_turn(len(text))
+    text += "<think>\ngot it\n</think>\n\nDone."
+    split.scan(text)
+    assert split.take_content(text) == "Done."
+    split.finish(text)
+    assert split.reasoning(text, len(text), True) == "call itgot it"
+    assert split.content(text, len(text), True) == "<tool_call>x</tool_call>Done."
+
+
+def test_a_stream_holds_back_what_may_be_a_tag_or_the_newline_before_one():
+    split = ReasoningSplit(get_reasoning_format("qwen3"))
+    text = "<think>\nplan\n</th"
+    split.scan(text)
+    assert split.reasoning(text, len(text), False) == "plan"   # not the newline, not "</th"
+    text = "<thi"
+    split = ReasoningSplit(get_reasoning_format("qwen3"))
+    split.scan(text)
+    assert (split.reasoning(text, 4, False), split.content(text, 4, False), split.take_content(text)) == ("", "", "")
+
+
+def test_an_unknown_reasoning_parser_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="reasoning_parser.*qwen3, deepseek_r1"):
+        EngineConfig(reasoning_parser="o1")
+
+
+# ------------------------------------------------------------- engine and server
+@pytest.fixture(scope="module")
+def served():
+    """``(TestClient, AsyncEngine, raw answer, its format, its reasoning, its answer)`` on the
+    demo model: the greedy chat answer to one question, and tags cut from it."""
+    from fastapi.testclient import TestClient
+
+    from jaxserve import AsyncEngine
+    from server import create_app
+    engine = AsyncEngine("demo", page_size=8, num_pages=64, max_num_batched_tokens=64, max_model_len=256,
+                         warmup=False)
+    try:
+        with TestClient(create_app(engine, served_model_name="demo", max_model_len=256)) as client:
+            raw = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
+            # The end tag: three characters first seen mid-answer (a turn opens inside the reasoning, as R1's).
+            cut = next(i for i in range(6, len(raw) - 6) if raw.find(raw[i:i + 3]) == i
+                       and not set(raw[i:i + 3]) & {"\ufffd", "\n"})
+            fmt = ReasoningFormat("test", start="<think>", end=raw[cut:cut + 3], opens_inside=True)
+            engine.engine.reasoning_format = fmt   # what EngineConfig.reasoning_parser sets, with this tag
+            yield client, engine, raw, raw[:cut].strip("\n"), raw[cut + 3:].lstrip("\n")
+    finally:
+        engine.shutdown()
+
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 24,
+        "temperature": 0}
+
+
+def sse(response) -> list:
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_chat_returns_the_reasoning_apart_from_the_answer(served):
+    client, _, raw, reasoning, content = served
+    message = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+    assert message["content"] == content and message["reasoning"] == message["reasoning_content"] == reasoning
+    chunks = sse(client.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == reasoning
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    first_answer = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert not any(d.get("reasoning") for d in deltas[first_answer:])   # the reasoning comes first
+    # completions are not chats: the text stays whole
+    completion = client.post("/v1/completions", json={"model": "demo", "prompt": "Why", "max_tokens": 8}).json()
+    assert "reasoning" not in completion["choices"][0]
+
+
+def test_the_engine_output_keeps_tokens_and_splits_text(served):
+    """``RequestOutput``: the same token ids either way; ``text`` the answer and
+    ``reasoning`` the thinking with a parser, and their deltas add up to them."""
+    import asyncio
+
+    from jaxserve import SamplingParams
+    client, engine, raw, reasoning, content = served
+    ids = client.post("/tokenize", json={"model": "demo", "messages": CHAT["messages"]}).json()["tokens"]
+
+    async def run(parse):
+        return [out async for out in engine.generate(prompt_token_ids=ids, parse_reasoning=parse,
+                                                     sampling_params=SamplingParams(max_tokens=24, temperature=0))]
+    whole, split = asyncio.run(run(False)), asyncio.run(run(None))
+    assert whole[-1].token_ids == split[-1].token_ids
+    assert (whole[-1].text, whole[-1].reasoning) == (raw, "")
+    assert (split[-1].text, split[-1].reasoning) == (content, reasoning)
+    assert "".join(o.delta_reasoning for o in split) == reasoning and "".join(o.delta_text for o in split) == content
+
+
+def test_responses_lists_a_reasoning_item_before_the_message(served):
+    client, _, raw, reasoning, content = served
+    body = {"model": "demo", "input": CHAT["messages"], "max_output_tokens": 24, "temperature": 0}
+    response = client.post("/v1/responses", json=body).json()
+    kinds = [item["type"] for item in response["output"]]
+    assert kinds == ["reasoning", "message"]
+    assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": reasoning}]
+    assert response["output"][1]["content"][0]["text"] == content
+    r = client.post("/v1/responses", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == reasoning
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"][0]["text"] == reasoning
+    # the stored conversation keeps the reasoning, and a reasoning input item is taken back
+    follow = client.post("/v1/responses", json={"model": "demo", "max_output_tokens": 4, "input": [
+        *CHAT["messages"], {"type": "reasoning", "id": "rs_1", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": reasoning}]},
+        {"role": "assistant", "content": content}, {"role": "user", "content": "And at night?"}]})
+    assert follow.status_code == 200, follow.text
