@@ -267,11 +267,18 @@ class LLMEngine:
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
             # (a grammar constrains the text from its first token: there is no reasoning before it)
-            reasoning=ReasoningSplit(self.reasoning_format)
+            reasoning=ReasoningSplit(self.reasoning_format, self._ends_with_think(ids))
             if self.reasoning_format is not None and parse_reasoning is not False and grammar is None
             and self.tokenizer is not None else None,
             logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
         return request
+
+    def _ends_with_think(self, ids: list[int]) -> bool:
+        """Whether context ``ids`` end with the reasoning format's start tag (and newlines):
+        the chat template opened the reasoning (DeepSeek-R1's, QwQ's), so the turn that
+        follows starts inside it."""
+        tail = self.tokenizer.decode(ids[-8:], skip_special_tokens=False) if ids else ""
+        return tail.rstrip("\n").endswith(self.reasoning_format.start)
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -334,6 +341,8 @@ class LLMEngine:
         if token_ids is not None:
             token_ids = list(token_ids)
             self._check_token_ids(token_ids, "token_ids")
+            if request.reasoning is not None and self._ends_with_think(token_ids):
+                request.reasoning.reopen_inside()   # the client's template opened the next turn's reasoning
         elif not (isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
             raise ValueError("text must be a string or a non-empty list of strings")
         if max_tokens is not None:   # a new turn: min_tokens and presence/frequency count from here

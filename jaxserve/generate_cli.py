@@ -104,11 +104,13 @@ def main(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+            print(json.dumps({"prompt": prompt, "text": out.text, "reasoning": out.reasoning, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason,
                               "api_calls": [vars(c) for c in out.api_calls]}))
             continue
         print(f"--- {prompt!r}")
+        if out.reasoning:
+            print(f"    reasoning: {out.reasoning!r}")
         print(f"    {out.text!r}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
         for c in out.api_calls:
             waited = (c.return_time or c.call_time) - c.call_time

@@ -30,11 +30,14 @@ class LLM:
     def generate(self, prompts: list[str] | str | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None,
-                 api_calls: list[list[ApiCall]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 api_calls: list[list[ApiCall]] | None = None, use_tqdm: bool = False,
+                 parse_reasoning: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns final outputs in input order.
 
         A request whose model calls a tool that is not registered ends with
         ``finish_reason == "tool_calls"`` and the calls in ``tool_calls``.
+        ``parse_reasoning`` (None: when the engine has a ``reasoning_parser``):
+        each output's ``reasoning`` apart from its ``text`` (False: ``text`` whole).
 
         All inputs are validated before any request is queued, so a bad one
         raises ``ValueError`` and leaves the engine as it was.
@@ -57,7 +60,8 @@ class LLM:
         try:
             for i in range(n):
                 kwargs = {"prompt": items[i]} if prompts is not None else {"prompt_token_ids": items[i]}
-                ids.append(self.engine.add_request(sampling_params=params[i], api_calls=calls[i], **kwargs))
+                ids.append(self.engine.add_request(sampling_params=params[i], api_calls=calls[i],
+                                                   parse_reasoning=parse_reasoning, **kwargs))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)

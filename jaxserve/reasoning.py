@@ -4,8 +4,9 @@ Reasoning models write their thinking between tags before the answer:
 Qwen3 starts a turn with ``<think>`` when it thinks (its template's
 ``enable_thinking: false`` writes an empty block into the prompt instead,
 and the turn is then all answer); DeepSeek-R1 and QwQ's templates end the
-prompt with ``<think>``, so a turn starts inside the reasoning. Either way
-``</think>`` ends it.
+prompt with ``<think>``, so a turn starts inside the reasoning (the engine
+checks the context before each turn for that; the ``deepseek_r1`` format
+also assumes it for a request's first turn). Either way ``</think>`` ends it.
 
 ``ReasoningSplit`` follows one request's generated text (the detokenizer's,
 growing; ``scan`` after each token) and classifies it into reasoning and
@@ -13,7 +14,8 @@ answer ("content"), turn by turn (``new_turn`` after a pause on tool calls:
 the next assistant turn may think again). The tags themselves, the newlines
 just inside them and those between ``</think>`` and the answer belong to
 neither (as Qwen3's template writes them back: ``<think>\\n`` reasoning
-``\\n</think>\\n\\n`` answer). A stream must not show text that may still
+``\\n</think>\\n\\n`` answer); the turns' reasoning is joined by a blank
+line. A stream must not show text that may still
 turn out to be a tag: ``reasoning(upto)`` and ``content(upto)`` hold back a
 tail that could start one (and trailing newlines of reasoning that could sit
 before ``</think>``) unless the text is final.
@@ -73,27 +75,36 @@ class _Span:
 class ReasoningSplit:
     """One request's text classified into reasoning and content (see module doc).
     Text between spans (tags, the newlines around them, a turn's undecided start)
-    is in neither."""
+    is in neither. ``opens_inside``: the first turn starts inside the reasoning
+    (its prompt ends with the start tag; always for formats that say so)."""
 
-    def __init__(self, fmt: ReasoningFormat) -> None:
+    def __init__(self, fmt: ReasoningFormat, opens_inside: bool = False) -> None:
         self.fmt = fmt
         self.spans: list[_Span] = []
         self._turn = 0            # where the current turn's text starts
+        self._inside = opens_inside or fmt.opens_inside   # the current turn starts inside the reasoning
         self._decided = False     # whether the current turn's first span is known
         self._scanned = 0         # text length seen by ``scan``
         self._fed = 0             # text up to here was handed out by ``take_content``
 
-    def new_turn(self, at: int) -> None:
-        """A new assistant turn starts at text offset ``at`` (after a pause on tool calls)."""
+    def new_turn(self, at: int, opens_inside: bool = False) -> None:
+        """A new assistant turn starts at text offset ``at`` (after a pause on tool
+        calls); ``opens_inside``: its prompt (the tool results' turn) ends with the
+        start tag (``reopen_inside`` says so later, before the turn's first token)."""
         if self.spans and self.spans[-1].end is None:
             self.spans[-1].end = at
-        self._turn, self._decided = at, False
+        self._turn, self._inside, self._decided = at, opens_inside, False
+
+    def reopen_inside(self) -> None:
+        """The current turn, not begun yet, starts inside the reasoning (its prompt wrote the start tag)."""
+        if not self._decided:
+            self._inside = True
 
     def scan(self, text: str) -> None:
         """Classify ``text`` (the request's whole generated text so far: it grows, except
         that a stop string may cut its end) as far as it can be."""
         fmt = self.fmt
-        self._scanned = len(text)
+        seen, self._scanned = self._scanned, len(text)
         if not self._decided:
             rest = text[self._turn:]
             if rest.startswith(fmt.start):
@@ -101,12 +112,11 @@ class ReasoningSplit:
             elif fmt.start.startswith(rest):
                 return   # may still become the start tag: wait for more
             else:
-                opens_inside = fmt.opens_inside
-                self._open(_REASONING if opens_inside else _CONTENT, self._turn, skipping=opens_inside)
+                self._open(_REASONING if self._inside else _CONTENT, self._turn, skipping=self._inside)
         span = self.spans[-1]
         self._skip_newlines(span, text)
         if span.kind == _REASONING and span.end is None and not span.skipping:
-            at = text.find(fmt.end, span.start)
+            at = text.find(fmt.end, max(span.start, seen - len(fmt.end) + 1))   # (text before was searched)
             if at != -1:
                 span.end = at
                 self._skip_newlines(self._open(_CONTENT, at + len(fmt.end), skipping=True), text)
@@ -121,10 +131,10 @@ class ReasoningSplit:
 
     def finish(self, text: str) -> None:
         """Nothing more comes: a turn still undecided (its text a proper prefix of the
-        start tag) is what a turn opens as."""
+        start tag) is what it opens as."""
         self.scan(text)
         if not self._decided and len(text) > self._turn:
-            self._open(_REASONING if self.fmt.opens_inside else _CONTENT, self._turn, skipping=False)
+            self._open(_REASONING if self._inside else _CONTENT, self._turn, skipping=False)
 
     def _open(self, kind: str, start: int, skipping: bool) -> _Span:
         span = _Span(kind, start, None, skipping)
@@ -132,32 +142,36 @@ class ReasoningSplit:
         self._decided = True
         return span
 
-    def _pieces(self, kind: str, text: str, upto: int, final: bool) -> str:
-        """The text of ``kind``'s spans shown once ``text[:upto]`` is released."""
+    def _pieces(self, kind: str, text: str, upto: int, final: bool) -> list[str]:
+        """The text of ``kind``'s spans shown once ``text[:upto]`` is released, one piece per
+        span (so per turn). A stop string may have cut ``text`` short of spans found before."""
         out = []
+        tag, n = self.fmt.end, len(text)
         for span in self.spans:
             if span.kind != kind or span.skipping:
                 continue
             start, end = span.start, span.end
             if kind == _REASONING and end is not None:
+                end = min(end, n)
                 while end > start and text[end - 1] == "\n":
                     end -= 1   # the newlines before the end tag
-            stop = upto if end is None else min(end, upto)
+            stop = min(upto, n) if end is None else min(end, upto)
             if kind == _REASONING and end is None and not final:
-                stop -= partial_suffix(text[:stop], self.fmt.end)   # a tail that may start the end tag,
-                while stop > start and text[stop - 1] == "\n":      # and newlines that may come before it
-                    stop -= 1
+                stop -= partial_suffix(text[max(start, stop - len(tag)):stop], tag)   # a tail that may start
+                while stop > start and text[stop - 1] == "\n":                        # the end tag, and newlines
+                    stop -= 1                                                          # that may come before it
             if stop > start:
                 out.append(text[start:stop])
-        return "".join(out)
+        return out
 
     def reasoning(self, text: str, upto: int, final: bool) -> str:
-        """The reasoning shown once ``text[:upto]`` is released (``final``: nothing more comes)."""
-        return self._pieces(_REASONING, text, upto, final)
+        """The reasoning shown once ``text[:upto]`` is released (``final``: nothing more
+        comes); turns' reasoning apart by a blank line."""
+        return "\n\n".join(self._pieces(_REASONING, text, upto, final))
 
     def content(self, text: str, upto: int, final: bool) -> str:
         """The answer shown once ``text[:upto]`` is released (``final``: nothing more comes)."""
-        return self._pieces(_CONTENT, text, upto, final)
+        return "".join(self._pieces(_CONTENT, text, upto, final))
 
     def take_content(self, text: str) -> str:
         """The answer text scanned since the last call, for the tool-call parser (which

@@ -345,6 +345,9 @@ def _owner(request: Request, body) -> str:
 async def _respond(state: ServerState, request: Request, body: ResponsesRequest):
     """``POST /v1/responses``: the chat request it amounts to, answered as a ``response``."""
     _check_model(state, body.model)
+    if body.reasoning is not None and getattr(getattr(state.engine, "engine", None), "reasoning_format", None) is None:
+        raise APIError(400, "reasoning: this server returns no reasoning (serve the model with --reasoning-parser)",
+                       param="reasoning")
     owner = _owner(request, None)
     history = state.responses.conversation(body.previous_response_id, owner) if body.previous_response_id else []
     added = input_messages(body)
@@ -403,6 +406,7 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
     state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)]
+                             + [m["reasoning_content"] for m in messages if "reasoning_content" in m]
                              + [json.dumps(t) for t in tools or []]
                              + ([json.dumps(body.chat_template_kwargs)] if body.chat_template_kwargs else []),
                              "messages")

@@ -492,10 +492,20 @@ class ResponseTextConfig(_Request):
     format: ResponseTextFormat | None = None
 
 
+class ResponseReasoningConfig(_Request):
+    """``reasoning``: taken when the server splits reasoning (``--reasoning-parser``);
+    ``effort`` and ``summary`` are not acted on (the model decides how long it thinks;
+    ``summary`` stays empty)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(_Request):
     """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
-    tools, ``previous_response_id`` conversations, ``text.format``). Fields of the API this
-    server does not implement are refused when set (``reasoning``, ``background``,
+    tools, ``previous_response_id`` conversations, ``text.format``, ``reasoning`` with a
+    reasoning parser). Fields of the API this
+    server does not implement are refused when set (``background``,
     ``truncation: "auto"``, ``include`` values other than ``message.output_text.logprobs``,
     ``conversation``, ``prompt``, ``max_tool_calls``)."""
 
@@ -515,7 +525,7 @@ class ResponsesRequest(_Request):
     user: Text | None = Field(default=None, max_length=256)
     metadata: dict[str, Annotated[Text, Field(max_length=512)]] | None = Field(default=None,
                                                                                max_length=MAX_STORED_METADATA)
-    reasoning: dict | None = None
+    reasoning: ResponseReasoningConfig | None = None
     background: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     # "message.output_text.logprobs": each output token's log-probability (and ``top_logprobs`` alternatives)
@@ -535,7 +545,7 @@ class ResponsesRequest(_Request):
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
         unsupported = [name for name, set_ in [
-            ("reasoning", self.reasoning is not None), ("background", bool(self.background)),
+            ("background", bool(self.background)),
             ("truncation", self.truncation == "auto"),
             ("conversation", self.conversation is not None), ("prompt", self.prompt is not None),
             ("max_tool_calls", self.max_tool_calls is not None)] if set_]

@@ -128,15 +128,17 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     """``body.input`` as chat messages: a string is a user message; consecutive
     ``function_call`` items join the assistant message before them (or start one);
     a ``reasoning`` item's text is the ``reasoning_content`` of the assistant message
-    that follows it."""
+    (or call) that comes right after it (elsewhere it belongs to no message: dropped)."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     out: list[dict] = []
     reasoning: str | None = None   # a reasoning item's, for the next assistant message
     for item in body.input:
         if item.type == "reasoning":
-            reasoning = (reasoning or "") + item.text
+            reasoning = item.text if reasoning is None else f"{reasoning}\n\n{item.text}"
             continue
+        if not (item.type == "function_call" or (item.type == "message" and item.role == "assistant")):
+            reasoning = None
         if item.type == "message":
             out.append({"role": item.role, "content": item.text})
         elif item.type == "function_call":
@@ -208,6 +210,7 @@ class ResponsesWire:
         self.created_at = int(time.time())
         self._message_id = f"msg_{uuid.uuid4().hex}"
         self._reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self._later_reasoning_id = f"rs_{uuid.uuid4().hex}"   # reasoning that came after the message started
         self._sequence = 0
         self._message_open = False    # its output item has been announced
         self._reasoning_open = False  # a reasoning item is being streamed (before the message)
@@ -229,6 +232,8 @@ class ResponsesWire:
         for name in ("instructions", "max_output_tokens", "previous_response_id", "user", "top_logprobs"):
             if getattr(body, name) is not None:
                 obj[name] = getattr(body, name)
+        if body.reasoning is not None:
+            obj["reasoning"] = body.reasoning.model_dump()
         if incomplete is not None:
             obj["incomplete_details"] = {"reason": incomplete}
         if choices is not None:
@@ -257,9 +262,18 @@ class ResponsesWire:
             part["logprobs"] = logprobs
         return part
 
-    def _reasoning_item(self, text: str) -> dict:
-        return {"type": "reasoning", "id": self._reasoning_id, "summary": [],
+    def _reasoning_item(self, text: str, later: bool = False) -> dict:
+        return {"type": "reasoning", "id": self._later_reasoning_id if later else self._reasoning_id, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}]}
+
+    def _reasoning_parts(self, c: ChoiceState) -> tuple[str, str]:
+        """``(first, later)``: the reasoning listed before the message (all of it, unless
+        streaming: what was streamed before the message started) and the rest, listed
+        after the message and calls (a later turn's, after server-side tool results)."""
+        if not self.body.stream:
+            return c.reasoning, ""
+        first = self._reasoning_streamed
+        return first, c.reasoning[len(first):].lstrip("\n")   # (turns' reasoning are apart by a blank line)
 
     def _message_item(self, c: ChoiceState, status: str) -> dict:
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
@@ -285,9 +299,9 @@ class ResponsesWire:
         item_status = "incomplete" if status == "incomplete" else "completed"
         output = ([self._message_item(c, item_status)] if c.text or not c.tool_calls else []) + \
             [self._call_item(call, "completed") for call in c.tool_calls]
-        if c.reasoning:   # first, as it was streamed; last when it only came after the answer had started
-            first = self._reasoning_streamed or not self.body.stream
-            output = [self._reasoning_item(c.reasoning)] + output if first else output + [self._reasoning_item(c.reasoning)]
+        first, later = self._reasoning_parts(c)
+        output = ([self._reasoning_item(first)] if first else []) + output + \
+            ([self._reasoning_item(later, later=True)] if later else [])
         return self._object(status, output, choices, reason)
 
     def keep(self, choices: list[ChoiceState], response: dict) -> None:
@@ -394,6 +408,17 @@ class ResponsesWire:
                                    name=call.name, arguments=call.arguments),
                        self._event("response.output_item.done", output_index=index,
                                    item=self._call_item(call, "completed"))]
+        _, later = self._reasoning_parts(c)
+        if later:   # (not streamed as it came: the message had started)
+            index, item_id = first + len(c.tool_calls), self._later_reasoning_id
+            events += [self._event("response.output_item.added", output_index=index,
+                                   item={"type": "reasoning", "id": item_id, "summary": [], "content": []}),
+                       self._event("response.reasoning_text.delta", item_id=item_id, output_index=index,
+                                   content_index=0, delta=later),
+                       self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                                   content_index=0, text=later),
+                       self._event("response.output_item.done", output_index=index,
+                                   item=self._reasoning_item(later, later=True))]
         return events
 
     def end(self, choices: list[ChoiceState]) -> list[str]:

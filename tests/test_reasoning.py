@@ -65,8 +65,37 @@ def test_each_turn_after_a_pause_may_think_again():
     split.scan(text)
     assert split.take_content(text) == "Done."
     split.finish(text)
-    assert split.reasoning(text, len(text), True) == "call itgot it"
+    assert split.reasoning(text, len(text), True) == "call it\n\ngot it"   # turns apart by a blank line
     assert split.content(text, len(text), True) == "<tool_call>x</tool_call>Done."
+
+
+def test_a_turn_whose_prompt_opened_the_reasoning_starts_inside_it():
+    """A resumed turn whose tool results end with the template's ``<think>`` (the client
+    re-rendered R1's template) starts inside the reasoning even under qwen3."""
+    split = ReasoningSplit(get_reasoning_format("qwen3"))
+    split.scan("<tool_call>x</tool_call>")
+    split.new_turn(24)
+    split.reopen_inside()
+    text = "<tool_call>x</tool_call>weigh it</think>Done."
+    split.scan(text)
+    split.finish(text)
+    assert split.reasoning(text, len(text), True) == "weigh it" and split.content(text, len(text), True) == \
+        "<tool_call>x</tool_call>Done."
+    assert ReasoningSplit(get_reasoning_format("qwen3"), opens_inside=True).fmt.name == "qwen3"
+
+
+def test_a_stop_string_that_cuts_the_text_before_the_end_tag_leaves_the_reasoning_open():
+    """The stop string ``"\n</think>\n"`` completes after ``</think>`` was found: the text
+    is cut back before it, short of the spans found; nothing may index past it."""
+    split = ReasoningSplit(get_reasoning_format("qwen3"))
+    text = ""
+    for piece in ["<think>", "ab", "\n", "</think>", "\n\n"]:
+        text += piece
+        split.scan(text)
+    text = "<think>ab"   # (what the detokenizer keeps)
+    split.scan(text)
+    split.finish(text)
+    assert (split.reasoning(text, len(text), True), split.content(text, len(text), True)) == ("ab", "")
 
 
 def test_a_stream_holds_back_what_may_be_a_tag_or_the_newline_before_one():
@@ -173,9 +202,82 @@ def test_responses_lists_a_reasoning_item_before_the_message(served):
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
     assert final["output"][0]["content"][0]["text"] == reasoning
-    # the stored conversation keeps the reasoning, and a reasoning input item is taken back
-    follow = client.post("/v1/responses", json={"model": "demo", "max_output_tokens": 4, "input": [
+    # a reasoning input item is taken back; ``reasoning`` settings are taken (and echoed) with a parser
+    follow = client.post("/v1/responses", json={"model": "demo", "max_output_tokens": 4,
+                                               "reasoning": {"effort": "low"}, "input": [
         *CHAT["messages"], {"type": "reasoning", "id": "rs_1", "summary": [],
                             "content": [{"type": "reasoning_text", "text": reasoning}]},
         {"role": "assistant", "content": content}, {"role": "user", "content": "And at night?"}]})
     assert follow.status_code == 200, follow.text
+    assert follow.json()["reasoning"] == {"effort": "low", "summary": None}
+
+
+def test_a_reasoning_input_item_belongs_to_the_assistant_turn_right_after_it():
+    from server.protocol import ResponsesRequest
+    from server.responses import input_messages
+
+    def messages(items):
+        return input_messages(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "R"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    assert messages([{"role": "user", "content": "q"}, thought, call]) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}], "reasoning_content": "R"}]
+    # a reasoning item followed by a user message belongs to no answer; a trailing one neither
+    assert messages([{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, thought,
+                     {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}, thought]) == [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+
+
+class _LaterReasoningEngine:
+    """Stands in for ``AsyncEngine`` (the wire is under test): an answer that reasons,
+    answers, then reasons again (a later turn's, after server-side tool results)."""
+
+    def __init__(self):
+        from transformers import AutoTokenizer
+
+        from jaxserve.core import EngineStats
+        from jaxserve.demo import demo_dir
+        self.is_alive = True
+        self.tokenizer = AutoTokenizer.from_pretrained(str(demo_dir()))
+        self.stats_snapshot = EngineStats()
+        self.usage_snapshot = {"running": 0, "waiting": 0, "swapping": 0, "paused": {}, "device_pages_used": 0,
+                               "device_pages_total": 8, "host_pages_used": 0, "host_pages_total": 8,
+                               "preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                               "prefix_cached_pages": 0}
+        self.engine = self   # what the app reads the reasoning format from
+        self.reasoning_format = get_reasoning_format("qwen3")
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput
+        pieces = [("R1", ""), ("", "x"), ("\n\nR2", ""), ("", "y")]
+        for k, (reasoning, text) in enumerate(pieces):
+            yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"],
+                                token_ids=list(range(k + 1)), text="", delta_token_ids=[k], delta_text=text,
+                                delta_reasoning=reasoning, finish_reason="stop" if k == len(pieces) - 1 else None)
+
+    async def abort(self, request_id):
+        return False
+
+
+def test_reasoning_after_the_answer_started_is_an_item_of_its_own_after_the_message():
+    """The streamed items and the final response agree: the first reasoning item holds what
+    was streamed before the message; what came after is a second item, after the message."""
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+    with TestClient(create_app(_LaterReasoningEngine(), served_model_name="m", max_model_len=4096)) as client:
+        body = {"model": "m", "input": "hi"}
+        whole = client.post("/v1/responses", json=body).json()["output"]
+        assert [(i["type"], (i.get("content") or [{}])[0].get("text")) for i in whole] == [
+            ("reasoning", "R1\n\nR2"), ("message", "xy")]
+        r = client.post("/v1/responses", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    done = [(e["output_index"], e["item"]["type"], e["item"]["content"][0]["text"])
+            for e in events if e["type"] == "response.output_item.done"]
+    assert done == [(0, "reasoning", "R1"), (1, "message", "xy"), (2, "reasoning", "R2")]
+    final = events[-1]["response"]["output"]
+    assert [(i["id"], i["content"][0]["text"]) for i in final] == [
+        (e["item"]["id"], e["item"]["content"][0]["text"]) for e in events if e["type"] == "response.output_item.done"]

@@ -763,10 +763,13 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),   # (no reasoning parser here)
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}]}, 400,
+     "input.0.reasoning.content.0.type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.function_call.call_id"),
     ({"input": []}, 400, "input"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),

@@ -167,7 +167,7 @@ class PrefillReplica:
         start = time.perf_counter()
         params = SamplingParams(max_tokens=1, temperature=0.0)
         async for out in self.engine.generate(prompt_token_ids=token_ids, sampling_params=params,
-                                              parse_tool_calls=False):
+                                              parse_tool_calls=False, parse_reasoning=False):
             pass
         computed = time.perf_counter()
         hashes, kv = await self.engine.call_on_engine(lambda: export_pages(self.engine.engine, token_ids,

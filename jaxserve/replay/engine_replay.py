@@ -206,7 +206,7 @@ def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineO
         ids, params, calls = _engine_request(w, vocab, seed)
         _check_fits(engine, w, len(ids) + params.max_tokens + sum(len(c.returned_token_ids) for c in calls))
         requests.append(engine.make_request(w.request_id, prompt_token_ids=ids, sampling_params=params,
-                                            api_calls=calls, parse_tool_calls=False,
+                                            api_calls=calls, parse_tool_calls=False, parse_reasoning=False,
                                             arrival_time=t0 + w.arrival_time,
                                             predictions=dict(w.entry.predictions) or None))
     occupancy = _Occupancy(engine, options.sample_interval_s)
@@ -238,6 +238,7 @@ def _drive_resend(engine, workload: Sequence[WorkloadItem], seed: int, options: 
         tokens = item.entry.segments[k].num_tokens
         _check_fits(engine, item, len(ids) + tokens)
         request = engine.make_request(f"{item.request_id}/{k}", prompt_token_ids=ids, parse_tool_calls=False,
+                                      parse_reasoning=False,
                                       sampling_params=SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                      ignore_eos=True),
                                       arrival_time=at, predictions=dict(item.entry.predictions) or None)
