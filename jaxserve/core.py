@@ -179,11 +179,11 @@ class EngineCore:
         self.scheduler.finish(request, reason, self.clock.now())
         self._released(request)
 
-    def _frontend_failed(self, request: Request, error: Exception) -> None:
-        """The front end raised on ``request``'s event (a detokenizer, grammar or tool
-        parser defect): ``request.error`` says why and the request ends with reason
-        "error" (if this event had not ended it already); the step and every other
-        request of it go on."""
+    def fail(self, request: Request, error: Exception) -> None:
+        """The front end raised on ``request`` (a detokenizer, grammar, tool parser or
+        output defect): ``request.error`` says why and the request ends with reason
+        "error" (if it had not ended already); the step and every other request of it
+        go on."""
         log.exception("request %s failed in the front end", request.request_id)
         request.error = f"{type(error).__name__}: {error}"[:500]
         if not request.is_finished:
@@ -357,7 +357,7 @@ class EngineCore:
                 try:
                     frontend.on_event(event, now)
                 except Exception as e:  # noqa: BLE001 - an error in one request's text rules fails that request only
-                    self._frontend_failed(request, e)
+                    self.fail(request, e)
                     continue
             if event.kind is EventKind.API_CALL and not request.is_finished:
                 seg = event.segment

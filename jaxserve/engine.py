@@ -366,11 +366,22 @@ class LLMEngine:
         return self.outputs(self.core.step())
 
     def outputs(self, requests: list[Request]) -> list[RequestOutput]:
-        """One output per distinct request of ``requests`` (in first-seen order)."""
+        """One output per distinct request of ``requests`` (in first-seen order). Building
+        one that raises (a text-handling defect) fails that request alone: its output is
+        an "error" one and every other request goes on."""
         seen: dict[str, Request] = {}
         for r in requests:
             seen.setdefault(r.request_id, r)
-        return [self._output(r) for r in seen.values()]
+        outs = []
+        for r in seen.values():
+            try:
+                outs.append(self._output(r))
+            except Exception as e:  # noqa: BLE001 - one request's output defect fails that request only
+                self.core.fail(r, e)
+                outs.append(RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                          token_ids=list(r.output_token_ids), text="", finish_reason=r.finish_reason,
+                                          error=r.error))
+        return outs
 
     # ------------------------------------------------- frontend (EngineCore)
     def on_event(self, event: RequestEvent, now: float) -> None:

@@ -218,6 +218,35 @@ def test_with_include_stop_the_cut_is_after_the_earliest_stop_string_and_the_sho
     assert detok.add(2) == ("\nU", True) and detok.text == "hello\nU"
 
 
+def test_an_output_that_fails_to_build_fails_its_request_alone(llm):
+    """A defect while building one request's output (here its detokenizer's hold-back)
+    ends that request with an error; the other request of the same steps finishes."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    broken = engine.add_request(prompt_token_ids=prompt(7, 11), sampling_params=params)
+    fine = engine.add_request(prompt_token_ids=prompt(7, 12), sampling_params=params)
+
+    class Failing:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def releasable(self):
+            raise RuntimeError("hold-back defect")
+    request = engine.scheduler.requests[broken]
+    request.detokenizer = Failing(request.detokenizer)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[broken].finish_reason == "error" and "hold-back defect" in finals[broken].error
+    assert finals[fine].finish_reason == "length" and len(finals[fine].token_ids) == 6 and finals[fine].error is None
+    assert engine.scheduler.kv.num_free_device == engine.scheduler.device_pool.num_pages
+
+
 def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
     p = prompt(9, 5)
     free = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
