@@ -352,6 +352,8 @@ class LLMEngine:
                 min_tokens=min(request.sampling_params.min_tokens, max_tokens))
             if request.logit_adjuster is not None:
                 request.logit_adjuster.new_turn(request.num_generated)
+            if request.reasoning is not None:
+                request.reasoning.reasoning_tokens = 0   # (counted per continuation, as its tokens are)
         self.api.resume(request_id, token_ids=token_ids, text=text)
 
     def has_unfinished(self) -> bool:
@@ -397,7 +399,7 @@ class LLMEngine:
         delta, hit_stop = request.detokenizer.add(token, adjuster is None or not adjuster.holds_stops(request.num_generated))
         split = request.reasoning
         if split is not None:
-            split.scan(request.detokenizer.text)
+            split.on_token(request.detokenizer.text)
         if hit_stop:
             self.core.finish(request, "stop")   # (a stop string completed by the last allowed token: see finish)
             return
@@ -527,6 +529,7 @@ class LLMEngine:
                              delta_text=new_text, finish_reason=reason, api_calls=calls,
                              tool_calls=[dict(c) for c in tool_calls], error=request.error, metrics=metrics,
                              reasoning=reasoning, delta_reasoning=new_reasoning,
+                             num_reasoning_tokens=0 if split is None else split.reasoning_tokens,
                              num_cached_tokens=request.num_cached_tokens,
                              logprobs=None if request.logprobs is None else list(request.logprobs),
                              prompt_logprobs=scored if scored is not None and len(scored) == request.prompt_len

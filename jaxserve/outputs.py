@@ -91,6 +91,7 @@ class RequestOutput:
     tool_calls: list[dict] = field(default_factory=list)   # {"name", "arguments"} each, with "tool_calls"
     reasoning: str = ""                # with a reasoning parser: the thinking (``text`` is then the answer)
     delta_reasoning: str = ""
+    num_reasoning_tokens: int = 0      # of ``token_ids``, those of the reasoning (since a ``resume`` with max_tokens)
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache

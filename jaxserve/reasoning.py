@@ -86,6 +86,9 @@ class ReasoningSplit:
         self._decided = False     # whether the current turn's first span is known
         self._scanned = 0         # text length seen by ``scan``
         self._fed = 0             # text up to here was handed out by ``take_content``
+        self.reasoning_tokens = 0   # tokens of reasoning (tags included) since the count was last reset
+        self._pending = 0           # tokens of the current turn before it was decided
+        self._turn_kind = _CONTENT  # what the current turn opened as (once decided)
 
     def new_turn(self, at: int, opens_inside: bool = False) -> None:
         """A new assistant turn starts at text offset ``at`` (after a pause on tool
@@ -93,12 +96,28 @@ class ReasoningSplit:
         start tag (``reopen_inside`` says so later, before the turn's first token)."""
         if self.spans and self.spans[-1].end is None:
             self.spans[-1].end = at
-        self._turn, self._inside, self._decided = at, opens_inside, False
+        self._turn, self._inside, self._decided, self._pending = at, opens_inside, False, 0
 
     def reopen_inside(self) -> None:
         """The current turn, not begun yet, starts inside the reasoning (its prompt wrote the start tag)."""
         if not self._decided:
             self._inside = True
+
+    def on_token(self, text: str) -> None:
+        """One more generated token, after which the request's text is ``text``: ``scan``
+        it and count the token as reasoning when it falls in the reasoning (its start or
+        end tag included; a turn's first tokens once the turn is decided)."""
+        span = self.spans[-1] if self._decided else None
+        inside = span is not None and span.kind == _REASONING and span.end is None
+        decided = self._decided
+        self.scan(text)
+        if decided:
+            self.reasoning_tokens += inside
+        elif self._decided:   # this token decided the turn: it and the turn's tokens before it
+            self.reasoning_tokens += (self._pending + 1) * (self._turn_kind == _REASONING)
+            self._pending = 0
+        else:
+            self._pending += 1
 
     def scan(self, text: str) -> None:
         """Classify ``text`` (the request's whole generated text so far: it grows, except
@@ -135,8 +154,12 @@ class ReasoningSplit:
         self.scan(text)
         if not self._decided and len(text) > self._turn:
             self._open(_REASONING if self._inside else _CONTENT, self._turn, skipping=False)
+            self.reasoning_tokens += self._pending * self._inside
+        self._pending = 0
 
     def _open(self, kind: str, start: int, skipping: bool) -> _Span:
+        if not self._decided:
+            self._turn_kind = kind   # what the current turn opened as
         span = _Span(kind, start, None, skipping)
         self.spans.append(span)
         self._decided = True

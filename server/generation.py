@@ -180,6 +180,11 @@ class ChoiceState:
         return "".join(self.reasoning_parts)
 
     @property
+    def reasoning_tokens(self) -> int:
+        """Generated tokens of this response that were reasoning (tags included)."""
+        return self.last.num_reasoning_tokens if self.last is not None and not self.job.scores_only else 0
+
+    @property
     def new_reasoning(self) -> str:
         """The reasoning the last output added (empty without a reasoning parser)."""
         return self.last.delta_reasoning if self.last is not None and not self.job.scores_only else ""

@@ -246,7 +246,9 @@ class ResponsesWire:
             obj["usage"] = {"input_tokens": usage.prompt_tokens,
                             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
                             "output_tokens": usage.completion_tokens,
-                            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
+                            "output_tokens_details": {"reasoning_tokens": usage.completion_tokens_details.reasoning_tokens
+                                                      if usage.completion_tokens_details else 0},
+                            "total_tokens": usage.total_tokens}
         return obj
 
     def _logprobs(self, records: list | None) -> list | None:

@@ -16,7 +16,7 @@ import uuid
 from server.errors import APIError, sse_error_event
 from server.generation import ChoiceState
 from server.logprobs import TokenSpellings, chat_logprobs, completion_logprobs
-from server.protocol import PromptTokensDetails, Usage
+from server.protocol import CompletionTokensDetails, PromptTokensDetails, Usage
 
 ARGUMENT_FRAGMENT_CHARS = 16   # streamed tool-call arguments arrive in pieces of this size
 
@@ -35,8 +35,10 @@ def usage_of(choices: list[ChoiceState]) -> Usage:
         cached_of[key] = min(cached_of.get(key, hit), hit)
     cached = sum(cached_of.values())
     completion = sum(c.completion_tokens for c in choices)
+    reasoning = sum(c.reasoning_tokens for c in choices)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None,
+                 completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning) if reasoning else None)
 
 
 def sse(obj: dict) -> str:

@@ -46,6 +46,22 @@ def test_qwen3_splits_a_turn_that_starts_with_think(pieces, want):
     assert fed == content   # the tool-call parser sees the answer and nothing else
 
 
+@pytest.mark.parametrize("fmt, pieces, want", [
+    ("qwen3", ["<think>", "\n", "a", "b", "\n", "</think>", "\n\n", "x", "y"], 6),   # tags and newlines in it
+    ("qwen3", ["<", "think>", "a", "</think>", "x"], 4),   # the undecided "<" counts once decided
+    ("qwen3", ["<", "tool", "x"], 0),
+    ("deepseek_r1", ["a", "b", "</think>", "x"], 3),
+    ("deepseek_r1", ["<"], 1),                             # undecided to the end: the turn opens inside
+])
+def test_reasoning_tokens_are_counted_as_they_come(fmt, pieces, want):
+    split, text = ReasoningSplit(get_reasoning_format(fmt)), ""
+    for piece in pieces:
+        text += piece
+        split.on_token(text)
+    split.finish(text)
+    assert split.reasoning_tokens == want
+
+
 @pytest.mark.parametrize("pieces, want", [
     (["Let me", " see</think>", "\n\nYes"], ("Let me see", "Yes")),
     (["<think>\nLet me", " see"], ("Let me see", "")),   # an explicit opening tag is passed over
@@ -183,6 +199,15 @@ def test_the_engine_output_keeps_tokens_and_splits_text(served):
     assert (whole[-1].text, whole[-1].reasoning) == (raw, "")
     assert (split[-1].text, split[-1].reasoning) == (content, reasoning)
     assert "".join(o.delta_reasoning for o in split) == reasoning and "".join(o.delta_text for o in split) == content
+    # reasoning tokens: up to the one that completes the end tag
+    tok, ids_out, end = engine.engine.tokenizer, whole[-1].token_ids, engine.engine.reasoning_format.end
+    thinking = next(k for k in range(1, len(ids_out) + 1) if end in tok.decode(ids_out[:k]))
+    assert split[-1].num_reasoning_tokens == thinking and whole[-1].num_reasoning_tokens == 0
+    usage = client.post("/v1/chat/completions", json=CHAT).json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": thinking}
+    response = client.post("/v1/responses", json={"model": "demo", "input": CHAT["messages"], "max_output_tokens": 24,
+                                                  "temperature": 0}).json()
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": thinking}
 
 
 def test_responses_lists_a_reasoning_item_before_the_message(served):
