@@ -2,10 +2,13 @@
 to numpy with the ``gguf`` package, tokenizer and chat template through
 transformers' GGUF tokenizer support.
 
-Only the ``llama`` architecture is supported (Llama 2/3, Mistral, SmolLM…: the
-GGUF converter writes all of them as ``llama``). llama.cpp stores the query and
-key projections with their rotary halves interleaved; ``_unpermute`` undoes that
-so the weights match the Hugging Face layout the model code uses.
+Architectures: ``llama`` (Llama 2/3, Mistral, SmolLM…: the GGUF converter
+writes all of them as ``llama``), ``qwen2`` (Qwen2, Qwen2.5: q/k/v biases) and
+``qwen3`` (per-head q/k norms, heads wider than hidden/heads). For ``llama``,
+llama.cpp stores the query and key projections with their rotary halves
+interleaved; ``_unpermute`` undoes that so the weights match the Hugging Face
+layout the model code uses. The Qwen architectures use the rotary layout
+Hugging Face does (llama.cpp's NEOX rope), so their tensors are stored as is.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from jaxserve.config import cache_root
 log = logging.getLogger("jaxserve.gguf")
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_PERMUTED_QK = ("llama",)   # architectures whose q/k rows llama.cpp interleaves
+INDEX_FORMAT = "2"   # what a kept index holds (``hf_config``'s rules): a new one makes kept indexes stale
 
 # nnx parameter path pieces -> GGUF tensor name pieces (per layer: ``blk.{i}.``).
 _LAYER_NAMES = {
@@ -42,6 +47,8 @@ _LAYER_NAMES = {
     ("self_attn", "k_proj", "bias"): "attn_k.bias",
     ("self_attn", "v_proj", "bias"): "attn_v.bias",
     ("self_attn", "o_proj", "bias"): "attn_output.bias",
+    ("self_attn", "q_norm", "weight"): "attn_q_norm.weight",
+    ("self_attn", "k_norm", "weight"): "attn_k_norm.weight",
     ("mlp", "gate_proj", "kernel"): "ffn_gate.weight",
     ("mlp", "up_proj", "kernel"): "ffn_up.weight",
     ("mlp", "down_proj", "kernel"): "ffn_down.weight",
@@ -121,7 +128,7 @@ def open_index(path: str | Path) -> GGUFIndex:
     merge strings among them (~3 s), where a model needs a few numbers and the tensors'
     places. So the config and each tensor's type, data type, shape and offset are kept
     in ``cache_root() / "gguf-index"`` per file version (path, inode, change and
-    modification times, size, gguf version), and later loads map the tensors from that
+    modification times, size, gguf version, ``INDEX_FORMAT``), and later loads map the tensors from that
     without parsing the file. A cache that cannot be written only costs the time."""
     import gguf
 
@@ -129,7 +136,7 @@ def open_index(path: str | Path) -> GGUFIndex:
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
     path = path.resolve()
-    kept = cache_root() / "gguf-index" / f"{_version_key(path, importlib.metadata.version('gguf'))}.json"
+    kept = cache_root() / "gguf-index" / f"{_version_key(path, importlib.metadata.version('gguf'), INDEX_FORMAT)}.json"
     try:
         index = json.loads(kept.read_text())
     except (OSError, ValueError):
@@ -169,7 +176,8 @@ def _field(reader, key: str, default=None):
 def hf_config(reader) -> dict:
     """The checkpoint's hyper-parameters as a Hugging Face ``config.json`` dict.
 
-    Raises ``ValueError`` for a non-llama architecture or missing required keys.
+    Raises ``ValueError`` for an architecture not in ``SUPPORTED_ARCHITECTURES`` or
+    missing required keys.
     """
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -193,20 +201,23 @@ def hf_config(reader) -> dict:
     if vocab is None:
         raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     cfg = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count") or hidden // heads),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length")
+                        or _field(reader, f"{arch}.rope.dimension_count") or hidden // heads),
         "max_position_embeddings": int(need("context_length")),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
-        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        # (Qwen2's q/k/v biases come with its model type; o_proj has none)
+        "attention_bias": arch == "llama" and any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
@@ -265,9 +276,9 @@ def tensor_values(index: GGUFIndex, flat: list, progress: bool = False) -> list[
             raise ValueError(f"GGUF file is missing tensor {name!r}")
         t = tensors[name]
         arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if name.endswith(("attn_q.weight", "attn_q.bias")):
+        if cfg["model_type"] in _PERMUTED_QK and name.endswith(("attn_q.weight", "attn_q.bias")):
             arr = _unpermute(arr, cfg["num_attention_heads"])
-        elif name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif cfg["model_type"] in _PERMUTED_QK and name.endswith(("attn_k.weight", "attn_k.bias")):
             arr = _unpermute(arr, cfg["num_key_value_heads"])
         if transpose:
             arr = arr.T

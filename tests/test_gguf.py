@@ -207,3 +207,84 @@ def test_a_gguf_index_is_kept_per_file_version_and_maps_the_same_tensors(tmp_pat
     blocked.write_text("a file where the cache directory would go")
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(blocked))
     assert gguf_checkpoint.open_index(bad).config["vocab_size"] == 16
+
+
+def write_checkpoint_gguf(model, path, arch: str) -> None:
+    """A tiny transformers model as llama.cpp's converter writes it: ``arch``'s metadata,
+    its tensors under llama.cpp's names in float32 (q/k rows interleaved for ``llama``
+    only), and SmolLM2's tokenizer, copied from its file (the model's vocabulary is
+    that size)."""
+    cfg = model.config
+    src = gguf.GGUFReader(model_source.smollm2_path())
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    w.add_rope_freq_base(float(theta))
+    for name, field in src.fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(name, field.contents(), field.types[0], sub_type)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", data)
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                w.add_tensor("output.weight", data)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", data)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+            if arch == "llama" and module in heads:   # llama.cpp's permute, which _unpermute undoes
+                h = heads[module]
+                data = data.reshape(h, 2, data.shape[0] // h // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+            w.add_tensor(f"blk.{layer}.{names[module]}.{leaf}", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind, arch", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_a_gguf_of_each_architecture_decodes_as_its_checkpoint(kind, arch, tmp_path, monkeypatch):
+    """A checkpoint written as llama.cpp writes ``llama`` (Mistral is written so; the tiny
+    Llama's llama3 rope scaling has no GGUF form this loader takes), ``qwen2`` (q/k/v
+    biases, rotary rows as they are) and ``qwen3`` (per-head q/k norms, wide heads)
+    files loads to the same model: greedy tokens identical to transformers on the
+    source checkpoint, and the file's tokenizer (SmolLM2's) converted for that
+    architecture."""
+    import torch
+
+    from conftest import build_hf_model
+    from jaxserve import LLM, SamplingParams
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_hf_model(kind, vocab_size=49152)
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_checkpoint_gguf(model, path, arch)
+    assert (read_config(path).model_type, read_config(path).qk_norm) == (arch, arch == "qwen3")
+    prompts = [[1, 9, 400, 23, 7], list(range(100, 131))]
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=32, max_model_len=96, warmup=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        assert out.token_ids == want, kind
+    assert llm.tokenizer.encode("The capital of France is Paris.") == \
+        gguf_checkpoint.load_tokenizer(model_source.smollm2_path()).encode("The capital of France is Paris.")
+    llm.engine.shutdown()
