@@ -188,6 +188,11 @@ class EngineCore:
         request.error = f"{type(error).__name__}: {error}"[:500]
         if not request.is_finished:
             self.finish(request, "error")
+        elif request.finish_reason != "error":   # it had ended, its last output failed: an error after all
+            finished = self.stats.finished
+            finished[request.finish_reason] -= 1
+            finished["error"] = finished.get("error", 0) + 1
+            request.finish_reason = "error"
 
     def _released(self, request: Request) -> None:
         """Free what a request that just ended holds outside the scheduler."""

@@ -36,7 +36,7 @@ from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
-from jaxserve.reasoning import ReasoningSplit, get_reasoning_format
+from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningSplit, get_reasoning_format
 from jaxserve.tool_format import select_format
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype, read_config
@@ -320,7 +320,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a live request (frees its pages); ``None`` if unknown or already ended."""
         request = self.core.abort(request_id)
-        return None if request is None else self._output(request)
+        return None if request is None else self.outputs([request])[0]
 
     def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | list[str] | None = None,
                max_tokens: int | None = None) -> None:
@@ -352,8 +352,10 @@ class LLMEngine:
                 min_tokens=min(request.sampling_params.min_tokens, max_tokens))
             if request.logit_adjuster is not None:
                 request.logit_adjuster.new_turn(request.num_generated)
-            if request.reasoning is not None:
-                request.reasoning.reasoning_tokens = 0   # (counted per continuation, as its tokens are)
+            if request.reasoning is not None:   # counted and shown per continuation, as its tokens are
+                request.reasoning.reasoning_tokens = 0
+                if request.reported_reasoning:   # (the blank line before the next turn's reasoning is not shown)
+                    request.reported_reasoning += len(REASONING_TURN_SEPARATOR)
         self.api.resume(request_id, token_ids=token_ids, text=text)
 
     def has_unfinished(self) -> bool:

@@ -4,9 +4,11 @@ Reasoning models write their thinking between tags before the answer:
 Qwen3 starts a turn with ``<think>`` when it thinks (its template's
 ``enable_thinking: false`` writes an empty block into the prompt instead,
 and the turn is then all answer); DeepSeek-R1 and QwQ's templates end the
-prompt with ``<think>``, so a turn starts inside the reasoning (the engine
-checks the context before each turn for that; the ``deepseek_r1`` format
-also assumes it for a request's first turn). Either way ``</think>`` ends it.
+prompt with ``<think>``, so a turn starts inside the reasoning. The engine
+checks a request's prompt and a client's resumed context for that (the
+``deepseek_r1`` format also assumes it for a request's first turn); the tool
+results the engine wraps itself never write ``<think>``, so the turn after
+them starts outside. Either way ``</think>`` ends it.
 
 ``ReasoningSplit`` follows one request's generated text (the detokenizer's,
 growing; ``scan`` after each token) and classifies it into reasoning and
@@ -32,13 +34,15 @@ from dataclasses import dataclass
 from jaxserve.tool_format.base import partial_suffix
 
 _REASONING, _CONTENT = "reasoning", "content"
+REASONING_TURN_SEPARATOR = "\n\n"   # between the reasoning of successive turns
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
-    """``start``/``end``: the tags around the reasoning; ``opens_inside``: a turn
-    starts inside the reasoning (the prompt wrote ``start``), else only when the
-    turn's text starts with ``start``."""
+    """``start``/``end``: the tags around the reasoning; ``opens_inside``: a request's
+    first turn starts inside the reasoning even when its prompt does not end with
+    ``start`` (otherwise a turn thinks when its text starts with ``start``, or its
+    context ended with it)."""
 
     name: str
     start: str = "<think>"
@@ -90,13 +94,12 @@ class ReasoningSplit:
         self._pending = 0           # tokens of the current turn before it was decided
         self._turn_kind = _CONTENT  # what the current turn opened as (once decided)
 
-    def new_turn(self, at: int, opens_inside: bool = False) -> None:
-        """A new assistant turn starts at text offset ``at`` (after a pause on tool
-        calls); ``opens_inside``: its prompt (the tool results' turn) ends with the
-        start tag (``reopen_inside`` says so later, before the turn's first token)."""
+    def new_turn(self, at: int) -> None:
+        """A new assistant turn starts at text offset ``at`` (after a pause on tool calls),
+        outside the reasoning unless ``reopen_inside`` says otherwise before its first token."""
         if self.spans and self.spans[-1].end is None:
             self.spans[-1].end = at
-        self._turn, self._inside, self._decided, self._pending = at, opens_inside, False, 0
+        self._turn, self._inside, self._decided, self._pending = at, False, False, 0
 
     def reopen_inside(self) -> None:
         """The current turn, not begun yet, starts inside the reasoning (its prompt wrote the start tag)."""
@@ -190,7 +193,7 @@ class ReasoningSplit:
     def reasoning(self, text: str, upto: int, final: bool) -> str:
         """The reasoning shown once ``text[:upto]`` is released (``final``: nothing more
         comes); turns' reasoning apart by a blank line."""
-        return "\n\n".join(self._pieces(_REASONING, text, upto, final))
+        return REASONING_TURN_SEPARATOR.join(self._pieces(_REASONING, text, upto, final))
 
     def content(self, text: str, upto: int, final: bool) -> str:
         """The answer shown once ``text[:upto]`` is released (``final``: nothing more comes)."""

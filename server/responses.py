@@ -367,10 +367,14 @@ class ResponsesWire:
         if not self._reasoning_open:
             return []
         self._reasoning_open = False
-        text = self._reasoning_streamed
-        return [self._event("response.reasoning_text.done", item_id=self._reasoning_id, output_index=0,
+        return self._reasoning_done(0, self._reasoning_streamed)
+
+    def _reasoning_done(self, index: int, text: str, later: bool = False) -> list[str]:
+        """The events that close the reasoning item at ``output_index`` ``index``, holding ``text``."""
+        item = self._reasoning_item(text, later)
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                             content_index=0, text=text),
-                self._event("response.output_item.done", output_index=0, item=self._reasoning_item(text))]
+                self._event("response.output_item.done", output_index=index, item=item)]
 
     def text(self, c: ChoiceState, text: str, logprobs: list, reasoning: str = "") -> list[str]:
         events = self._stream_reasoning(reasoning)
@@ -416,11 +420,7 @@ class ResponsesWire:
             events += [self._event("response.output_item.added", output_index=index,
                                    item={"type": "reasoning", "id": item_id, "summary": [], "content": []}),
                        self._event("response.reasoning_text.delta", item_id=item_id, output_index=index,
-                                   content_index=0, delta=later),
-                       self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
-                                   content_index=0, text=later),
-                       self._event("response.output_item.done", output_index=index,
-                                   item=self._reasoning_item(later, later=True))]
+                                   content_index=0, delta=later), *self._reasoning_done(index, later, later=True)]
         return events
 
     def end(self, choices: list[ChoiceState]) -> list[str]:

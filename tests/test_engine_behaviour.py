@@ -220,7 +220,8 @@ def test_with_include_stop_the_cut_is_after_the_earliest_stop_string_and_the_sho
 
 def test_an_output_that_fails_to_build_fails_its_request_alone(llm):
     """A defect while building one request's output (here its detokenizer's hold-back)
-    ends that request with an error; the other request of the same steps finishes."""
+    ends that request with an error; the other request of the same steps finishes. One
+    that ended before its last output failed to build ends as an error too."""
     engine = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     broken = engine.add_request(prompt_token_ids=prompt(7, 11), sampling_params=params)
@@ -245,6 +246,27 @@ def test_an_output_that_fails_to_build_fails_its_request_alone(llm):
     assert finals[broken].finish_reason == "error" and "hold-back defect" in finals[broken].error
     assert finals[fine].finish_reason == "length" and len(finals[fine].token_ids) == 6 and finals[fine].error is None
     assert engine.scheduler.kv.num_free_device == engine.scheduler.device_pool.num_pages
+
+    # A request whose last output fails once it has ended (at "length") is an error after all, counted so.
+    class FailsAtTheEnd(Failing):
+        def releasable(self):
+            return self.inner.releasable()
+
+        @property
+        def text(self):
+            if request.is_finished:
+                raise RuntimeError("final text defect")
+            return self.inner.text
+    before = dict(engine.stats.finished)
+    rid = engine.add_request(prompt_token_ids=prompt(7, 13), sampling_params=params)
+    request = engine.scheduler.requests[rid]
+    request.detokenizer = FailsAtTheEnd(request.detokenizer)
+    final = None
+    while final is None:
+        final = next((out for out in engine.step() if out.finished), None)
+    assert final.finish_reason == "error" and "final text defect" in final.error
+    after = engine.stats.finished
+    assert (after.get("error", 0) - before.get("error", 0), after.get("length", 0) - before.get("length", 0)) == (1, 0)
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):

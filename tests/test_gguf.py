@@ -223,9 +223,10 @@ def write_checkpoint_gguf(model, path, arch: str) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim:   # (as llama.cpp: not for Qwen2, whose loader falls back to hidden / heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
     w.add_rope_freq_base(float(theta))

@@ -306,3 +306,37 @@ def test_reasoning_after_the_answer_started_is_an_item_of_its_own_after_the_mess
     final = events[-1]["response"]["output"]
     assert [(i["id"], i["content"][0]["text"]) for i in final] == [
         (e["item"]["id"], e["item"]["content"][0]["text"]) for e in events if e["type"] == "response.output_item.done"]
+
+
+def test_a_resumed_turn_shows_its_own_reasoning_and_counts_its_own_tokens():
+    """A request paused on a client-side call and resumed with the client's context
+    ending in ``<think>``: the next turn starts inside the reasoning, and the resumed
+    continuation's reasoning deltas start with that turn's text (not with the blank
+    line that joins it to the first turn's) and its token count starts from 0."""
+    from jaxserve import SamplingParams
+    from jaxserve.engine import LLMEngine
+    from jaxserve.tool_format.base import ParsedToolCall
+    engine = LLMEngine("demo", page_size=8, num_pages=64, max_num_batched_tokens=64, max_model_len=256, warmup=False)
+    try:
+        engine.reasoning_format = ReasoningFormat("test", start="<think>", end="\u2603\u2603", opens_inside=True)
+        rid = engine.add_request(prompt_token_ids=[5, 6, 7, 8], sampling_params=SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True))
+        request = engine.scheduler.requests[rid]
+        first = []
+        while request.num_generated < 6:
+            first += engine.step()
+        engine._pause_for_tools(request, [ParsedToolCall("lookup", "{}", "")], engine.clock.now())
+        [paused] = engine.outputs([request])
+        assert paused.finish_reason == "tool_calls" and paused.reasoning and paused.num_reasoning_tokens == 6
+        resumed_ids = engine.tokenizer.encode("result<think>\n", add_special_tokens=False)
+        engine.resume(rid, token_ids=resumed_ids, max_tokens=5)
+        deltas, final = [], None
+        while final is None:
+            for out in engine.step():
+                deltas.append(out.delta_reasoning)
+                final = out if out.finished else None
+        second = "".join(deltas)
+        assert second and not second.startswith("\n") and final.reasoning == paused.reasoning + "\n\n" + second
+        assert final.num_reasoning_tokens == 5 and final.text == paused.text   # all of turn 2 was reasoning
+    finally:
+        engine.shutdown()
