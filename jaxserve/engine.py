@@ -34,9 +34,9 @@ from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
 from jaxserve.parallel.protocol import executor_class
 from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
+from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningSplit, get_reasoning_format
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
-from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningSplit, get_reasoning_format
 from jaxserve.tool_format import select_format
 from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype, read_config
