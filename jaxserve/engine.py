@@ -266,12 +266,26 @@ class LLMEngine:
                                                 params.include_stop_str_in_output)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
-            # (a grammar constrains the text from its first token: there is no reasoning before it)
-            reasoning=ReasoningSplit(self.reasoning_format, self._ends_with_think(ids))
-            if self.reasoning_format is not None and parse_reasoning is not False and grammar is None
-            and self.tokenizer is not None else None,
+            reasoning=self._reasoning_split(ids, grammar, parse_reasoning),
             logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
         return request
+
+    def _reasoning_split(self, ids: list[int], grammar: RequestGrammar | None,
+                         parse_reasoning: bool | None) -> ReasoningSplit | None:
+        """The reasoning split of a request of prompt ``ids`` (None: not asked, no
+        parser or no tokenizer). With a grammar: a ``response_format`` one sleeps while a
+        turn known to open inside the reasoning reasons, and constrains the answer after
+        it (as vLLM's); otherwise the grammar constrains the text from its first token,
+        and there is no reasoning to split."""
+        fmt = self.reasoning_format
+        if fmt is None or parse_reasoning is False or self.tokenizer is None:
+            return None
+        inside = fmt.opens_inside or self._ends_with_think(ids)
+        if grammar is not None:
+            if grammar.forced_call or not inside:
+                return None
+            grammar.sleep()
+        return ReasoningSplit(fmt, inside)
 
     def _ends_with_think(self, ids: list[int]) -> bool:
         """Whether context ``ids`` end with the reasoning format's start tag (and newlines):
@@ -412,6 +426,8 @@ class LLMEngine:
                 and (reason := grammar.accept(token, request.max_tokens - request.num_generated)) is not None:
             self.core.finish(request, reason)
             return
+        if grammar is not None and grammar.dormant and split.in_answer:
+            grammar.wake()   # this token ended the reasoning: the answer's tokens are constrained
         if event.kind is not EventKind.TOKEN or request.tool_parser is None:
             return
         if split is not None:

@@ -101,6 +101,12 @@ class ReasoningSplit:
             self.spans[-1].end = at
         self._turn, self._inside, self._decided, self._pending = at, False, False, 0
 
+    @property
+    def in_answer(self) -> bool:
+        """Whether the text so far ends in the answer: the current turn is decided and its
+        reasoning, if any, has ended."""
+        return self._decided and self.spans[-1].kind == _CONTENT
+
     def reopen_inside(self) -> None:
         """The current turn, not begun yet, starts inside the reasoning (its prompt wrote the start tag)."""
         if not self._decided:

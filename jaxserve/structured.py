@@ -56,7 +56,9 @@ class RequestGrammar:
     tokens left would not fit another call of the average size so far, the next
     token is forced to it (``forced_token``), so a model that keeps calling still
     returns its complete calls. ``active`` is False once the turn is complete or
-    the matcher stopped; inactive grammars constrain no row.
+    the matcher stopped; inactive grammars constrain no row. ``dormant``: the grammar
+    waits for the model's reasoning to end (``sleep``, then ``wake``); until then it is
+    inactive and takes no token.
     """
 
     def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False,
@@ -67,11 +69,21 @@ class RequestGrammar:
         self.close_token = close_token
         self.string_token = string_token   # '"': allowed inside no call boundary, only around strings
         self.active = True
+        self.dormant = False
         self.turn_complete = False
         self.calls: list = []   # ParsedToolCall of the forced turn so far
         self.forced_token: int | None = None
         self._tokens = 0        # tokens of the turn so far
         self._boundaries = 0    # points after a complete call where the turn could close
+
+    def sleep(self) -> None:
+        """Constrain nothing until ``wake`` (the turn reasons first: the answer is constrained)."""
+        self.active, self.dormant = False, True
+
+    def wake(self) -> None:
+        """The reasoning ended: constrain the tokens from the next one on."""
+        if self.dormant:
+            self.active, self.dormant = True, False
 
     def accept(self, token: int, tokens_left: int | None = None) -> str | None:
         """Advance by a generated token (``tokens_left``: of ``max_tokens``, after it).

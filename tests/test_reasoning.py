@@ -340,3 +340,16 @@ def test_a_resumed_turn_shows_its_own_reasoning_and_counts_its_own_tokens():
         assert final.num_reasoning_tokens == 5 and final.text == paused.text   # all of turn 2 was reasoning
     finally:
         engine.shutdown()
+
+
+def test_a_response_format_constrains_the_answer_after_the_reasoning(served):
+    """A turn that opens inside the reasoning reasons freely (the same tokens as without a
+    format), and the JSON object grammar takes over after the end tag: the answer is JSON
+    from its first character, where the free answer was not."""
+    client, _, raw, reasoning, content = served
+    assert not content.startswith("{")
+    message = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40,
+                                                        "response_format": {"type": "json_object"}}).json()
+    answer = message["choices"][0]["message"]
+    assert answer["reasoning"] == reasoning and answer["content"].startswith("{")
+    assert answer["content"] != content[:len(answer["content"])]
