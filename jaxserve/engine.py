@@ -367,7 +367,7 @@ class LLMEngine:
             if request.logit_adjuster is not None:
                 request.logit_adjuster.new_turn(request.num_generated)
             if request.reasoning is not None:   # counted and shown per continuation, as its tokens are
-                request.reasoning.reasoning_tokens = 0
+                request.reasoning.new_continuation()
                 if request.reported_reasoning:   # (the blank line before the next turn's reasoning is not shown)
                     request.reported_reasoning += len(REASONING_TURN_SEPARATOR)
         self.api.resume(request_id, token_ids=token_ids, text=text)

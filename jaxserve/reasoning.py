@@ -92,7 +92,6 @@ class ReasoningSplit:
         self._fed = 0             # text up to here was handed out by ``take_content``
         self.reasoning_tokens = 0   # tokens of reasoning (tags included) since the count was last reset
         self._pending = 0           # tokens of the current turn before it was decided
-        self._turn_kind = _CONTENT  # what the current turn opened as (once decided)
 
     def new_turn(self, at: int) -> None:
         """A new assistant turn starts at text offset ``at`` (after a pause on tool calls),
@@ -107,6 +106,11 @@ class ReasoningSplit:
         reasoning, if any, has ended."""
         return self._decided and self.spans[-1].kind == _CONTENT
 
+    def new_continuation(self) -> None:
+        """The request resumes with a fresh token budget (a new response): count its
+        reasoning tokens from 0, as its tokens are."""
+        self.reasoning_tokens = 0
+
     def reopen_inside(self) -> None:
         """The current turn, not begun yet, starts inside the reasoning (its prompt wrote the start tag)."""
         if not self._decided:
@@ -118,12 +122,12 @@ class ReasoningSplit:
         end tag included; a turn's first tokens once the turn is decided)."""
         span = self.spans[-1] if self._decided else None
         inside = span is not None and span.kind == _REASONING and span.end is None
-        decided = self._decided
+        decided, first = self._decided, len(self.spans)   # (the turn's first span, once it opens)
         self.scan(text)
         if decided:
             self.reasoning_tokens += inside
         elif self._decided:   # this token decided the turn: it and the turn's tokens before it
-            self.reasoning_tokens += (self._pending + 1) * (self._turn_kind == _REASONING)
+            self.reasoning_tokens += (self._pending + 1) * (self.spans[first].kind == _REASONING)
             self._pending = 0
         else:
             self._pending += 1
@@ -167,8 +171,6 @@ class ReasoningSplit:
         self._pending = 0
 
     def _open(self, kind: str, start: int, skipping: bool) -> _Span:
-        if not self._decided:
-            self._turn_kind = kind   # what the current turn opened as
         span = _Span(kind, start, None, skipping)
         self.spans.append(span)
         self._decided = True
