@@ -32,6 +32,7 @@ from jaxserve.constraints import StructuredOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
+from server.background import BackgroundRun, BackgroundRuns
 from server.errors import APIError, from_value_error, install_handlers
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
                                wait_or_disconnect)
@@ -124,6 +125,7 @@ class ServerState:
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
         self.responses = ResponseStore()   # stored /v1/responses results (``previous_response_id``)
+        self.background = BackgroundRuns()   # /v1/responses runs with ``background: true``
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -175,6 +177,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     async def lifespan(app: FastAPI):
         state.parked.start()
         yield
+        await state.background.close()
         await state.parked.close()
 
     # /openapi.json is served (fuzzers and client generators read it) behind the API key like every route.
@@ -216,15 +219,27 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         return await _respond(state, request, body)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request):
-        entry = state.responses.get(response_id, _owner(request, None))
-        if entry is None:
-            raise _response_not_found(response_id)
-        return entry.response
+    async def get_response(response_id: str, request: Request, stream: bool = False,
+                           starting_after: int = -1):
+        return _get_response(state, response_id, _owner(request, None), stream, starting_after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request):
+        return await _cancel_response(state, response_id, _owner(request, None))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                               after: str | None = None):
+        return _input_items_page(state, response_id, _owner(request, None), limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):
-        if not state.responses.delete(response_id, _owner(request, None)):
+        owner = _owner(request, None)
+        run = state.background.get(response_id, owner)
+        if run is not None:   # (a live run is stopped first: nothing would be left to free its requests)
+            await state.background.cancel(run)
+            state.background.drop(response_id)
+        if not state.responses.delete(response_id, owner) and run is None:
             raise _response_not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -246,9 +261,11 @@ def _check_model(state: ServerState, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-async def _serve(state: ServerState, request: Request, body, chat: bool, wire=None):
+async def _serve(state: ServerState, request: Request, body, chat: bool, wire=None,
+                 rendered: tuple[list[int], bool] | None = None):
     """Run ``body`` (completions, or chat when ``chat``) and answer it in ``wire``'s shape
-    (by default ``ChatWire``: chat completions or completions)."""
+    (by default ``ChatWire``: chat completions or completions). ``rendered``: chat's
+    ``_render_chat(state, body)``, when the caller has it."""
     _check_model(state, body.model)
     if wire is None:
         wire = ChatWire(state.model_name, state.token_spellings, body, chat)
@@ -261,13 +278,17 @@ async def _serve(state: ServerState, request: Request, body, chat: bool, wire=No
     slot = state.limit.acquire(_fanout(state, body, chat))
     try:
         owner = _owner(request, body)
-        jobs = await (_chat_jobs(state, body, owner) if chat else _completion_jobs(state, body))
+        jobs = await (_chat_jobs(state, body, owner, rendered) if chat else _completion_jobs(state, body))
         if jobs[0].params.logprobs is not None:
             await state.token_spellings.ready()
         merger = ChoiceMerger(state.engine, jobs)
         choices = [ChoiceState(i, job, new_timer(state.metrics, job, start),
                                hide_tool_markup=chat and job.parse_tool_calls, tool_format=state.tool_format)
                    for i, job in enumerate(jobs)]
+        if getattr(wire, "background", False):
+            response = await _start_background(state, wire, merger, choices, owner, slot, body.stream)
+            slot = None   # released by the run
+            return response
         try:
             await wait_or_disconnect(request, merger.prime())
         except BaseException as e:
@@ -343,25 +364,185 @@ def _owner(request: Request, body) -> str:
 
 
 async def _respond(state: ServerState, request: Request, body: ResponsesRequest):
-    """``POST /v1/responses``: the chat request it amounts to, answered as a ``response``."""
+    """``POST /v1/responses``: the chat request it amounts to, answered as a ``response``
+    (``background``: run on the server, ``server.background``)."""
     _check_model(state, body.model)
     if body.reasoning is not None and getattr(getattr(state.engine, "engine", None), "reasoning_format", None) is None:
         raise APIError(400, "reasoning: this server returns no reasoning (serve the model with --reasoning-parser)",
                        param="reasoning")
     owner = _owner(request, None)
+    earlier = state.background.get(body.previous_response_id, owner) if body.previous_response_id else None
+    if earlier is not None and not earlier.done:
+        raise APIError(400, f"previous response {body.previous_response_id!r} is still {earlier.status}: wait for "
+                       "it to end (or cancel it)", param="previous_response_id", code="previous_response_in_progress")
     history = state.responses.conversation(body.previous_response_id, owner) if body.previous_response_id else []
     added = input_messages(body)
     try:
         chat = chat_request(body, history, added)
+        rendered = None
+        if body.truncation == "auto":
+            chat, rendered = await _truncated(state, chat)
         wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
                              state.cache_page_size, state.token_spellings)
-        return await _serve(state, request, chat, chat=True, wire=wire)
+        return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered)
     except APIError as e:
         raise responses_error(e) from None
 
 
+async def _truncated(state: ServerState, chat: ChatCompletionRequest
+                     ) -> tuple[ChatCompletionRequest, tuple[list[int], bool] | None]:
+    """``truncation: "auto"``: ``chat`` with as few of its oldest turns dropped as make the
+    prompt and ``max_output_tokens`` (at least one token) fit the context window, with its
+    rendering. Turns are dropped whole: the kept conversation starts at a user message,
+    after the system message (``instructions``) when there is one. When even the last
+    turn alone does not fit, ``chat`` as it was (its 400 follows)."""
+    need = chat.token_limit or 1
+    messages = chat.messages
+    head = 1 if messages[0].role in ("system", "developer") else 0
+
+    async def render(candidate: ChatCompletionRequest) -> tuple[list[int], bool] | None:
+        try:
+            rendered = await _render_chat(state, candidate)
+        except APIError as e:
+            if e.code != "context_length_exceeded":   # (the cheap bound ``check_prompt_bytes`` applies)
+                raise
+            return None
+        return rendered if len(rendered[0]) + need <= state.max_model_len else None
+
+    rendered = await render(chat)
+    if rendered is not None:
+        return chat, rendered
+    starts = [i for i in range(head + 1, len(messages)) if messages[i].role == "user"]
+    best: tuple[ChatCompletionRequest, tuple[list[int], bool]] | None = None
+    low, high = 0, len(starts) - 1
+    while low <= high:   # the earliest start that fits (a later start keeps fewer turns: never longer)
+        mid = (low + high) // 2
+        candidate = chat.model_copy(update={"messages": messages[:head] + messages[starts[mid]:]})
+        rendered = await render(candidate)
+        if rendered is not None:
+            best, high = (candidate, rendered), mid - 1
+        else:
+            low = mid + 1
+    return best if best is not None else (chat, None)
+
+
 def _response_not_found(response_id: str) -> APIError:
     return APIError(404, f"response {response_id!r} not found", param="response_id", code="response_not_found")
+
+
+class _Detached:
+    """The client of a background run: never gone (``_stream`` polls it)."""
+
+    @staticmethod
+    async def is_disconnected() -> bool:
+        return False
+
+
+async def _start_background(state: ServerState, wire: ResponsesWire, merger: ChoiceMerger,
+                            choices: list[ChoiceState], owner: str, slot: "_Slot", stream: bool) -> Response:
+    """Run a background response (``server.background``); the answer to its create call:
+    the response ``queued``, or (``stream``) a stream that follows the run from its first event."""
+    queued, events = wire.queued()
+    run = BackgroundRun(wire.response_id, wire.owner, lambda status: wire.snapshot(choices, status),
+                        wire.input_items)
+    run.add(events)
+    await state.background.start(run, _run_background(state, run, wire, merger, choices, owner, slot))
+    if stream:
+        return _ManagedStream(run.follow(), on_close=lambda: None, media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(queued)
+
+
+async def _run_background(state: ServerState, run: BackgroundRun, wire: ResponsesWire, merger: ChoiceMerger,
+                          choices: list[ChoiceState], owner: str, slot: "_Slot") -> None:
+    """The body of a background run: the stream a streamed response would send, into
+    ``run``'s log; ends ``run`` with the final object (cancelled when the task is)."""
+    try:
+        try:
+            await merger.prime()
+        except BaseException:
+            await merger.aclose()
+            raise
+        run.started()
+        async for event in _stream(state, _Detached(), wire, merger, choices, owner):
+            run.add([event])
+    except asyncio.CancelledError:
+        wire.cancelled(choices)
+    except Exception as e:  # noqa: BLE001 - before its first output (bad input the engine refused, engine gone)
+        if isinstance(e, ValueError):
+            e = from_value_error(e, wire.prompt_param)
+        elif isinstance(e, EngineDeadError):
+            e = APIError(503, "the engine is not running", code="engine_dead")
+        run.add(wire.error(e))
+    finally:
+        slot.release()
+    if wire.final is not None:
+        run.end(wire.final)
+
+
+def _get_response(state: ServerState, response_id: str, owner: str, stream: bool, starting_after: int):
+    """``GET /v1/responses/{id}``: the stored response, or a background run as it stands;
+    ``stream``: a background run's events after ``starting_after``, then the rest as they come."""
+    run = state.background.get(response_id, owner)
+    if stream:
+        if run is None:
+            if state.responses.get(response_id, owner) is None:
+                raise _response_not_found(response_id)
+            raise APIError(400, "stream: only a background response's events can be streamed again (until "
+                           f"{state.background.retention_s:.0f} s after it ended)", param="stream")
+        if starting_after < -1:
+            raise APIError(400, "starting_after: a sequence number (>= 0), or -1 for every event",
+                           param="starting_after")
+        return _ManagedStream(run.follow(starting_after), on_close=lambda: None, media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    if run is not None:
+        return run.response()
+    entry = state.responses.get(response_id, owner)
+    if entry is None:
+        raise _response_not_found(response_id)
+    return entry.response
+
+
+async def _cancel_response(state: ServerState, response_id: str, owner: str) -> dict:
+    """``POST /v1/responses/{id}/cancel``: stop a background run (one that ended is
+    returned as it ended); other responses cannot be cancelled."""
+    run = state.background.get(response_id, owner)
+    if run is not None:
+        return await state.background.cancel(run)
+    entry = state.responses.get(response_id, owner)
+    if entry is None:
+        raise _response_not_found(response_id)
+    if entry.response.get("background"):
+        return entry.response
+    raise APIError(400, f"response {response_id!r} was not created with background: true; only background "
+                   "responses can be cancelled", param="response_id")
+
+
+def _input_items_page(state: ServerState, response_id: str, owner: str, limit: int, order: str,
+                      after: str | None) -> dict:
+    """``GET /v1/responses/{id}/input_items``: a page of the response's input items
+    (``order`` "asc": as sent, "desc": last first; ``after``: the page after that item id)."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit: must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
+    run = state.background.get(response_id, owner)
+    entry = state.responses.get(response_id, owner)
+    if entry is not None:
+        items = entry.input_items
+    elif run is not None:
+        items = run.input_items
+    else:
+        raise _response_not_found(response_id)
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), None)
+        if start is None:
+            raise APIError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
 def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict]:
@@ -455,9 +636,10 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
         raise from_value_error(e, prompt_param) from None
 
 
-async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str) -> list[Job]:
+async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str,
+                     rendered: tuple[list[int], bool] | None = None) -> list[Job]:
     structured = _structured(state, body)
-    ids, parse = await _render_chat(state, body)
+    ids, parse = rendered if rendered is not None else await _render_chat(state, body)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = []
     for i in range(body.n):

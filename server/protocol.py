@@ -509,10 +509,9 @@ class ResponseReasoningConfig(_Request):
 class ResponsesRequest(_Request):
     """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
     tools, ``previous_response_id`` conversations, ``text.format``, ``reasoning`` with a
-    reasoning parser). Fields of the API this
-    server does not implement are refused when set (``background``,
-    ``truncation: "auto"``, ``include`` values other than ``message.output_text.logprobs``,
-    ``conversation``, ``prompt``, ``max_tool_calls``)."""
+    reasoning parser, ``background`` runs, ``truncation: "auto"``). Fields of the API this
+    server does not implement are refused when set (``include`` values other than
+    ``message.output_text.logprobs``, ``conversation``, ``prompt``, ``max_tool_calls``)."""
 
     model: Text
     input: Text | list[ResponseInputItem] = Field(min_length=1)
@@ -550,10 +549,11 @@ class ResponsesRequest(_Request):
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
         unsupported = [name for name, set_ in [
-            ("background", bool(self.background)),
-            ("truncation", self.truncation == "auto"),
             ("conversation", self.conversation is not None), ("prompt", self.prompt is not None),
             ("max_tool_calls", self.max_tool_calls is not None)] if set_]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
+        if self.background and not self.store:
+            raise ValueError("background responses must be stored (store: true): they are read back with "
+                             "GET /v1/responses/{id}")
         return self

@@ -26,7 +26,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
@@ -47,7 +47,8 @@ class StoredResponse:
     parent: str | None           # previous_response_id
     messages: list[dict]         # what it added to the conversation: its input, then its answer (chat messages)
     response: dict               # the response object, as returned
-    size: int = 0                # bytes it is charged (its messages and response as JSON)
+    input_items: list[dict] = field(default_factory=list)   # its ``input`` as items with ids (``/input_items``)
+    size: int = 0                # bytes it is charged (its messages, response and input items as JSON)
 
 
 class ResponseStore:
@@ -70,7 +71,7 @@ class ResponseStore:
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
-        entry.size = len(json.dumps([entry.messages, entry.response], ensure_ascii=False))
+        entry.size = len(json.dumps([entry.messages, entry.response, entry.input_items], ensure_ascii=False))
         if entry.size > self.max_bytes:
             return
         self._drop(response_id)
@@ -155,6 +156,37 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     return out
 
 
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """``body.input`` as the API lists a response's input items (``GET
+    /v1/responses/{id}/input_items``): each with an ``id`` (the client's, for a reasoning
+    item that had one) and its text parts as ``input_text`` (or ``output_text`` for an
+    assistant's)."""
+    def parts(content, kind: str) -> list[dict]:
+        if isinstance(content, str):
+            return [{"type": kind, "text": content}]
+        return [{"type": part.type, "text": part.text} for part in content]
+
+    if isinstance(body.input, str):
+        return [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "user",
+                 "content": parts(body.input, "input_text")}]
+    items = []
+    for item in body.input:
+        if item.type == "message":
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
+                          "role": item.role, "content": parts(item.content, kind)})
+        elif item.type == "function_call":
+            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "status": "completed",
+                          "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
+        elif item.type == "function_call_output":
+            items.append({"type": "function_call_output", "id": f"fco_{uuid.uuid4().hex}", "status": "completed",
+                          "call_id": item.call_id, "output": item.text})
+        else:
+            items.append({"type": "reasoning", "id": item.id or f"rs_{uuid.uuid4().hex}", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": item.text}]})
+    return items
+
+
 def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict]) -> ChatCompletionRequest:
     """The chat completions request ``body`` amounts to after ``history`` (the stored
     conversation of its previous response) with ``added`` (``input_messages(body)``)."""
@@ -205,6 +237,10 @@ class ResponsesWire:
         ``token_spellings``: for ``output_text.logprobs``."""
         self.body, self.model_name, self.store, self.owner, self.added = body, model_name, store, owner, added
         self.cache_page_size, self.token_spellings = cache_page_size, token_spellings
+        self.background = bool(body.background)
+        self.streaming = body.stream or self.background   # a background response runs as a stream (``server.background``)
+        self.input_items = input_items(body) if store is not None else []
+        self.final: dict | None = None   # the response object it ended with (completed, incomplete, failed, cancelled)
         self._held_logprobs: list = []   # records of tokens streamed before any text (tool markup, held text)
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -226,7 +262,8 @@ class ResponsesWire:
                "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponseToolChoiceFunction)
                else (body.tool_choice or "auto"),
                "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-               "temperature": body.temperature, "top_p": body.top_p, "store": body.store, "truncation": "disabled",
+               "temperature": body.temperature, "top_p": body.top_p, "store": body.store,
+               "truncation": body.truncation or "disabled", "background": self.background,
                "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
                "metadata": body.metadata or {}}
         for name in ("instructions", "max_output_tokens", "previous_response_id", "user", "top_logprobs"):
@@ -272,7 +309,7 @@ class ResponsesWire:
         """``(first, later)``: the reasoning listed before the message (all of it, unless
         streaming: what was streamed before the message started) and the rest, listed
         after the message and calls (a later turn's, after server-side tool results)."""
-        if not self.body.stream:
+        if not self.streaming:
             return c.reasoning, ""
         first = self._reasoning_streamed
         return first, c.reasoning[len(first):].lstrip("\n")   # (turns' reasoning are apart by a blank line)
@@ -288,12 +325,15 @@ class ResponsesWire:
 
     @staticmethod
     def _outcome(c: ChoiceState) -> tuple[str, str | None]:
-        """``(status, incomplete_details.reason)`` of the finished choice."""
+        """``(status, incomplete_details.reason)`` of the finished choice: "error" (the
+        engine failed it) is ``failed``, "abort" (aborted in the engine) ``cancelled``."""
         if c.finish_reason == "length":
             return "incomplete", "max_output_tokens"
-        if c.finish_reason in ("stop", "tool_calls"):
-            return "completed", None
-        return "incomplete", "interrupted"
+        if c.finish_reason == "error":
+            return "failed", None
+        if c.finish_reason == "abort":
+            return "cancelled", None
+        return "completed", None   # "stop", "tool_calls"
 
     def full(self, choices: list[ChoiceState]) -> dict:
         [c] = choices
@@ -304,12 +344,35 @@ class ResponsesWire:
         first, later = self._reasoning_parts(c)
         output = ([self._reasoning_item(first)] if first else []) + output + \
             ([self._reasoning_item(later, later=True)] if later else [])
-        return self._object(status, output, choices, reason)
+        response = self._object(status, output, choices, reason)
+        if status == "failed":
+            response["error"] = {"code": "server_error",
+                                 "message": f"generation failed: {(c.last.error if c.last is not None else None) or 'engine error'}"}
+        return response
+
+    def snapshot(self, choices: list[ChoiceState], status: str) -> dict:
+        """The response while it runs (``status`` "queued" or "in_progress"): the
+        reasoning and text so far, in items still ``in_progress``; no usage yet."""
+        [c] = choices
+        output = ([self._reasoning_item(c.reasoning)] if c.reasoning else []) + \
+            ([self._message_item(c, "in_progress")] if c.text else [])
+        return self._object(status, output)
+
+    def cancelled(self, choices: list[ChoiceState]) -> dict:
+        """The response of a run cancelled before it ended (``status: "cancelled"``, what it
+        had produced, in ``incomplete`` items), stored when asked; it is ``final``."""
+        [c] = choices
+        output = ([self._reasoning_item(c.reasoning)] if c.reasoning else []) + \
+            ([self._message_item(c, "incomplete")] if c.text else [])
+        self.final = self._object("cancelled", output, choices)
+        self.keep(choices, self.final)
+        return self.final
 
     def keep(self, choices: list[ChoiceState], response: dict) -> None:
         """Store ``response`` (when asked), delivered to the client, with the messages it
         adds to its conversation (on the event loop)."""
         [c] = choices
+        self.final = response
         if self.store is not None:
             answer: dict = {"role": "assistant", "content": c.text or None}
             if c.reasoning:   # (templates that show the reasoning of the current turn read it back)
@@ -319,7 +382,7 @@ class ResponsesWire:
                                          "function": {"name": call.name, "arguments": call.arguments}}
                                         for call in c.tool_calls]
             self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
-                                                            self.added + [answer], response))
+                                                            self.added + [answer], response, self.input_items))
 
     # ----------------------------------------------------------------- stream
     def _event(self, kind: str, **fields) -> str:
@@ -327,8 +390,17 @@ class ResponsesWire:
         self._sequence += 1
         return f"event: {kind}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
+    def queued(self) -> tuple[dict, list[str]]:
+        """A background response as created: its object (``status: "queued"``) and the
+        events that open its stream (``response.created``, ``response.queued``)."""
+        pending = self._object("queued", [])
+        return pending, [self._event("response.created", response=pending),
+                         self._event("response.queued", response=pending)]
+
     def start(self, choices: list[ChoiceState]) -> list[str]:
         pending = self._object("in_progress", [])
+        if self.background:   # (created and queued when it was created: ``queued``)
+            return [self._event("response.in_progress", response=pending)]
         return [self._event("response.created", response=pending), self._event("response.in_progress",
                                                                                 response=pending)]
 
@@ -426,7 +498,9 @@ class ResponsesWire:
     def end(self, choices: list[ChoiceState]) -> list[str]:
         response = self.full(choices)
         self.keep(choices, response)
-        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        # (The API has no event for a cancelled response: one aborted in the engine ends as incomplete ones do.)
+        kind = {"completed": "response.completed", "failed": "response.failed"}.get(response["status"],
+                                                                                    "response.incomplete")
         return [self._event(kind, response=response)]
 
     def error(self, error: APIError | Exception) -> list[str]:
@@ -434,5 +508,9 @@ class ResponsesWire:
             error = APIError(500, f"generation failed: {type(error).__name__}: {error}")
         failed = self._object("failed", [])
         failed["error"] = {"code": error.code or error.type, "message": error.message}
+        self.final = failed
+        if self.background and self.store is not None:   # (polled: the failure must be there to read)
+            self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id, self.added,
+                                                            failed, self.input_items))
         return [self._event("error", code=error.code or error.type, message=error.message, param=error.param),
                 self._event("response.failed", response=failed)]

@@ -732,3 +732,66 @@ def test_parked_context_is_resumed_only_by_the_user_that_created_it(servers, too
     assert owner.status_code == 200 and owner.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert metrics(tools)["jaxserve:resumed_requests_total"] == before["jaxserve:resumed_requests_total"] + 1
     wait_idle(tools)
+
+
+def _wait_paused(client: httpx.Client, count: int, timeout: float = 20.0) -> None:
+    """Poll /metrics until ``count`` requests are paused (inside ``record_note``, gate closed)."""
+    deadline = time.monotonic() + timeout
+    while metrics(client)['jaxserve:num_requests_paused{handling="preserve"}'] != count:
+        assert time.monotonic() < deadline, "requests did not pause in the tool"
+        time.sleep(0.05)
+
+
+def test_a_background_response_outlives_its_client_and_is_polled_resumed_and_cancelled(servers, tools):
+    """``background: true`` through the official client, with ``record_note`` holding each
+    run paused inside the tool: the create call answers ``queued`` at once; polling shows
+    it ``in_progress``; a streamed run whose connection is dropped goes on, and its events
+    resume after the last sequence number seen up to ``response.completed``, with the same
+    answer as in the foreground; a cancelled run aborts its engine request (its KV freed)
+    and stays ``cancelled``."""
+    import openai
+    client = openai.OpenAI(base_url=servers.tools.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    servers.note_gate.unlink()
+    try:
+        created = client.responses.create(model="tool-model", input=NOTE_USER, temperature=0, max_output_tokens=64,
+                                          background=True)
+        assert created.status == "queued" and created.background is True and created.output == []
+        _wait_paused(tools, 1)
+        assert client.responses.retrieve(created.id).status == "in_progress"
+        [item] = client.responses.input_items.list(created.id).data
+        assert item.type == "message" and item.content[0].text == NOTE_USER
+        before = metrics(tools)
+        cancelled = client.responses.cancel(created.id)
+        assert cancelled.status == "cancelled" and cancelled.id == created.id
+        after = wait_idle(tools)
+        assert after['jaxserve:num_requests_paused{handling="preserve"}'] == 0
+        aborted = 'jaxserve:request_finished_total{finish_reason="abort"}'
+        assert after[aborted] == before.get(aborted, 0) + 1
+        assert client.responses.cancel(created.id).status == "cancelled"   # (cancelling again changes nothing)
+        assert client.responses.retrieve(created.id).status == "cancelled"
+
+        stream = client.responses.create(model="tool-model", input=NOTE_USER, temperature=0, max_output_tokens=64,
+                                         background=True, stream=True)
+        seen = []
+        for event in stream:
+            seen.append(event)
+            if event.type == "response.in_progress":
+                break
+        stream.close()   # the client goes away: the run does not
+        assert [e.type for e in seen] == ["response.created", "response.queued", "response.in_progress"]
+        response_id = seen[0].response.id
+        _wait_paused(tools, 1)
+    finally:
+        servers.note_gate.touch()
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert rest[-1].type == "response.completed"
+    assert "".join(e.delta for e in rest if e.type == "response.output_text.delta") == NOTE_ANSWER
+    done = client.responses.retrieve(response_id)
+    assert done.status == "completed" and done.output_text == NOTE_ANSWER and done.background is True
+    again = list(client.responses.retrieve(response_id, stream=True))   # (an ended run's log is kept a while)
+    assert [e.sequence_number for e in again] == list(range(len(events)))
+    foreground = client.responses.create(model="tool-model", input=NOTE_USER, temperature=0, max_output_tokens=64)
+    assert foreground.output_text == NOTE_ANSWER and foreground.background is False
+    wait_idle(tools)

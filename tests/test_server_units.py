@@ -765,7 +765,7 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),   # (no reasoning parser here)
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
-    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "background": True, "store": False}, 400, "background"),
     ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0"),
     ({"input": [{"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}]}, 400,
@@ -833,3 +833,156 @@ def test_responses_logprobs_match_chat_logprobs():
         error = _error(client.post("/v1/responses", json={"model": "m", "input": "hi",
                                                           "include": ["file_search_call.results"]}), 400)
         assert error["param"].startswith("include")
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
+    """``truncation: "auto"``: a conversation over the context window loses its oldest turns,
+    whole (the kept part starts at a user message, after ``instructions``), as few as make
+    the prompt and ``max_output_tokens`` fit; the engine gets exactly that conversation's
+    tokens. Without it the same request is a 400, as is one whose last turn alone is too long."""
+    long = " ".join(["words to fill the context"] * 12)
+    turns = [{"role": "user", "content": f"first {long}"}, {"role": "assistant", "content": "one"},
+             {"role": "user", "content": f"second {long}"}, {"role": "assistant", "content": "two"},
+             {"role": "user", "content": "third"}]
+    system = [{"role": "system", "content": "Be brief."}]
+
+    def count(messages):
+        with _client(_Recorder(), max_model_len=4096) as client:
+            return client.post("/tokenize", json={"model": "m", "messages": messages}).json()["tokens"]
+
+    full, from_second, last = count(system + turns), count(system + turns[2:]), count(system + turns[4:])
+    assert len(full) > len(from_second) + 8 > len(last) + 8
+    engine = _Recorder()
+    sent = []
+    engine.generate = _keep_prompt(engine.generate, sent)
+    body = {"model": "m", "instructions": "Be brief.", "input": turns, "max_output_tokens": 8}
+    with _client(engine, max_model_len=len(from_second) + 8) as client:
+        r = client.post("/v1/responses", json={**body, "truncation": "auto"})
+        assert r.status_code == 200, r.text
+        assert sent == [from_second] and r.json()["truncation"] == "auto"
+        assert _error(client.post("/v1/responses", json=body), 400)["code"] == "context_length_exceeded"
+    with _client(engine, max_model_len=len(last) + 7) as client:
+        r = client.post("/v1/responses", json={**body, "truncation": "auto"})
+        assert _error(r, 400)["code"] == "context_length_exceeded" and len(sent) == 1
+
+
+def test_a_responses_input_items_are_listed_in_pages():
+    """``GET /v1/responses/{id}/input_items``: the response's input as items with ids, last
+    first by default, in pages (``limit``, ``after``, ``has_more``); the owner's only."""
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"x": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "3"},
+             {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]}]
+    mine = {"Authorization": "Bearer mine"}
+    with _client(_Recorder(), max_model_len=4096) as client:
+        created = client.post("/v1/responses", json={"model": "m", "input": items, "tools": [FLAT_TOOL]},
+                              headers=mine).json()
+        path = f"/v1/responses/{created['id']}/input_items"
+        page = client.get(path, headers=mine).json()
+        assert page["object"] == "list" and page["has_more"] is False
+        assert [i["type"] for i in page["data"]] == ["message", "function_call_output", "function_call", "message"]
+        assert page["data"][0]["content"] == [{"type": "input_text", "text": "thanks"}]
+        assert page["data"][2]["call_id"] == "call_1" and page["data"][1]["output"] == "3"
+        assert len({i["id"] for i in page["data"]}) == 4 and page["first_id"] == page["data"][0]["id"]
+        first = client.get(path, params={"order": "asc", "limit": 2}, headers=mine).json()
+        assert first["has_more"] is True and first["data"] == page["data"][::-1][:2]
+        rest = client.get(path, params={"order": "asc", "after": first["last_id"]}, headers=mine).json()
+        assert rest["has_more"] is False and rest["data"] == page["data"][::-1][2:]
+        assert _error(client.get(path, params={"limit": 0}, headers=mine), 400)["param"] == "limit"
+        assert _error(client.get(path, params={"after": "msg_x"}, headers=mine), 400)["param"] == "after"
+        assert _error(client.get(path), 404)["param"] == "response_id"
+
+
+def test_only_background_responses_are_cancelled_or_streamed_again():
+    with _client(_Recorder(), max_model_len=4096) as client:
+        plain = client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
+        assert plain["background"] is False
+        error = _error(client.post(f"/v1/responses/{plain['id']}/cancel"), 400)
+        assert error["param"] == "response_id" and "background" in error["message"]
+        assert _error(client.get(f"/v1/responses/{plain['id']}", params={"stream": "true"}), 400)["param"] == "stream"
+        assert _error(client.post("/v1/responses/resp_unknown/cancel"), 404)["param"] == "response_id"
+        assert _error(client.get("/v1/responses/resp_unknown", params={"stream": "true"}), 404)
+
+
+def test_background_runs_replay_follow_and_are_forgotten_after_retention():
+    """``BackgroundRuns``: a follower gets the events after its ``starting_after``, those to
+    come included, until the run ends; a run is its creator's only; an ended run is
+    kept ``retention_s`` (and within ``max_event_bytes``), then forgotten; ``close``
+    cancels live runs, whose bodies then end them."""
+    from server.background import BackgroundRun, BackgroundRuns
+
+    async def run():
+        now = [0.0]
+        runs = BackgroundRuns(retention_s=10, max_event_bytes=100, clock=lambda: now[0])
+        release = asyncio.Event()
+
+        def new(name: str) -> BackgroundRun:
+            return BackgroundRun(name, "me", lambda status: {"status": status}, [])
+
+        async def body(r: BackgroundRun, events: list[str]):
+            try:
+                r.started()
+                for e in events:
+                    r.add([e])
+                    await release.wait()
+                r.end({"status": "completed"})
+            except asyncio.CancelledError:
+                r.end({"status": "cancelled"})
+
+        a = new("a")
+        a.add(["e0"])
+        await runs.start(a, body(a, ["e1", "e2"]))
+        assert runs.get("a", "me").response() == {"status": "in_progress"} and runs.get("a", "other") is None
+        follower = a.follow(starting_after=0)
+        assert await follower.__anext__() == "e1"
+        release.set()
+        assert [e async for e in follower] == ["e2"]
+        assert [e async for e in a.follow()] == ["e0", "e1", "e2"] and a.response() == {"status": "completed"}
+        await asyncio.sleep(0)   # (the task's done callback)
+        now[0] = 5.0
+        assert runs.get("a", "me") is a and runs.num_live == 0
+        now[0] = 11.0
+        assert runs.get("a", "me") is None
+        release.clear()
+        b = new("b")
+        await runs.start(b, body(b, ["x" * 60]))
+        await runs.close()
+        assert b.response() == {"status": "cancelled"}
+        c = new("c")
+        await runs.start(c, body(c, ["y" * 60]))
+        assert (await runs.cancel(c)) == {"status": "cancelled"}
+        await asyncio.sleep(0)
+        assert runs.get("b", "me") is None and runs.get("c", "me") is c   # 120 bytes > 100: the oldest went
+        broken = new("d")
+
+        async def crash():
+            raise RuntimeError("bug")
+        await runs.start(broken, crash())
+        await asyncio.sleep(0)
+        assert broken.response()["status"] == "failed" and [e async for e in broken.follow()] == []
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("finish_reason, status, event", [("error", "failed", "response.failed"),
+                                                          ("abort", "cancelled", "response.incomplete")])
+def test_a_response_the_engine_failed_or_aborted_says_so(finish_reason, status, event):
+    """A request the engine ended with "error" is a ``failed`` response carrying the engine's
+    reason; one aborted in the engine is ``cancelled`` (whole and streamed; the API has no
+    cancelled event, so its stream ends with ``response.incomplete``)."""
+    class Ending(_ScriptedEngine):
+        async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+            from jaxserve.outputs import RequestOutput
+            yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65],
+                                text="b", delta_token_ids=[65], delta_text="b", finish_reason=finish_reason,
+                                error="out of pages" if finish_reason == "error" else None)
+
+    with _client(Ending(), max_model_len=4096) as client:
+        whole = client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
+        assert whole["status"] == status and "incomplete_details" not in whole
+        assert ("error" in whole) == (status == "failed")
+        if status == "failed":
+            assert "out of pages" in whole["error"]["message"] and whole["error"]["code"] == "server_error"
+        with client.stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.read().decode().splitlines()
+                      if line.startswith("data: ")]
+        assert events[-1]["type"] == event and events[-1]["response"]["status"] == status

@@ -27,7 +27,8 @@ from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints
 log = logging.getLogger("jaxserve.distributed")
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-_STORED_PATH = re.compile(r"^/v1/responses/([^/]+)$")   # GET / DELETE of a stored response
+# GET / DELETE of a stored response, its input items, and the cancel of a background one
+_STORED_PATH = re.compile(r"^/v1/responses/([^/]+)(?:/input_items|/cancel)?$")
 HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this long counts as down (one being
                                 # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
@@ -251,7 +252,7 @@ class Frontend:
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
         stored = _STORED_PATH.match(path)
-        if stored is not None and method in ("GET", "DELETE"):
+        if stored is not None and method in ("GET", "DELETE", "POST"):
             return RoutingHints(stored_response=stored.group(1))
         if method != "POST" or path not in ROUTED_PATHS:
             return RoutingHints()
