@@ -116,7 +116,8 @@ class ServerState:
         self.max_fanout = min(max_fanout, max_concurrent_requests)
         self.tools = tools
         self.parked = ParkedContexts(engine, paused_context_ttl_s)
-        self.metrics = ServerMetrics(engine, lambda: len(self.parked))
+        self.background = BackgroundRuns()   # /v1/responses runs with ``background: true``
+        self.metrics = ServerMetrics(engine, lambda: len(self.parked), lambda: self.background.num_live)
         # Private copies: the engine thread uses its own tokenizer for detokenization.
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_pool_size) if engine.tokenizer is not None \
             else None
@@ -125,7 +126,6 @@ class ServerState:
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
         self.responses = ResponseStore()   # stored /v1/responses results (``previous_response_id``)
-        self.background = BackgroundRuns()   # /v1/responses runs with ``background: true``
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 

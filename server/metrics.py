@@ -24,9 +24,10 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class EngineCollector:
     """Exports the engine's usage gauges and cumulative counters."""
 
-    def __init__(self, engine, parked_contexts: Callable[[], int]) -> None:
+    def __init__(self, engine, parked_contexts: Callable[[], int], background_runs: Callable[[], int]) -> None:
         self.engine = engine
         self.parked_contexts = parked_contexts
+        self.background_runs = background_runs
 
     def collect(self):
         usage = self.engine.usage_snapshot
@@ -48,6 +49,8 @@ class EngineCollector:
                     [([h], n) for h, n in sorted(usage["paused"].items())], labels=["handling"])
         yield gauge("num_parked_tool_contexts", "Paused client-side tool-call contexts kept for resumption.",
                     self.parked_contexts())
+        yield gauge("num_background_responses", "Background Responses API runs not yet ended (queued or in progress).",
+                    self.background_runs())
         yield gauge("kv_pages_used", "KV cache pages in use.",
                     [(["device"], usage["device_pages_used"]), (["host"], usage["host_pages_used"])],
                     labels=["memory"])
@@ -103,9 +106,9 @@ class EngineCollector:
 class ServerMetrics:
     """The app's registry: engine collector plus per-response histograms and counters."""
 
-    def __init__(self, engine, parked_contexts: Callable[[], int]) -> None:
+    def __init__(self, engine, parked_contexts: Callable[[], int], background_runs: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineCollector(engine, parked_contexts))
+        self.registry.register(EngineCollector(engine, parked_contexts, background_runs))
 
         def hist(name, doc):
             return Histogram(PREFIX + name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)

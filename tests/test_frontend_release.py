@@ -154,3 +154,17 @@ def test_health_reports_the_prefill_deployment_and_degrades_without_it():
     assert body["replicas"] == {"decode-0": "up"}
     code, body = asyncio.run(health(None))            # colocated replicas: no prefill entry
     assert body["status"] == "ok" and "prefill" not in body
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/responses/resp_abc"), ("DELETE", "/v1/responses/resp_abc"),
+                                          ("POST", "/v1/responses/resp_abc/cancel"),
+                                          ("GET", "/v1/responses/resp_abc/input_items")])
+def test_a_stored_or_background_response_is_read_and_cancelled_on_the_replica_that_holds_it(method, path):
+    """Stored responses and background runs live on one replica: reading, deleting,
+    cancelling and listing the input items of one go there."""
+    front = Frontend({name: ReplicaHandle(ReplicaStream([])) for name in ("r0", "r1")},
+                     {"model": "smollm2-135m", "page_size": 16})
+    front.router.stored("r1", ["resp_abc"])
+    hints = front._hints(path, method, {}, b"")
+    assert hints.stored_response == "resp_abc"
+    assert front.router.choose(hints)[0] == "r1"

@@ -758,6 +758,7 @@ def test_a_background_response_outlives_its_client_and_is_polled_resumed_and_can
         assert created.status == "queued" and created.background is True and created.output == []
         _wait_paused(tools, 1)
         assert client.responses.retrieve(created.id).status == "in_progress"
+        assert metrics(tools)["jaxserve:num_background_responses"] == 1
         [item] = client.responses.input_items.list(created.id).data
         assert item.type == "message" and item.content[0].text == NOTE_USER
         before = metrics(tools)
@@ -767,6 +768,7 @@ def test_a_background_response_outlives_its_client_and_is_polled_resumed_and_can
         assert after['jaxserve:num_requests_paused{handling="preserve"}'] == 0
         aborted = 'jaxserve:request_finished_total{finish_reason="abort"}'
         assert after[aborted] == before.get(aborted, 0) + 1
+        assert after["jaxserve:num_background_responses"] == 0
         assert client.responses.cancel(created.id).status == "cancelled"   # (cancelling again changes nothing)
         assert client.responses.retrieve(created.id).status == "cancelled"
 
