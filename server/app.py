@@ -41,7 +41,7 @@ from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                             ResponsesRequest, TokenizeRequest, ToolChoice)
+                             ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
 from server.responses import ResponsesWire, ResponseStore, chat_request, input_messages, responses_error
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
@@ -218,6 +218,10 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     async def responses(body: ResponsesRequest, request: Request):
         return await _respond(state, request, body)
 
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(body: ResponsesInputTokensRequest, request: Request):
+        return await _count_input_tokens(state, request, body)
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request, stream: bool = False,
                            starting_after: int = -1):
@@ -371,22 +375,45 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
         raise APIError(400, "reasoning: this server returns no reasoning (serve the model with --reasoning-parser)",
                        param="reasoning")
     owner = _owner(request, None)
+    try:
+        chat, added, rendered = await _responses_chat(state, body, owner)
+        wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
+                             state.cache_page_size, state.token_spellings)
+        return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered)
+    except APIError as e:
+        raise responses_error(e) from None
+
+
+async def _count_input_tokens(state: ServerState, request: Request, body: ResponsesInputTokensRequest) -> dict:
+    """``POST /v1/responses/input_tokens``: the prompt tokens ``body`` would be as a
+    response (its conversation, tools and ``truncation`` included); nothing runs."""
+    if body.model is not None:
+        _check_model(state, body.model)
+    try:
+        chat, _, rendered = await _responses_chat(state, body.model_copy(update={"model": state.model_name}),
+                                                  _owner(request, None))
+        _structured(state, chat)   # (the same 400s as the response would get for its tools and format)
+        ids, _ = rendered if rendered is not None else await _render_chat(state, chat)
+    except APIError as e:
+        raise responses_error(e) from None
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+
+async def _responses_chat(state: ServerState, body: ResponsesRequest, owner: str
+                          ) -> tuple[ChatCompletionRequest, list[dict], tuple[list[int], bool] | None]:
+    """``(chat request, the messages body adds to its conversation, the chat request's
+    rendering when truncation already made it)`` of a Responses request."""
     earlier = state.background.get(body.previous_response_id, owner) if body.previous_response_id else None
     if earlier is not None and not earlier.done:
         raise APIError(400, f"previous response {body.previous_response_id!r} is still {earlier.status}: wait for "
                        "it to end (or cancel it)", param="previous_response_id", code="previous_response_in_progress")
     history = state.responses.conversation(body.previous_response_id, owner) if body.previous_response_id else []
     added = input_messages(body)
-    try:
-        chat = chat_request(body, history, added)
-        rendered = None
-        if body.truncation == "auto":
-            chat, rendered = await _truncated(state, chat)
-        wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
-                             state.cache_page_size, state.token_spellings)
-        return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered)
-    except APIError as e:
-        raise responses_error(e) from None
+    chat = chat_request(body, history, added)
+    rendered = None
+    if body.truncation == "auto":
+        chat, rendered = await _truncated(state, chat)
+    return chat, added, rendered
 
 
 async def _truncated(state: ServerState, chat: ChatCompletionRequest

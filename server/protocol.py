@@ -557,3 +557,11 @@ class ResponsesRequest(_Request):
             raise ValueError("background responses must be stored (store: true): they are read back with "
                              "GET /v1/responses/{id}")
         return self
+
+
+class ResponsesInputTokensRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens``: a Responses request whose prompt tokens are
+    counted (``model`` may be left out; ``input`` too, after ``previous_response_id``)."""
+
+    model: Text | None = None
+    input: Text | list[ResponseInputItem] = Field(default_factory=list)

@@ -796,4 +796,6 @@ def test_a_background_response_outlives_its_client_and_is_polled_resumed_and_can
     assert [e.sequence_number for e in again] == list(range(len(events)))
     foreground = client.responses.create(model="tool-model", input=NOTE_USER, temperature=0, max_output_tokens=64)
     assert foreground.output_text == NOTE_ANSWER and foreground.background is False
+    assert client.responses.input_tokens.count(model="tool-model", input=NOTE_USER).input_tokens == \
+        foreground.usage.input_tokens
     wait_idle(tools)

@@ -986,3 +986,25 @@ def test_a_response_the_engine_failed_or_aborted_says_so(finish_reason, status, 
             events = [json.loads(line[len("data: "):]) for line in r.read().decode().splitlines()
                       if line.startswith("data: ")]
         assert events[-1]["type"] == event and events[-1]["response"]["status"] == status
+
+
+def test_input_tokens_are_counted_as_the_response_would_send_them():
+    """``POST /v1/responses/input_tokens``: the prompt tokens of the response the same body
+    would create (instructions, tools, the stored conversation, truncation), nothing run;
+    ``model`` may be left out, another model is a 404."""
+    engine = _Recorder()
+    sent = []
+    engine.generate = _keep_prompt(engine.generate, sent)
+    body = {"model": "m", "instructions": "Be brief.", "input": "Hi", "tools": [FLAT_TOOL]}
+    with _client(engine, max_model_len=4096) as client:
+        counted = client.post("/v1/responses/input_tokens", json=body).json()
+        assert counted["object"] == "response.input_tokens" and sent == []   # (nothing ran)
+        first = client.post("/v1/responses", json=body).json()
+        assert counted["input_tokens"] == len(sent[0]) == first["usage"]["input_tokens"]
+        follow = {"previous_response_id": first["id"], "input": "more"}
+        counted = client.post("/v1/responses/input_tokens", json=follow).json()["input_tokens"]
+        client.post("/v1/responses", json={"model": "m", **follow})
+        assert counted == len(sent[1]) and len(sent) == 2
+        assert _error(client.post("/v1/responses/input_tokens", json={**body, "model": "x"}), 404)["param"] == "model"
+        error = _error(client.post("/v1/responses/input_tokens", json={"input": "hi", "tools": [{"type": "web"}]}), 400)
+        assert error["param"] == "tools.0.type"
