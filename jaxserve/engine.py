@@ -34,7 +34,7 @@ from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
 from jaxserve.parallel.protocol import executor_class
 from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
-from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningSplit, get_reasoning_format
+from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningFormat, ReasoningSplit, get_reasoning_format
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_format import select_format
@@ -239,7 +239,7 @@ class LLMEngine:
         # A call at after_tokens == max_tokens is the request's last step: it ends when the call returns.
         now = self.clock.now()
         parse = bool(self.tools) if parse_tool_calls is None else parse_tool_calls
-        grammar = self._start_grammar(params)
+        grammar = self._start_grammar(params, self._thinks_first(ids, params, parse_reasoning))
         if grammar is not None:   # a forced call must be parsed; markup inside JSON strings must not be
             parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else \
@@ -275,17 +275,32 @@ class LLMEngine:
         """The reasoning split of a request of prompt ``ids`` (None: not asked, no
         parser or no tokenizer). With a grammar: a ``response_format`` one sleeps while a
         turn known to open inside the reasoning reasons, and constrains the answer after
-        it (as vLLM's); otherwise the grammar constrains the text from its first token,
-        and there is no reasoning to split."""
+        it (as vLLM's); one that lets the turn open with its reasoning (``thinks_first``)
+        constrains it all, the reasoning split out as without a grammar; otherwise (a
+        forced tool call) the grammar constrains the text from its first token, and there
+        is no reasoning to split."""
         fmt = self.reasoning_format
         if fmt is None or parse_reasoning is False or self.tokenizer is None:
             return None
         inside = fmt.opens_inside or self._ends_with_think(ids)
-        if grammar is not None:
+        if grammar is not None and not grammar.thinks_first:
             if grammar.forced_call or not inside:
                 return None
             grammar.sleep()
         return ReasoningSplit(fmt, inside)
+
+    def _thinks_first(self, ids: list[int], params: SamplingParams, parse_reasoning: bool | None):
+        """The reasoning format a ``response_format`` grammar lets a turn of prompt ``ids``
+        open with (``StructuredDecoding.start``): with a reasoning parser, when the turn is
+        not known to open inside the reasoning (Qwen3's: it may or may not think), so the
+        model reasons as it would and only its answer is constrained. None otherwise (a
+        turn known to open inside is constrained after it: ``_reasoning_split``; forced
+        tool calls are constrained from their first token)."""
+        fmt = self.reasoning_format
+        if (fmt is None or parse_reasoning is False or self.tokenizer is None or params.structured is None
+                or params.structured.kind == "tool_call" or fmt.opens_inside or self._ends_with_think(ids)):
+            return None
+        return fmt
 
     def _ends_with_think(self, ids: list[int]) -> bool:
         """Whether context ``ids`` end with the reasoning format's start tag (and newlines):
@@ -297,7 +312,8 @@ class LLMEngine:
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
-    def _start_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+    def _start_grammar(self, params: SamplingParams, reasoning: ReasoningFormat | None = None
+                       ) -> RequestGrammar | None:
         if params.structured is None:
             return None
         if self.structured is None:
@@ -306,7 +322,7 @@ class LLMEngine:
             # The masked sampler is a second program the multi-host protocol does not broadcast yet.
             raise ValueError(f"{params.structured.param}: structured output is not supported across hosts "
                              f"(num_processes={self.config.num_processes}) yet")
-        return self.structured.start(params.structured)
+        return self.structured.start(params.structured, reasoning)
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):

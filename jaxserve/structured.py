@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.constraints import StructuredOutput
+from jaxserve.reasoning import ReasoningFormat
 from jaxserve.tool_format.base import ToolFormat
 
 log = logging.getLogger("jaxserve")
@@ -58,7 +59,8 @@ class RequestGrammar:
     returns its complete calls. ``active`` is False once the turn is complete or
     the matcher stopped; inactive grammars constrain no row. ``dormant``: the grammar
     waits for the model's reasoning to end (``sleep``, then ``wake``); until then it is
-    inactive and takes no token.
+    inactive and takes no token. ``thinks_first``: the grammar itself lets the turn open
+    with a reasoning block before the constrained answer (``thinking_first_lark``).
     """
 
     def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False,
@@ -71,6 +73,7 @@ class RequestGrammar:
         self.active = True
         self.dormant = False
         self.turn_complete = False
+        self.thinks_first = False
         self.calls: list = []   # ParsedToolCall of the forced turn so far
         self.forced_token: int | None = None
         self._tokens = 0        # tokens of the turn so far
@@ -155,12 +158,15 @@ class StructuredDecoding:
                                                                eos_token=self.eos_token_ids)
         return self._llg_tokenizer
 
-    def grammar(self, spec: StructuredOutput) -> str:
-        """The llguidance grammar text for ``spec``. Raises ``ValueError`` naming the
-        request field when the library rejects or cannot satisfy it."""
+    def grammar(self, spec: StructuredOutput, reasoning: ReasoningFormat | None = None) -> str:
+        """The llguidance grammar text for ``spec`` (``reasoning``: a JSON answer that may
+        follow a reasoning block in that format, ``thinking_first_lark``). Raises
+        ``ValueError`` naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
-        if spec.kind == "json_schema":
+        if reasoning is not None and spec.kind != "tool_call":
+            text = thinking_first_lark(spec, reasoning, self._markup)
+        elif spec.kind == "json_schema":
             text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
         elif spec.kind == "json_object":
             text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
@@ -171,14 +177,18 @@ class StructuredDecoding:
             raise ValueError(f"{spec.param}: the schema cannot be compiled: {messages[0][:300]}")
         return text
 
-    def start(self, spec: StructuredOutput) -> RequestGrammar:
+    def start(self, spec: StructuredOutput, reasoning: ReasoningFormat | None = None) -> RequestGrammar:
         """A fresh matcher for one request (one per choice when n > 1): a copy of the
-        constraint's cached matcher at its start (~2 us; building one is ~1 ms)."""
+        constraint's cached matcher at its start (~2 us; building one is ~1 ms).
+        ``reasoning``: the turn may open with a reasoning block in that format before
+        the answer the constraint asks for (JSON constraints only; ``thinks_first``)."""
         import llguidance
-        key = spec.key()
+        if spec.kind == "tool_call":
+            reasoning = None
+        key = spec.key() if reasoning is None else json.dumps([spec.key(), reasoning.start, reasoning.end])
         pristine = self._pristine.get(key)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self.llg_tokenizer, self.grammar(spec), log_level=0)
+            pristine = llguidance.LLMatcher(self.llg_tokenizer, self.grammar(spec, reasoning), log_level=0)
             if pristine.is_error():
                 raise ValueError(f"{spec.param}: the schema cannot be compiled: {pristine.get_error()[:300]}")
             self._pristine[key] = pristine
@@ -187,7 +197,9 @@ class StructuredDecoding:
         else:
             self._pristine.move_to_end(key)
         if spec.kind != "tool_call":
-            return RequestGrammar(pristine.deep_copy())
+            grammar = RequestGrammar(pristine.deep_copy())
+            grammar.thinks_first = reasoning is not None
+            return grammar
         ends_with_eos = self.tool_format.turn_ends_with_eos(spec.parallel)
         close = self.eos_token_ids[0] if ends_with_eos else self._single_token("]") if spec.parallel else None
         return RequestGrammar(pristine.deep_copy(), True, ends_with_eos, close,
@@ -260,3 +272,20 @@ def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[st
         rules.append(f"call_{i}: %json {json.dumps(call)}")
     return "\n".join([fmt.forced_call_grammar("call", spec.parallel, markup),
                       f"call: {' | '.join(alternatives)}", *rules])
+
+
+def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Callable[[str], str]) -> str:
+    """Lark grammar (llguidance dialect) for a turn that may open with a reasoning block
+    (``fmt.start``, any text, ``fmt.end``, up to 4 spaces or newlines) and then gives the
+    JSON answer ``spec`` asks for: a thinking model (Qwen3) reasons as it would, and
+    only the answer is constrained. ``markup(text)`` renders the tags: a special
+    token (the text before it can never hold it) or text (the reasoning stops at its
+    first occurrence)."""
+    schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
+    answer = {**schema, "x-guidance": schema.get("x-guidance", _JSON_OPTIONS)}
+    start, end = markup(fmt.start), markup(fmt.end)
+    if end.startswith("<["):
+        think = [f"think: {start} /(?s:.*)/ {end} /[ \\n]{{0,4}}/"]
+    else:
+        think = [f"think: {start} thought /[ \\n]{{0,4}}/", f"thought[stop={end}]: /(?s:.*)/"]
+    return "\n".join(["start: think? answer", *think, f"answer: %json {json.dumps(answer)}"])

@@ -353,3 +353,45 @@ def test_a_response_format_constrains_the_answer_after_the_reasoning(served):
     answer = message["choices"][0]["message"]
     assert answer["reasoning"] == reasoning and answer["content"].startswith("{")
     assert answer["content"] != content[:len(answer["content"])]
+
+
+def test_a_turn_that_may_think_first_reasons_freely_then_answers_in_the_format(served):
+    """A format whose turns are not known to open inside the reasoning (Qwen3's: the model
+    starts with the start tag when it thinks): a ``response_format`` grammar lets the turn
+    open with a reasoning block, so the model reasons as without a format (the same
+    reasoning), and only the answer after the end tag is constrained (JSON from its first
+    character, where the free answer was not). The tags here are cut from the greedy
+    answer at token boundaries: its first tokens open the reasoning."""
+    import asyncio
+
+    from jaxserve import SamplingParams
+    client, engine, *_ = served
+    llm = engine.engine
+    chat = {**CHAT, "messages": [{"role": "user", "content": "Hello"}]}   # (its answer starts with clean text)
+    ids = client.post("/tokenize", json={"model": "demo", "messages": chat["messages"]}).json()["tokens"]
+
+    async def greedy():
+        return [out async for out in engine.generate(prompt_token_ids=ids, parse_reasoning=False,
+                                                     sampling_params=SamplingParams(max_tokens=24, temperature=0))]
+    tokens = asyncio.run(greedy())[-1].token_ids
+    texts = [llm.tokenizer.decode(tokens[:k]) for k in range(1, len(tokens) + 1)]
+    raw = texts[-1]
+    # the start tag: the answer's first whole tokens that spell clean text
+    first = next(k for k, t in enumerate(texts) if t.strip() and "\ufffd" not in t)
+    start = texts[first]
+    # the end tag: the three characters that end a later token, first seen there
+    end_at = next(len(t) for t in texts[first + 2:-4] if raw.find(t[-3:]) == len(t) - 3
+                  and not set(t[-3:]) & {"\ufffd", "\n"} and len(t) - 3 > len(start))
+    end = raw[end_at - 3:end_at]
+    kept = llm.reasoning_format
+    llm.reasoning_format = ReasoningFormat("test-first", start=start, end=end)
+    try:
+        free = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+        assert free["reasoning"] == raw[len(start):end_at - 3].strip("\n") and free["reasoning"]
+        assert not free["content"].startswith("{")
+        shaped = client.post("/v1/chat/completions", json={**chat, "max_tokens": 40,
+                                                           "response_format": {"type": "json_object"}}).json()
+        answer = shaped["choices"][0]["message"]
+        assert answer["reasoning"] == free["reasoning"] and answer["content"].startswith("{")
+    finally:
+        llm.reasoning_format = kept
