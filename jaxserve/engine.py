@@ -475,15 +475,28 @@ class LLMEngine:
             self.api.expect_external(request.request_id)
         else:
             tools = [self.tools.get(c.name) for c in calls]
+            allowed = self._tool_calls_left(request)
             self.scheduler.pause(request, now, next((t.api_type for t in tools if t), "invalid"), None)
             self.api.call_tools(request.request_id, [
-                (tool, c.arguments) if tool else ToolOutput(error=f"malformed tool call: {c.arguments[:200]}")
-                for tool, c in zip(tools, calls)], now)
+                ToolOutput(error=f"malformed tool call: {c.arguments[:200]}") if tool is None
+                else (tool, c.arguments) if i < allowed
+                else ToolOutput(error=f"not run: this request may run {request.sampling_params.max_tool_calls} "
+                                      "tool calls in all (max_tool_calls); answer without calling tools")
+                for i, (tool, c) in enumerate(zip(tools, calls))], now)
         if request.reasoning is not None:   # the turn after the results may think again
             request.reasoning.new_turn(len(request.detokenizer.text))
         record = request.api_calls[-1]
         record.name, record.arguments = calls[0].name, calls[0].arguments
         record.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
+
+    @staticmethod
+    def _tool_calls_left(request: Request) -> float:
+        """Server-side tool calls ``request`` may still run (``SamplingParams.max_tool_calls``):
+        its limit less the calls of its earlier server-side turns (inf without a limit)."""
+        limit = request.sampling_params.max_tool_calls
+        if limit is None:
+            return float("inf")
+        return limit - sum(len(r.tool_calls) for r in request.api_calls if r.api_type != "external")
 
     def _turn_end_ids(self) -> set[int]:
         """The EOS ids a grammar may end on: the end-of-turn token the chat template writes

@@ -63,6 +63,12 @@ class SamplingParams:
     [-2, 2]): each token's logit loses ``frequency_penalty`` times the number
     of times it was generated so far, and ``presence_penalty`` once if it was.
     Log-probabilities stay the model's own (before these adjustments).
+
+    ``max_tool_calls`` (None: no limit; the Responses API's): server-side tool
+    calls the request may run in all. A call past it is not run: the model gets
+    an error result saying so (``RequestOutput.api_calls[i].error``) and goes
+    on, so a model that keeps calling tools cannot loop forever. Client-side
+    calls (which end the request's turn) are not counted.
     """
 
     max_tokens: int = 16
@@ -84,6 +90,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    max_tool_calls: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,6 +130,10 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
         self._validate_adjustments()
+        if self.max_tool_calls is not None and (not _is_int(self.max_tool_calls)
+                                                or not 0 <= self.max_tool_calls <= INT32_MAX):
+            raise ValueError(f"max_tool_calls must be None or an integer in [0, {INT32_MAX}], "
+                             f"got {self.max_tool_calls!r}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise ValueError("structured must be a jaxserve.StructuredOutput")

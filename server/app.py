@@ -658,7 +658,8 @@ def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None
                               prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
                               logit_bias=body.logit_bias, min_tokens=body.min_tokens,
                               repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                              frequency_penalty=body.frequency_penalty)
+                              frequency_penalty=body.frequency_penalty,
+                              max_tool_calls=getattr(body, "max_tool_calls", None))
     except ValueError as e:
         raise from_value_error(e, prompt_param) from None
 

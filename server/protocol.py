@@ -297,6 +297,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
+    # (an extension, the Responses API's: server-side tool calls this request may run in all)
+    max_tool_calls: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -509,9 +511,9 @@ class ResponseReasoningConfig(_Request):
 class ResponsesRequest(_Request):
     """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
     tools, ``previous_response_id`` conversations, ``text.format``, ``reasoning`` with a
-    reasoning parser, ``background`` runs, ``truncation: "auto"``). Fields of the API this
-    server does not implement are refused when set (``include`` values other than
-    ``message.output_text.logprobs``, ``conversation``, ``prompt``, ``max_tool_calls``)."""
+    reasoning parser, ``background`` runs, ``truncation: "auto"``, ``max_tool_calls`` of the
+    server's tools). Fields of the API this server does not implement are refused when set
+    (``include`` values other than ``message.output_text.logprobs``, ``conversation``, ``prompt``)."""
 
     model: Text
     input: Text | list[ResponseInputItem] = Field(min_length=1)
@@ -537,7 +539,7 @@ class ResponsesRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     conversation: str | dict | None = None
     prompt: dict | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -549,8 +551,7 @@ class ResponsesRequest(_Request):
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
         unsupported = [name for name, set_ in [
-            ("conversation", self.conversation is not None), ("prompt", self.prompt is not None),
-            ("max_tool_calls", self.max_tool_calls is not None)] if set_]
+            ("conversation", self.conversation is not None), ("prompt", self.prompt is not None)] if set_]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
         if self.background and not self.store:

@@ -207,7 +207,7 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
             "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None, "tool_choice": choice,
             "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format,
             "user": body.user, "stream": body.stream, "logprobs": body.num_logprobs is not None,
-            "top_logprobs": body.num_logprobs})
+            "top_logprobs": body.num_logprobs, "max_tool_calls": body.max_tool_calls})
     except ValidationError as e:
         first = e.errors()[0]
         raise APIError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
@@ -266,7 +266,8 @@ class ResponsesWire:
                "truncation": body.truncation or "disabled", "background": self.background,
                "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
                "metadata": body.metadata or {}}
-        for name in ("instructions", "max_output_tokens", "previous_response_id", "user", "top_logprobs"):
+        for name in ("instructions", "max_output_tokens", "previous_response_id", "user", "top_logprobs",
+                     "max_tool_calls"):
             if getattr(body, name) is not None:
                 obj[name] = getattr(body, name)
         if body.reasoning is not None:

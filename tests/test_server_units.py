@@ -1008,3 +1008,18 @@ def test_input_tokens_are_counted_as_the_response_would_send_them():
         assert _error(client.post("/v1/responses/input_tokens", json={**body, "model": "x"}), 404)["param"] == "model"
         error = _error(client.post("/v1/responses/input_tokens", json={"input": "hi", "tools": [{"type": "web"}]}), 400)
         assert error["param"] == "tools.0.type"
+
+
+def test_max_tool_calls_reaches_the_engine_from_responses_and_chat():
+    """``max_tool_calls`` (the Responses API's; an extension on chat) caps the server-side
+    tool calls the request runs (``SamplingParams.max_tool_calls``) and is echoed."""
+    engine = _Recorder()
+    with _client(engine, max_model_len=4096) as client:
+        r = client.post("/v1/responses", json={"model": "m", "input": "hi", "max_tool_calls": 2}).json()
+        assert r["max_tool_calls"] == 2 and engine.params[-1].max_tool_calls == 2
+        assert client.post("/v1/chat/completions", json={"model": "m", "max_tool_calls": 0, "messages": [
+            {"role": "user", "content": "hi"}]}).status_code == 200 and engine.params[-1].max_tool_calls == 0
+        client.post("/v1/responses", json={"model": "m", "input": "hi"})
+        assert engine.params[-1].max_tool_calls is None
+        error = _error(client.post("/v1/responses", json={"model": "m", "input": "hi", "max_tool_calls": -1}), 400)
+        assert error["param"] == "max_tool_calls"

@@ -166,3 +166,28 @@ def test_a_call_inside_the_reasoning_is_not_parsed(tool_checkpoint):
     thought = llm.generate(prompt_token_ids=[calc.prompt_ids], sampling_params=GREEDY)[0]
     assert thought.api_calls == [] and thought.finish_reason in ("stop", "length")
     assert thought.reasoning.startswith("<tool_call>") and "calculator" in thought.reasoning and thought.text == ""
+
+
+def test_max_tool_calls_caps_the_server_side_calls_a_request_runs(tool_checkpoint):
+    """``SamplingParams.max_tool_calls``: within the limit a call runs as ever (the same
+    tokens); past it the tool is not run, the model gets an error result saying why and
+    goes on; a bad limit is refused naming the field."""
+    path, convs = tool_checkpoint
+    calc = conversation(convs, "calculator")
+    ran = []
+
+    def calculator(expression):
+        ran.append(expression)
+        return "42"
+
+    llm = LLM(str(path), tools={"calculator": calculator}, **SIZES)
+    free, capped = llm.generate(prompt_token_ids=[calc.prompt_ids, calc.prompt_ids], sampling_params=[
+        SamplingParams(max_tokens=48, temperature=0.0, max_tool_calls=1),
+        SamplingParams(max_tokens=48, temperature=0.0, max_tool_calls=0)])
+    assert len(ran) == 1 and free.api_calls[0].error is None
+    [call] = capped.api_calls
+    assert call.name == "calculator" and "max_tool_calls" in call.error
+    assert capped.finish_reason in ("stop", "length") and capped.token_ids != free.token_ids
+    with pytest.raises(ValueError, match="max_tool_calls"):
+        SamplingParams(max_tool_calls=-1)
+    llm.engine.shutdown()
