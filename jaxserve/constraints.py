@@ -1,5 +1,7 @@
 """What a request's output must look like (``SamplingParams.structured``):
-a JSON value matching a JSON Schema, any JSON object, or a forced tool call.
+a JSON value matching a JSON Schema, any JSON object, a forced tool call, or
+(vLLM's structured outputs) text matching a regular expression, one of given
+choices, or a context-free grammar.
 
 Pure Python (no JAX, no grammar library), so ``SamplingParams`` can validate
 a constraint at the edge: JSON Schemas are checked against their metaschema
@@ -21,7 +23,11 @@ from typing import Literal
 
 import jsonschema
 
-KINDS = ("json_schema", "json_object", "tool_call")
+KINDS = ("json_schema", "json_object", "tool_call", "regex", "choice", "grammar")
+JSON_KINDS = ("json_schema", "json_object")
+MAX_PATTERN_CHARS = 16_384      # a regex or a grammar's text
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 65_536       # all choices together
 
 
 @dataclass(frozen=True)
@@ -45,14 +51,24 @@ class StructuredOutput:
     pauses on its calls and, after their results, continues unconstrained.
     ``parallel``: the OpenAI ``parallel_tool_calls`` flag: one or more calls in
     the turn (the model decides how many), else exactly one.
+    ``regex``: the text matches ``pattern`` (Rust ``regex`` syntax, whole text).
+    ``choice``: the text is one of ``choices``. ``grammar``: the text is in the
+    language of ``grammar``, a Lark grammar (llguidance's dialect: ``start`` its
+    start rule, ``%json {schema}`` for embedded JSON; a GBNF grammar is refused).
+    ``field``: the request field these come from (for errors; default
+    ``structured_outputs``, vLLM's).
 
-    Build with ``json(schema)``, ``json_object()`` or ``tool_call(tools, name)``.
+    Build with ``json(schema)``, ``json_object()``, ``tool_call(tools, name)``,
+    ``regex(pattern)``, ``choice(options)`` or ``lark(grammar)``.
     """
 
-    kind: Literal["json_schema", "json_object", "tool_call"]
+    kind: Literal["json_schema", "json_object", "tool_call", "regex", "choice", "grammar"]
     schema: dict | None = None
     tools: tuple[ToolSchema, ...] = ()
     parallel: bool = True
+    pattern: str | None = None          # regex, or grammar text
+    choices: tuple[str, ...] = ()
+    field: str | None = None
 
     @classmethod
     def json(cls, schema: dict) -> "StructuredOutput":
@@ -61,6 +77,18 @@ class StructuredOutput:
     @classmethod
     def json_object(cls) -> "StructuredOutput":
         return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str, field: str | None = None) -> "StructuredOutput":
+        return cls("regex", pattern=pattern, field=field)
+
+    @classmethod
+    def choice(cls, options, field: str | None = None) -> "StructuredOutput":
+        return cls("choice", choices=tuple(options) if isinstance(options, (list, tuple)) else options, field=field)
+
+    @classmethod
+    def lark(cls, grammar: str, field: str | None = None) -> "StructuredOutput":
+        return cls("grammar", pattern=grammar, field=field)
 
     @classmethod
     def tool_call(cls, tools: list[dict] | dict[str, dict], name: str | None = None,
@@ -89,14 +117,16 @@ class StructuredOutput:
     @property
     def param(self) -> str:
         """The request field an error in this constraint belongs to."""
-        return "tools" if self.kind == "tool_call" else "response_format"
+        if self.kind == "tool_call":
+            return "tools"
+        return self.field or ("response_format" if self.kind in JSON_KINDS else "structured_outputs")
 
     def validate(self) -> None:
         """Raise ``ValueError`` (field name first) if the constraint is malformed."""
         if self.kind not in KINDS:
             raise ValueError(f"structured: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "json_schema":
-            check_schema(self.schema, "response_format")
+            check_schema(self.schema, self.param)
         elif self.kind == "tool_call":
             if not self.tools:
                 raise ValueError("tool_choice: a forced tool call needs at least one tool")
@@ -104,13 +134,30 @@ class StructuredOutput:
                 raise ValueError("tools: two tools have the same name")
             for t in self.tools:
                 check_schema(t.parameters, "tools", f"parameters of {t.name!r}")
+        if self.kind in ("regex", "grammar", "choice"):
+            try:
+                "".join([self.pattern or "", *(c for c in self.choices if isinstance(c, str))]).encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{self.param}: text must be valid Unicode (no lone surrogates)") from None
+        if self.kind in ("regex", "grammar"):
+            what = "a regular expression" if self.kind == "regex" else "a grammar"
+            if not isinstance(self.pattern, str) or not 0 < len(self.pattern) <= MAX_PATTERN_CHARS:
+                raise ValueError(f"{self.param}: {what} must be a non-empty string of at most "
+                                 f"{MAX_PATTERN_CHARS} characters")
+        elif self.kind == "choice":
+            choices = self.choices
+            if (not isinstance(choices, tuple) or not 0 < len(choices) <= MAX_CHOICES
+                    or any(not isinstance(c, str) or not c for c in choices)
+                    or sum(map(len, choices)) > MAX_CHOICE_CHARS):
+                raise ValueError(f"{self.param}: choice must be 1 to {MAX_CHOICES} non-empty strings "
+                                 f"({MAX_CHOICE_CHARS} characters in all)")
 
     def key(self) -> str:
         """A stable key for caching compiled grammars: the SHA-256 (hex) of the constraint
         as sorted JSON, so a cache of 256 grammars holds no schema texts (a request
         body may carry megabytes of schema)."""
-        text = json.dumps([self.kind, self.schema, [[t.name, t.parameters] for t in self.tools], self.parallel],
-                          sort_keys=True)
+        text = json.dumps([self.kind, self.schema, [[t.name, t.parameters] for t in self.tools], self.parallel,
+                           self.pattern, list(self.choices)], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.constraints import StructuredOutput
+from jaxserve.constraints import JSON_KINDS, StructuredOutput
 from jaxserve.reasoning import ReasoningFormat
 from jaxserve.tool_format.base import ToolFormat
 
@@ -164,17 +164,24 @@ class StructuredDecoding:
         ``ValueError`` naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
-        if reasoning is not None and spec.kind != "tool_call":
+        if reasoning is not None and spec.kind in JSON_KINDS:
             text = thinking_first_lark(spec, reasoning, self._markup)
         elif spec.kind == "json_schema":
             text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
         elif spec.kind == "json_object":
             text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        elif spec.kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+        elif spec.kind == "choice":
+            text = "start: " + " | ".join(json.dumps(choice) for choice in spec.choices)
+        elif spec.kind == "grammar":
+            text = llguidance.LLMatcher.grammar_from_lark(spec.pattern)
         else:
             text = tool_call_lark(spec, self.tool_format, self._markup)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.llg_tokenizer)
         if is_error:
-            raise ValueError(f"{spec.param}: the schema cannot be compiled: {messages[0][:300]}")
+            what = "the schema" if spec.kind in JSON_KINDS or spec.kind == "tool_call" else f"the {spec.kind}"
+            raise ValueError(f"{spec.param}: {what} cannot be compiled: {messages[0][:300]}")
         return text
 
     def start(self, spec: StructuredOutput, reasoning: ReasoningFormat | None = None) -> RequestGrammar:
@@ -183,7 +190,7 @@ class StructuredDecoding:
         ``reasoning``: the turn may open with a reasoning block in that format before
         the answer the constraint asks for (JSON constraints only; ``thinks_first``)."""
         import llguidance
-        if spec.kind == "tool_call":
+        if spec.kind not in JSON_KINDS:   # (a JSON answer may follow the reasoning: ``thinking_first_lark``)
             reasoning = None
         key = spec.key() if reasoning is None else json.dumps([spec.key(), reasoning.start, reasoning.end])
         pristine = self._pristine.get(key)

@@ -596,6 +596,10 @@ def _structured(state: ServerState, body) -> StructuredOutput | None:
         elif choice == "required":   # one of the request's own tools (the server's when it declares none)
             tools = [t.schema_dict() for t in body.tools or []] or _advertised_tools(state, body)
             spec = StructuredOutput.tool_call(tools, parallel=body.parallel_tool_calls is not False)
+        elif (vllm := _vllm_structured(body)) is not None:
+            if body.response_format is not None and body.response_format.type != "text":
+                raise APIError(400, f"{vllm.param}: give response_format or {vllm.param}, not both", param=vllm.param)
+            spec = vllm
         elif body.response_format is None or body.response_format.type == "text":
             return None
         elif body.response_format.type == "json_object":
@@ -606,6 +610,41 @@ def _structured(state: ServerState, body) -> StructuredOutput | None:
     except ValueError as e:
         raise from_value_error(e) from None
     return spec
+
+
+def _vllm_structured(body) -> StructuredOutput | None:
+    """The constraint of vLLM's ``structured_outputs`` (or its older ``guided_json``,
+    ``guided_regex``, ``guided_choice``, ``guided_grammar``), if the request gives one;
+    more than one is a 400."""
+    given = []
+    params = getattr(body, "structured_outputs", None)
+    if params is not None:
+        given += [("structured_outputs", kind, value) for kind, value in (
+            ("json", params.json_), ("json_object", params.json_object or None), ("regex", params.regex),
+            ("choice", params.choice), ("grammar", params.grammar)) if value is not None]
+        if not given:
+            raise APIError(400, "structured_outputs: give one of json, json_object, regex, choice or grammar",
+                           param="structured_outputs")
+    given += [(f"guided_{kind}", kind, getattr(body, f"guided_{kind}", None))
+              for kind in ("json", "regex", "choice", "grammar") if getattr(body, f"guided_{kind}", None) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = [f"{field}.{kind}" if field == "structured_outputs" else field for field, kind, _ in given]
+        raise APIError(400, f"{given[1][0]}: give one structured output constraint, not {' and '.join(names)}",
+                       param=given[1][0])
+    [(field, kind, value)] = given
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise APIError(400, f"{field}: not a JSON Schema (the text is not JSON)", param=field) from None
+        return StructuredOutput("json_schema", schema=value, field=field)
+    if kind == "json_object":
+        return StructuredOutput("json_object", field=field)
+    return {"regex": StructuredOutput.regex, "choice": StructuredOutput.choice,
+            "grammar": StructuredOutput.lark}[kind](value, field)
 
 
 async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], bool]:

@@ -98,6 +98,17 @@ class ToolChoice(_Request):
     function: ToolChoiceFunction
 
 
+class StructuredOutputsParams(_Request):
+    """vLLM's ``structured_outputs`` (exactly one of them): ``json`` (a JSON Schema),
+    ``json_object``, ``regex``, ``choice`` or ``grammar`` (Lark, llguidance's dialect)."""
+
+    json_: dict | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+
 class _SamplingFields(_Request):
     model: Text
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -125,6 +136,12 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False   # (vLLM's extra parameter) the text keeps the stop string or token
     user: Text | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
+    # (vLLM's extra parameters) constraints beyond response_format; the guided_* ones are its older names
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -412,3 +412,19 @@ def test_schema_checks_are_remembered_by_digest_and_bounded():
         with pytest.raises(ValueError, match=r"^response_format: .*not a valid JSON Schema at properties") as e:
             constraints.check_schema({"properties": "y" * 100_000}, "response_format")
         assert len(str(e.value)) < 500
+
+
+def test_regex_choice_and_grammar_constraints_are_checked_at_the_edge():
+    """The vLLM kinds: bad values are ``ValueError`` naming the field (``structured_outputs``
+    unless another is given); distinct constraints have distinct cache keys."""
+    from jaxserve.constraints import StructuredOutput
+    for bad in (StructuredOutput.regex(""), StructuredOutput.choice("yes"), StructuredOutput.choice([]),
+                StructuredOutput.choice(["a", ""]), StructuredOutput.lark("x" * 20_000),
+                StructuredOutput.regex("\ud800")):
+        with pytest.raises(ValueError, match="^structured_outputs: "):
+            SamplingParams(structured=bad)
+    with pytest.raises(ValueError, match="^guided_regex: "):
+        StructuredOutput.regex("", field="guided_regex").validate()
+    keys = {StructuredOutput.regex("a").key(), StructuredOutput.regex("b").key(), StructuredOutput.lark("a").key(),
+            StructuredOutput.choice(["a"]).key(), StructuredOutput.choice(["a", "b"]).key()}
+    assert len(keys) == 5

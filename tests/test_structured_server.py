@@ -208,3 +208,49 @@ def test_bad_schemas_and_unknown_functions_are_400_naming_the_field(client):
     assert_error(missing, 400)
     # The engine kept serving: a plain request still works.
     assert client.post("/v1/chat/completions", json=body("hi", max_tokens=4)).status_code == 200
+
+
+def test_vllm_structured_outputs_regex_choice_grammar_and_json(client):
+    """vLLM's ``structured_outputs`` (and its older ``guided_*`` fields) through chat and
+    completions, greedy, sampled (n=4) and via the official client's ``extra_body``:
+    each answer is one of the choices, matches the regex, is in the grammar's language,
+    or validates against the schema (random weights: only the constraint can do that)."""
+    import re
+
+    import openai
+    choices = ["red", "green", "blue sky"]
+    cases = [({"structured_outputs": {"choice": choices}}, lambda t: t in choices),
+             ({"guided_choice": choices}, lambda t: t in choices),
+             ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,4}"}},
+              lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+             ({"guided_regex": r"(yes|no)/[A-Z]"}, lambda t: re.fullmatch(r"(yes|no)/[A-Z]", t)),
+             ({"structured_outputs": {"grammar": 'start: "A" item* "!"\nitem: " x" | " y"'}},
+              lambda t: re.fullmatch(r"A( x| y)*!", t)),
+             ({"structured_outputs": {"json": WEATHER}}, lambda t: jsonschema.validate(json.loads(t), WEATHER) is None),
+             ({"guided_json": json.dumps(ALARM)}, lambda t: jsonschema.validate(json.loads(t), ALARM) is None)]
+    for fields, ok in cases:
+        greedy = client.post("/v1/chat/completions", json=body("Say something.", max_tokens=60, **fields))
+        assert greedy.status_code == 200, greedy.text
+        [choice] = greedy.json()["choices"]
+        assert choice["finish_reason"] == "stop" and ok(choice["message"]["content"]), (fields, choice)
+        sampled = client.post("/v1/completions", json={"model": "demo", "prompt": "Say", "max_tokens": 60,
+                                                        "temperature": 1.0, "n": 4, "seed": 3, **fields}).json()
+        assert all(c["finish_reason"] == "stop" and ok(c["text"]) for c in sampled["choices"]), (fields, sampled)
+    sdk = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="x", max_retries=0)
+    answer = sdk.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Pick"}], max_tokens=20,
+                                         temperature=0, extra_body={"structured_outputs": {"choice": choices}})
+    assert answer.choices[0].message.content in choices
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_grammar": 'root ::= "a"'}, "guided_grammar"),              # GBNF: not this server's grammar syntax
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "strng"}}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_structured_outputs_are_400_naming_the_field(client, fields, param):
+    assert_error(client.post("/v1/chat/completions", json=body("x", **fields)), 400, param=param)
