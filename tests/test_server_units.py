@@ -1023,3 +1023,40 @@ def test_max_tool_calls_reaches_the_engine_from_responses_and_chat():
         assert engine.params[-1].max_tool_calls is None
         error = _error(client.post("/v1/responses", json={"model": "m", "input": "hi", "max_tool_calls": -1}), 400)
         assert error["param"] == "max_tool_calls"
+
+
+class _QueuedEngine(_ScriptedEngine):
+    """Never produces a first output (a request still queued); counts the streams closed."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed = 0
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        try:
+            await asyncio.Event().wait()
+            yield None
+        finally:
+            self.closed += 1
+
+
+def test_a_queued_background_response_is_polled_cancelled_and_deleted():
+    """A background run whose engine request has produced nothing yet is ``queued``;
+    cancelling it closes its engine stream (which aborts the request) and leaves it
+    ``cancelled`` and stored; deleting a live run stops it first; a follow-up on a run
+    still going is a 400."""
+    engine = _QueuedEngine()
+    with _client(engine, max_model_len=4096) as client:
+        created = client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True}).json()
+        assert created["status"] == "queued" and created["background"] is True
+        assert client.get(f"/v1/responses/{created['id']}").json()["status"] == "queued"
+        error = _error(client.post("/v1/responses", json={"model": "m", "input": "more",
+                                                           "previous_response_id": created["id"]}), 400)
+        assert error["code"] == "previous_response_in_progress"
+        cancelled = client.post(f"/v1/responses/{created['id']}/cancel").json()
+        assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] == 0
+        assert engine.closed == 1 and client.get(f"/v1/responses/{created['id']}").json() == cancelled
+        other = client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True}).json()
+        assert client.delete(f"/v1/responses/{other['id']}").json()["deleted"] is True
+        assert engine.closed == 2
+        _error(client.get(f"/v1/responses/{other['id']}"), 404)
