@@ -476,14 +476,9 @@ class LLMEngine:
             self.api.expect_external(request.request_id)
         else:
             tools = [self.tools.get(c.name) for c in calls]
-            allowed = self._tool_calls_left(request)
             self.scheduler.pause(request, now, next((t.api_type for t in tools if t), "invalid"), None)
-            self.api.call_tools(request.request_id, [
-                ToolOutput(error=f"malformed tool call: {c.arguments[:200]}") if tool is None
-                else (tool, c.arguments) if i < allowed
-                else ToolOutput(error=f"not run: this request may run {request.sampling_params.max_tool_calls} "
-                                      "tool calls in all (max_tool_calls); answer without calling tools")
-                for i, (tool, c) in enumerate(zip(tools, calls))], now)
+            self.api.call_tools(request.request_id, [self._tool_job(request, tool, c) for tool, c in zip(tools, calls)],
+                                now)
         if request.reasoning is not None:   # the turn after the results may think again
             request.reasoning.new_turn(len(request.detokenizer.text))
         record = request.api_calls[-1]
@@ -491,13 +486,19 @@ class LLMEngine:
         record.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
 
     @staticmethod
-    def _tool_calls_left(request: Request) -> float:
-        """Server-side tool calls ``request`` may still run (``SamplingParams.max_tool_calls``):
-        its limit less the calls of its earlier server-side turns (inf without a limit)."""
+    def _tool_job(request: Request, tool: Tool | None, call) -> tuple[Tool, str] | ToolOutput:
+        """What ``ApiCalls.call_tools`` does for one server-side ``call`` (``tool``: the
+        registered tool it names, None: malformed): run it, or answer with an error: a
+        malformed call, or one past ``SamplingParams.max_tool_calls`` (the calls run so
+        far are counted; malformed and refused ones are not)."""
+        if tool is None:
+            return ToolOutput(error=f"malformed tool call: {call.arguments[:200]}")
         limit = request.sampling_params.max_tool_calls
-        if limit is None:
-            return float("inf")
-        return limit - sum(len(r.tool_calls) for r in request.api_calls if r.api_type != "external")
+        if limit is not None and request.tool_calls_run >= limit:
+            return ToolOutput(error=f"not run: this request may run {limit} tool calls in all (max_tool_calls); "
+                                    "answer without calling tools")
+        request.tool_calls_run += 1
+        return tool, call.arguments
 
     def _turn_end_ids(self) -> set[int]:
         """The EOS ids a grammar may end on: the end-of-turn token the chat template writes

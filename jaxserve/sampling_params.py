@@ -67,8 +67,9 @@ class SamplingParams:
     ``max_tool_calls`` (None: no limit; the Responses API's): server-side tool
     calls the request may run in all. A call past it is not run: the model gets
     an error result saying so (``RequestOutput.api_calls[i].error``) and goes
-    on, so a model that keeps calling tools cannot loop forever. Client-side
-    calls (which end the request's turn) are not counted.
+    on, so a model that keeps calling tools cannot loop forever. Calls run are
+    counted: malformed calls (answered with an error) and client-side calls
+    (which end the request's turn) are not.
     """
 
     max_tokens: int = 16

@@ -114,6 +114,7 @@ class Request:
     grammar: object | None = None           # structured-output state (kept across API pauses)
     logit_adjuster: object | None = None    # logit_bias, min_tokens, penalties (``jaxserve.logit_adjust``)
     pending_tool_calls: list[dict] = field(default_factory=list)   # client-side calls the caller must answer
+    tool_calls_run: int = 0                 # server-side tool calls run for it (``max_tool_calls``)
     logprobs: list | None = None            # one record per generated token when asked (``StepResult.logprobs``)
     # When asked: one entry per prompt token scored so far, ``None`` first (the first token has no
     # context), then one record each (``StepResult.prompt_logprobs``); complete at ``prompt_len`` entries.

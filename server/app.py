@@ -290,24 +290,22 @@ async def _serve(state: ServerState, request: Request, body, chat: bool, wire=No
                                hide_tool_markup=chat and job.parse_tool_calls, tool_format=state.tool_format)
                    for i, job in enumerate(jobs)]
         if getattr(wire, "background", False):
-            response = await _start_background(state, wire, merger, choices, owner, slot, body.stream)
+            try:
+                response = await _start_background(state, wire, merger, choices, owner, slot, body.stream)
+            except BaseException:
+                await merger.aclose()
+                raise
             slot = None   # released by the run
             return response
         try:
             await wait_or_disconnect(request, merger.prime())
         except BaseException as e:
             await merger.aclose()
-            if isinstance(e, ValueError):
-                raise from_value_error(e, wire.prompt_param) from None
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, "the engine is not running", code="engine_dead") from None
             if isinstance(e, ClientDisconnected):
                 return Response(status_code=499)
-            raise
+            raise _start_error(e, wire.prompt_param) from None
         if body.stream:
-            stream = _stream(state, request, wire, merger, choices, owner)
-            response = _ManagedStream(stream, on_close=slot.release, media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response = _event_stream(_stream(state, request, wire, merger, choices, owner), on_close=slot.release)
             slot = None   # released by the stream
             return response
         try:
@@ -474,10 +472,23 @@ async def _start_background(state: ServerState, wire: ResponsesWire, merger: Cho
                         wire.input_items)
     run.add(events)
     await state.background.start(run, _run_background(state, run, wire, merger, choices, owner, slot))
-    if stream:
-        return _ManagedStream(run.follow(), on_close=lambda: None, media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(queued)
+    return _event_stream(run.follow()) if stream else JSONResponse(queued)
+
+
+def _event_stream(events: AsyncIterator[str], on_close=lambda: None) -> "_ManagedStream":
+    """An SSE response of ``events`` (``on_close`` runs however it ends)."""
+    return _ManagedStream(events, on_close=on_close, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _start_error(error: BaseException, prompt_param: str) -> BaseException:
+    """What an error before a response's first output is answered as: the engine's
+    ``ValueError`` a 400 naming its field, a dead engine a 503; others as they are."""
+    if isinstance(error, ValueError):
+        return from_value_error(error, prompt_param)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, "the engine is not running", code="engine_dead")
+    return error
 
 
 async def _run_background(state: ServerState, run: BackgroundRun, wire: ResponsesWire, merger: ChoiceMerger,
@@ -494,13 +505,12 @@ async def _run_background(state: ServerState, run: BackgroundRun, wire: Response
         async for event in _stream(state, _Detached(), wire, merger, choices, owner):
             run.add([event])
     except asyncio.CancelledError:
-        wire.cancelled(choices)
-    except Exception as e:  # noqa: BLE001 - before its first output (bad input the engine refused, engine gone)
-        if isinstance(e, ValueError):
-            e = from_value_error(e, wire.prompt_param)
-        elif isinstance(e, EngineDeadError):
-            e = APIError(503, "the engine is not running", code="engine_dead")
-        run.add(wire.error(e))
+        if wire.final is None:
+            run.add(wire.cancelled(choices))
+    except Exception as e:  # noqa: BLE001 - bad input the engine refused, engine gone; or in a stream's cleanup
+        if wire.final is None:   # (one that ended keeps its final object and event)
+            run.add(wire.error(_start_error(e, wire.prompt_param)))
+        log.warning("background response %s: %s: %s", wire.response_id, type(e).__name__, e)
     finally:
         slot.release()
     if wire.final is not None:
@@ -520,8 +530,7 @@ def _get_response(state: ServerState, response_id: str, owner: str, stream: bool
         if starting_after < -1:
             raise APIError(400, "starting_after: a sequence number (>= 0), or -1 for every event",
                            param="starting_after")
-        return _ManagedStream(run.follow(starting_after), on_close=lambda: None, media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _event_stream(run.follow(starting_after))
     if run is not None:
         return run.response()
     entry = state.responses.get(response_id, owner)

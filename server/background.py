@@ -25,9 +25,12 @@ it. Used from the event loop only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from typing import AsyncIterator, Callable, Coroutine
+
+log = logging.getLogger("jaxserve.server")
 
 
 class BackgroundRun:
@@ -67,6 +70,7 @@ class BackgroundRun:
 
     def end(self, final: dict) -> None:
         self.final, self.status = final, final["status"]
+        self.snapshot = None   # (it holds the run's choices and merger: not kept with an ended run)
         self._notify()
 
     def _notify(self) -> None:
@@ -75,7 +79,8 @@ class BackgroundRun:
 
     async def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
         """The events after sequence number ``starting_after``, those to come included,
-        until the run ends (a cancelled run's stream just ends: the API has no event for it)."""
+        until the run ends (its last event: ``response.completed``, ``.incomplete`` (for a
+        cancelled run too: the API has no event for that), or ``.failed``)."""
         at = starting_after + 1
         while True:
             wake = self._wake
@@ -112,6 +117,7 @@ class BackgroundRuns:
 
     def _ended_run(self, run: BackgroundRun) -> None:
         if not run.done:   # ``body`` failed to end it (a bug): never leave a poller or a stream waiting
+            log.error("background response %s ended without a final object", run.response_id)
             run.end({**run.snapshot("failed"),
                      "error": {"code": "server_error", "message": "the background run ended unexpectedly"}})
         run.ended_at = self.clock()
@@ -147,8 +153,9 @@ class BackgroundRuns:
         """Stop ``run`` if it still runs; its final object (as it ended: cancelling an ended
         run changes nothing)."""
         if not run.done and run.task is not None:
-            run.task.cancel()
-            await asyncio.gather(run.task, return_exceptions=True)
+            if not run.task.cancelling():   # (a second cancel would cut the first one's cleanup short)
+                run.task.cancel()
+            await asyncio.wait({run.task})   # (never cancels the task, even if this caller is cancelled)
         return run.response()
 
     async def close(self) -> None:

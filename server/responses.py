@@ -351,23 +351,25 @@ class ResponsesWire:
                                  "message": f"generation failed: {(c.last.error if c.last is not None else None) or 'engine error'}"}
         return response
 
-    def snapshot(self, choices: list[ChoiceState], status: str) -> dict:
-        """The response while it runs (``status`` "queued" or "in_progress"): the
-        reasoning and text so far, in items still ``in_progress``; no usage yet."""
-        [c] = choices
-        output = ([self._reasoning_item(c.reasoning)] if c.reasoning else []) + \
-            ([self._message_item(c, "in_progress")] if c.text else [])
-        return self._object(status, output)
+    def _partial_output(self, c: ChoiceState, item_status: str) -> list[dict]:
+        """The output of a response that has not ended: its reasoning and text so far."""
+        return ([self._reasoning_item(c.reasoning)] if c.reasoning else []) + \
+            ([self._message_item(c, item_status)] if c.text else [])
 
-    def cancelled(self, choices: list[ChoiceState]) -> dict:
-        """The response of a run cancelled before it ended (``status: "cancelled"``, what it
-        had produced, in ``incomplete`` items), stored when asked; it is ``final``."""
-        [c] = choices
-        output = ([self._reasoning_item(c.reasoning)] if c.reasoning else []) + \
-            ([self._message_item(c, "incomplete")] if c.text else [])
-        self.final = self._object("cancelled", output, choices)
+    def snapshot(self, choices: list[ChoiceState], status: str) -> dict:
+        """The response while it runs (``status``: "queued", "in_progress"; "failed" when
+        a background run ended without a final object): the reasoning and text so far,
+        in items still ``in_progress``; no usage yet."""
+        return self._object(status, self._partial_output(choices[0], "in_progress"))
+
+    def cancelled(self, choices: list[ChoiceState]) -> list[str]:
+        """A run cancelled before it ended: its response (``status: "cancelled"``, what it
+        had produced, in ``incomplete`` items) becomes ``final`` and is stored when asked;
+        returns the stream's last event (``response.incomplete``: the API has no event for
+        a cancelled response)."""
+        self.final = self._object("cancelled", self._partial_output(choices[0], "incomplete"), choices)
         self.keep(choices, self.final)
-        return self.final
+        return [self._event("response.incomplete", response=self.final)]
 
     def keep(self, choices: list[ChoiceState], response: dict) -> None:
         """Store ``response`` (when asked), delivered to the client, with the messages it

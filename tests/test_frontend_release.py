@@ -168,3 +168,15 @@ def test_a_stored_or_background_response_is_read_and_cancelled_on_the_replica_th
     hints = front._hints(path, method, {}, b"")
     assert hints.stored_response == "resp_abc"
     assert front.router.choose(hints)[0] == "r1"
+
+
+
+def test_counting_a_follow_up_goes_to_the_replica_that_holds_its_conversation():
+    front = Frontend({name: ReplicaHandle(ReplicaStream([])) for name in ("r0", "r1")},
+                     {"model": "smollm2-135m", "page_size": 16})
+    front.router.stored("r1", ["resp_abc"])
+    body = json.dumps({"previous_response_id": "resp_abc", "input": "more"}).encode()
+    hints = front._hints("/v1/responses/input_tokens", "POST", {}, body)
+    assert hints.stored_response == "resp_abc" and not hints.page_hashes
+    assert front.router.choose(hints)[0] == "r1"
+    assert front._hints("/v1/responses/resp_abc", "POST", {}, b"{}").stored_response is None   # (no such route)

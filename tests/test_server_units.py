@@ -1053,9 +1053,20 @@ def test_a_queued_background_response_is_polled_cancelled_and_deleted():
         error = _error(client.post("/v1/responses", json={"model": "m", "input": "more",
                                                            "previous_response_id": created["id"]}), 400)
         assert error["code"] == "previous_response_in_progress"
+        theirs = {"Authorization": "Bearer theirs"}   # (another key sees none of it)
+        for method, path, params in [("GET", "", None), ("GET", "", {"stream": "true"}), ("POST", "/cancel", None),
+                                     ("GET", "/input_items", None), ("DELETE", "", None)]:
+            r = client.request(method, f"/v1/responses/{created['id']}{path}", params=params, headers=theirs)
+            assert _error(r, 404)["code"] == "response_not_found", (method, path)
+        assert engine.closed == 0
         cancelled = client.post(f"/v1/responses/{created['id']}/cancel").json()
         assert cancelled["status"] == "cancelled" and cancelled["usage"]["output_tokens"] == 0
         assert engine.closed == 1 and client.get(f"/v1/responses/{created['id']}").json() == cancelled
+        with client.stream("GET", f"/v1/responses/{created['id']}", params={"stream": "true"}) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.read().decode().splitlines()
+                      if line.startswith("data: ")]
+        assert [e["type"] for e in events] == ["response.created", "response.queued", "response.incomplete"]
+        assert events[-1]["response"] == cancelled and [e["sequence_number"] for e in events] == [0, 1, 2]
         other = client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True}).json()
         assert client.delete(f"/v1/responses/{other['id']}").json()["deleted"] is True
         assert engine.closed == 2

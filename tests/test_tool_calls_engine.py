@@ -191,3 +191,40 @@ def test_max_tool_calls_caps_the_server_side_calls_a_request_runs(tool_checkpoin
     with pytest.raises(ValueError, match="max_tool_calls"):
         SamplingParams(max_tool_calls=-1)
     llm.engine.shutdown()
+
+
+
+def test_max_tool_calls_counts_the_calls_run_across_turns():
+    """The limit counts calls run over every turn of the request: a malformed call does
+    not use it up, a call in a later turn past it is refused (not run)."""
+    from jaxserve.engine import LLMEngine
+    from jaxserve.tool_format.base import ParsedToolCall
+    ran = []
+
+    def echo(text):
+        ran.append(text)
+        return text
+
+    engine = LLMEngine("demo", page_size=8, num_pages=64, max_num_batched_tokens=64, max_model_len=256,
+                       warmup=False, tools={"echo": echo})
+    try:
+        rid = engine.add_request(prompt_token_ids=[5, 6, 7, 8], sampling_params=SamplingParams(
+            max_tokens=40, temperature=0, ignore_eos=True, max_tool_calls=1))
+        request = engine.scheduler.requests[rid]
+
+        def turn(calls):
+            while request.num_generated < 2 + 4 * len(request.api_calls):
+                engine.step()
+            engine._pause_for_tools(request, calls, engine.clock.now())
+            deadline = time.monotonic() + 20
+            while request.request_id in engine.scheduler.paused:
+                assert time.monotonic() < deadline
+                engine.step()
+            return request.api_calls[-1]
+
+        first = turn([ParsedToolCall("", "{bad", ""), ParsedToolCall("echo", '{"text": "a"}', "")])
+        assert ran == ["a"] and "malformed" in first.error
+        second = turn([ParsedToolCall("echo", '{"text": "b"}', "")])
+        assert ran == ["a"] and "max_tool_calls" in second.error
+    finally:
+        engine.shutdown()

@@ -27,8 +27,9 @@ from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints
 log = logging.getLogger("jaxserve.distributed")
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-# GET / DELETE of a stored response, its input items, and the cancel of a background one
-_STORED_PATH = re.compile(r"^/v1/responses/([^/]+)(?:/input_items|/cancel)?$")
+# GET / DELETE of a stored response, GET of its input items, POST of the cancel of a background one
+_STORED_PATH = re.compile(r"^/v1/responses/([^/]+)(/input_items|/cancel)?$")
+_COUNT_PATH = "/v1/responses/input_tokens"   # counts a Responses request: its previous_response_id's holder
 HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this long counts as down (one being
                                 # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
@@ -252,9 +253,11 @@ class Frontend:
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
         stored = _STORED_PATH.match(path)
-        if stored is not None and method in ("GET", "DELETE", "POST"):
-            return RoutingHints(stored_response=stored.group(1))
-        if method != "POST" or path not in ROUTED_PATHS:
+        if stored is not None and path != _COUNT_PATH:
+            suffix = stored.group(2)
+            if method in (("POST",) if suffix == "/cancel" else ("GET",) if suffix else ("GET", "DELETE")):
+                return RoutingHints(stored_response=stored.group(1))
+        if method != "POST" or path not in (*ROUTED_PATHS, _COUNT_PATH):
             return RoutingHints()
         try:
             parsed = json.loads(body)
@@ -262,6 +265,9 @@ class Frontend:
             return RoutingHints()
         if not isinstance(parsed, dict):
             return RoutingHints()
+        if path == _COUNT_PATH:   # (nothing runs: no prefix or session is placed by it)
+            previous = parsed.get("previous_response_id")
+            return RoutingHints(stored_response=previous if isinstance(previous, str) else None)
         try:
             return read_hints(parsed, headers, self.tokenize, self.page_size)
         except Exception:  # noqa: BLE001 - text the tokenizer cannot take: route without hints
