@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -42,7 +43,8 @@ from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                              ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
-from server.responses import ResponsesWire, ResponseStore, chat_request, input_messages, responses_error
+from server.response_store import ResponseStore
+from server.responses import ResponsesWire, chat_request, input_messages, responses_error
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
 
@@ -105,7 +107,7 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4) -> None:
+                 tokenizer_pool_size: int = 4, response_store: str | Path | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -125,7 +127,8 @@ class ServerState:
         self.token_spellings = TokenSpellings(self.tokenizers.template) if self.tokenizers is not None else None
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
-        self.responses = ResponseStore()   # stored /v1/responses results (``previous_response_id``)
+        # stored /v1/responses results (``previous_response_id``), in a file too when given
+        self.responses = ResponseStore(path=response_store)
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -148,7 +151,8 @@ class ServerState:
 def create_app(engine, *, served_model_name: str, api_key: str | None = None, max_concurrent_requests: int = 256,
                tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0) -> FastAPI:
+               max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0,
+               response_store: str | Path | None = None) -> FastAPI:
     """Build the app.
 
     ``tools``: the server-side tools to advertise; each must already be
@@ -156,7 +160,8 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     advertises every tool the engine has. ``max_model_len``: the context window
     in tokens (prompt + generated); required. ``max_fanout``: engine requests
     one HTTP request may become (prompts x ``n``). ``body_timeout_s``: seconds
-    allowed to receive a request body (408 after).
+    allowed to receive a request body (408 after). ``response_store``: an SQLite
+    file that keeps stored responses across restarts (None: in memory only).
     """
     if max_model_len is None or max_model_len < 2:
         raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")
@@ -171,7 +176,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                 raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
                                  f"AsyncEngine(..., tools=...) so the engine can run them")
     state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
-                        paused_context_ttl_s, max_fanout)
+                        paused_context_ttl_s, max_fanout, response_store=response_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -179,6 +184,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         yield
         await state.background.close()
         await state.parked.close()
+        state.responses.close()
 
     # /openapi.json is served (fuzzers and client generators read it) behind the API key like every route.
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")

@@ -33,10 +33,13 @@ def load_tools(spec: str | None) -> dict:
     return tools
 
 
-def build_app(args: argparse.Namespace, async_engine_class=None, **config_overrides):
+def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str = "responses.sqlite3",
+              **config_overrides):
     """The engine and the app for ``args`` (the caller shuts the engine down).
     ``async_engine_class``: an ``AsyncEngine`` subclass to drive the engine with (a
-    disaggregated decode replica's); ``config_overrides``: ``EngineConfig`` fields to change."""
+    disaggregated decode replica's); ``store_name``: the file in ``--response-store``
+    that keeps this server's stored responses (each replica has its own);
+    ``config_overrides``: ``EngineConfig`` fields to change."""
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.engine import LLMEngine
     from server.app import create_app
@@ -54,5 +57,6 @@ def build_app(args: argparse.Namespace, async_engine_class=None, **config_overri
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
-                     max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
+                     max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                     response_store=Path(args.response_store) / store_name if args.response_store else None)
     return async_engine, app

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="open connections; one more is answered 503 and closed")
     net.add_argument("--paused-context-ttl", type=float, default=60.0,
                      help="seconds a request paused on a client-side tool call is kept for its follow-up")
+    net.add_argument("--response-store", default=None, metavar="DIR",
+                     help="keep stored Responses API responses in DIR (an SQLite file) across restarts "
+                          "(default: in memory only)")
     net.add_argument("--tools", default=None,
                      help="extra server-side tools: name=module:function[,name=module:function...]")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -17,7 +17,8 @@ or, streamed, as the API's typed events (``response.created``,
 ``response.output_text.delta``, ``response.function_call_arguments.delta``,
 ..., ``response.completed``). ``ResponseStore`` keeps stored responses
 (``store``, default true) for ``previous_response_id`` and
-``GET``/``DELETE /v1/responses/{id}``, per API key, in a bounded LRU.
+``GET``/``DELETE /v1/responses/{id}``, per API key, in a bounded LRU
+(``server.response_store``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
@@ -34,95 +33,12 @@ from server.errors import APIError
 from server.generation import ChoiceState
 from server.logprobs import TokenSpellings, chat_logprobs
 from server.protocol import ChatCompletionRequest, ResponsesRequest, ResponseToolChoiceFunction
+from server.response_store import ResponseStore, StoredResponse
 from server.wire import argument_fragments, usage_of
 
 # Field names of the chat request that the Responses API spells otherwise (for 400s).
 _RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                      "response_format": "text.format", "prompt": "input"}
-
-
-@dataclass
-class StoredResponse:
-    owner: str
-    parent: str | None           # previous_response_id
-    messages: list[dict]         # what it added to the conversation: its input, then its answer (chat messages)
-    response: dict               # the response object, as returned
-    input_items: list[dict] = field(default_factory=list)   # its ``input`` as items with ids (``/input_items``)
-    size: int = 0                # bytes it is charged (its messages, response and input items as JSON)
-
-
-class ResponseStore:
-    """Stored responses, at most ``capacity`` of them and ``max_bytes`` of their JSON.
-
-    Each keeps only what it added to its conversation; ``conversation`` rebuilds the
-    whole by walking ``previous_response_id`` links (refreshing each link in its
-    owner's LRU, so a live conversation's turns stay together). A response is visible
-    only to the owner (API key) that stored it. Over a limit, the owner holding the
-    most (bytes, or responses for the count) gives up its least recently used
-    response: one busy key cannot push out another key's conversations while it holds
-    more than they do. Used from the event loop only."""
-
-    def __init__(self, capacity: int = 4096, max_bytes: int = 256 * 2**20) -> None:
-        self.capacity, self.max_bytes = capacity, max_bytes
-        self.num_bytes = 0
-        self._entries: dict[str, StoredResponse] = {}
-        self._by_owner: dict[str, OrderedDict[str, None]] = {}   # owner -> its response ids, least recent first
-        self._owner_bytes: dict[str, int] = {}
-
-    def put(self, response_id: str, entry: StoredResponse) -> None:
-        """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
-        entry.size = len(json.dumps([entry.messages, entry.response, entry.input_items], ensure_ascii=False))
-        if entry.size > self.max_bytes:
-            return
-        self._drop(response_id)
-        self._entries[response_id] = entry
-        self._by_owner.setdefault(entry.owner, OrderedDict())[response_id] = None
-        self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.size
-        self.num_bytes += entry.size
-        while len(self._entries) > self.capacity:
-            self._drop(next(iter(self._by_owner[max(self._by_owner, key=lambda o: len(self._by_owner[o]))])))
-        while self.num_bytes > self.max_bytes:
-            self._drop(next(iter(self._by_owner[max(self._owner_bytes, key=self._owner_bytes.get)])))
-
-    def _drop(self, response_id: str) -> None:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            return
-        ids = self._by_owner[entry.owner]
-        del ids[response_id]
-        self.num_bytes -= entry.size
-        self._owner_bytes[entry.owner] -= entry.size
-        if not ids:
-            del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
-
-    def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is None or entry.owner != owner:
-            return None
-        self._by_owner[owner].move_to_end(response_id)
-        return entry
-
-    def delete(self, response_id: str, owner: str) -> bool:
-        if self.get(response_id, owner) is None:
-            return False
-        self._drop(response_id)
-        return True
-
-    def conversation(self, response_id: str, owner: str) -> list[dict]:
-        """The chat messages of the conversation up to and including response ``response_id``;
-        a 404 naming ``previous_response_id`` when it (or a turn before it) is not stored."""
-        chain, at = [], response_id
-        while at is not None:
-            entry = self.get(at, owner)
-            if entry is None:
-                missing = "" if at == response_id else f" (its earlier turn {at!r} is no longer stored)"
-                raise APIError(404, f"previous response {response_id!r} not found{missing}",
-                               param="previous_response_id", code="previous_response_not_found")
-            chain.append(entry.messages)
-            at = entry.parent
-            if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
-                break
-        return [message for messages in reversed(chain) for message in messages]
 
 
 def input_messages(body: ResponsesRequest) -> list[dict]:

@@ -799,3 +799,37 @@ def test_a_background_response_outlives_its_client_and_is_polled_resumed_and_can
     assert client.responses.input_tokens.count(model="tool-model", input=NOTE_USER).input_tokens == \
         foreground.usage.input_tokens
     wait_idle(tools)
+
+
+def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
+    """``--response-store DIR``: a conversation stored before the server restarts is
+    read back and continued (``previous_response_id``) after it, through the official
+    client; a file that is not a store stops the server at start with a clear error."""
+    import openai
+    args = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "512",
+            "--response-store", str(tmp_path / "store")]
+
+    def serve():
+        return ServerProcess("demo", args, log_path=tmp_path / "server.log").start().wait_ready()
+
+    server = serve()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        first = client.responses.create(model="demo", input="Hello", max_output_tokens=8, temperature=0)
+    finally:
+        server.stop()
+    assert (tmp_path / "store" / "responses.sqlite3").exists()
+    server = serve()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        second = client.responses.create(model="demo", input="And then?", previous_response_id=first.id,
+                                         max_output_tokens=8, temperature=0)
+        assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    finally:
+        server.stop()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "responses.sqlite3").write_bytes(b"not a database at all" * 100)
+    bad = ServerProcess("demo", [*args[:-1], str(tmp_path / "bad")], log_path=tmp_path / "bad.log").start()
+    assert bad.proc.wait(120) == 2 and "response store" in bad.log_tail()

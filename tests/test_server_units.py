@@ -733,7 +733,7 @@ def test_stored_responses_are_retrieved_deleted_and_kept_per_api_key():
 
 
 def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_conversation():
-    from server.responses import ResponseStore, StoredResponse
+    from server.response_store import ResponseStore, StoredResponse
     store = ResponseStore(capacity=3)
     store.put("a", StoredResponse("o", None, [{"role": "user", "content": "1"}], {}))
     store.put("b", StoredResponse("o", "a", [{"role": "user", "content": "2"}], {}))
@@ -1071,3 +1071,41 @@ def test_a_queued_background_response_is_polled_cancelled_and_deleted():
         assert client.delete(f"/v1/responses/{other['id']}").json()["deleted"] is True
         assert engine.closed == 2
         _error(client.get(f"/v1/responses/{other['id']}"), 404)
+
+
+def test_a_response_store_with_a_file_keeps_responses_and_their_order_across_reopening(tmp_path):
+    """``ResponseStore(path=...)``: what is stored, dropped, deleted and refreshed is in the
+    file; reopening gives the same conversations, owners and LRU order (a smaller limit
+    then drops the least recently used, from the file too); a file that is not a store is
+    a ``ValueError``."""
+    import sqlite3
+
+    from server.response_store import ResponseStore, StoredResponse
+    path = tmp_path / "store" / "responses.sqlite3"
+    store = ResponseStore(path=path)
+    store.put("a", StoredResponse("o", None, [{"role": "user", "content": "1"}], {"id": "a"}, [{"id": "msg_1"}]))
+    store.put("b", StoredResponse("o", "a", [{"role": "user", "content": "2"}], {"id": "b"}))
+    store.put("x", StoredResponse("o", None, [], {"id": "x"}))
+    store.put("gone", StoredResponse("o", None, [], {"id": "gone"}))
+    assert store.delete("gone", "o")
+    store.put("theirs", StoredResponse("p", None, [], {"id": "theirs"}))
+    assert [m["content"] for m in store.conversation("b", "o")] == ["1", "2"]   # refreshes b, then a
+    num_bytes = store.num_bytes
+    store.close()
+    again = ResponseStore(path=path)   # (o's order, least recent first: x, b, a)
+    assert again.num_bytes == num_bytes
+    assert [m["content"] for m in again.conversation("b", "o")] == ["1", "2"]
+    assert again.get("a", "o").input_items == [{"id": "msg_1"}] and again.get("a", "o").response == {"id": "a"}
+    assert again.get("gone", "o") is None and again.get("theirs", "o") is None and again.get("theirs", "p")
+    again.close()
+    small = ResponseStore(capacity=3, path=path)   # "o" holds the most: it gives up x, its least recently used
+    assert small.get("x", "o") is None and small.get("a", "o") is not None
+    small.close()
+    assert ResponseStore(path=path).get("x", "o") is None   # (dropped from the file too)
+    other = tmp_path / "other.sqlite3"
+    sqlite3.connect(other).execute("CREATE TABLE t (a)").connection.commit()
+    with pytest.raises(ValueError, match="not a jaxserve response store"):
+        ResponseStore(path=other)
+    (tmp_path / "garbage.sqlite3").write_bytes(b"not a database at all" * 100)
+    with pytest.raises(ValueError, match="response store"):
+        ResponseStore(path=tmp_path / "garbage.sqlite3")

@@ -35,12 +35,14 @@ class EngineReplica:
 
         self.name = name
         args = argparse.Namespace(**settings)
+        store = f"responses-{name}.sqlite3"   # (a replica restarted by Ray reopens its own stored responses)
         if prefill is None:
-            self.engine, self.app = build_app(args)
+            self.engine, self.app = build_app(args, store_name=store)
         else:
             from jaxserve.distributed.kv_transfer import DisaggregatedEngine, TransferMetrics
 
-            self.engine, self.app = build_app(args, DisaggregatedEngine, policy=settings["decode_policy"])
+            self.engine, self.app = build_app(args, DisaggregatedEngine, store_name=store,
+                                              policy=settings["decode_policy"])
             self.engine.prefill = prefill
             self.engine.metrics = TransferMetrics(self.app.state.server.metrics.registry)
         self._lifespan: Lifespan | None = None

@@ -1,0 +1,168 @@
+"""Stored Responses API responses (``store: true``), in a bounded LRU per API key,
+kept in memory and, with a path, in an SQLite file too, so conversations
+(``previous_response_id``) outlive a restart.
+
+The file is written through (each store, drop and LRU refresh at once, in WAL
+mode without a sync per write: a power cut may lose the last writes, a process
+exit loses nothing) and read back whole when the store is opened, oldest use
+first, within the same limits. One file per process: replicas each keep their
+own (``server.build``).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.errors import APIError
+
+SCHEMA_VERSION = 1   # ``PRAGMA user_version`` of a store file
+
+
+@dataclass
+class StoredResponse:
+    owner: str
+    parent: str | None           # previous_response_id
+    messages: list[dict]         # what it added to the conversation: its input, then its answer (chat messages)
+    response: dict               # the response object, as returned
+    input_items: list[dict] = field(default_factory=list)   # its ``input`` as items with ids (``/input_items``)
+    size: int = 0                # bytes it is charged (its messages, response and input items as JSON)
+
+
+class ResponseStore:
+    """Stored responses, at most ``capacity`` of them and ``max_bytes`` of their JSON.
+
+    Each keeps only what it added to its conversation; ``conversation`` rebuilds the
+    whole by walking ``previous_response_id`` links (refreshing each link in its
+    owner's LRU, so a live conversation's turns stay together). A response is visible
+    only to the owner (API key) that stored it. Over a limit, the owner holding the
+    most (bytes, or responses for the count) gives up its least recently used
+    response: one busy key cannot push out another key's conversations while it holds
+    more than they do. ``path``: an SQLite file that keeps them across restarts
+    (created if missing; a file that is not a store of this version is a
+    ``ValueError``). Used from the event loop only."""
+
+    def __init__(self, capacity: int = 4096, max_bytes: int = 256 * 2**20, path: str | Path | None = None) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.num_bytes = 0
+        self._entries: dict[str, StoredResponse] = {}
+        self._by_owner: dict[str, OrderedDict[str, None]] = {}   # owner -> its response ids, least recent first
+        self._owner_bytes: dict[str, int] = {}
+        self._db: sqlite3.Connection | None = None
+        self._uses = 0   # the last use's number (a file's LRU order)
+        if path is not None:
+            self._open(Path(path))
+
+    # ------------------------------------------------------------------ file
+    def _open(self, path: Path) -> None:
+        """Open (or create) the file at ``path`` and load what it holds."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables and (version != SCHEMA_VERSION or "responses" not in tables):
+                raise ValueError(f"response store {path}: not a jaxserve response store of version "
+                                 f"{SCHEMA_VERSION} (user_version {version}, tables {sorted(tables)})")
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
+                       "used INTEGER NOT NULL, entry TEXT NOT NULL)")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            rows = db.execute("SELECT id, owner, used, entry FROM responses ORDER BY used").fetchall()
+        except sqlite3.Error as e:
+            raise ValueError(f"response store {path}: {e}") from None
+        for response_id, owner, used, text in rows:   # (oldest use first: the LRU order comes back as it was)
+            if len(text) > self.max_bytes:
+                continue
+            data = json.loads(text)
+            self._keep(response_id, StoredResponse(owner, data["parent"], data["messages"], data["response"],
+                                                   data["input_items"]), len(text))
+            self._uses = max(self._uses, used)
+        self._db = db
+        dropped = {row[0] for row in rows} - set(self._entries)   # (over limits smaller than when they were stored)
+        db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i in dropped])
+
+    def _write(self, sql: str, *params) -> None:
+        if self._db is not None:
+            self._db.execute(sql, params)
+
+    def _use(self) -> int:
+        self._uses += 1
+        return self._uses
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # ------------------------------------------------------------- entries
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
+        text = json.dumps({"parent": entry.parent, "messages": entry.messages, "response": entry.response,
+                           "input_items": entry.input_items}, ensure_ascii=False)
+        if len(text) > self.max_bytes:
+            return
+        self._drop(response_id)
+        if self._keep(response_id, entry, len(text)):
+            self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
+                        response_id, entry.owner, self._use(), text)
+
+    def _keep(self, response_id: str, entry: StoredResponse, size: int) -> bool:
+        """Hold ``entry`` in memory (``size``: its JSON's length), then drop responses
+        while over a limit; whether it is still held."""
+        entry.size = size
+        self._entries[response_id] = entry
+        self._by_owner.setdefault(entry.owner, OrderedDict())[response_id] = None
+        self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + entry.size
+        self.num_bytes += entry.size
+        while len(self._entries) > self.capacity:
+            self._drop(next(iter(self._by_owner[max(self._by_owner, key=lambda o: len(self._by_owner[o]))])))
+        while self.num_bytes > self.max_bytes:
+            self._drop(next(iter(self._by_owner[max(self._owner_bytes, key=self._owner_bytes.get)])))
+        return response_id in self._entries
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return
+        ids = self._by_owner[entry.owner]
+        del ids[response_id]
+        self.num_bytes -= entry.size
+        self._owner_bytes[entry.owner] -= entry.size
+        if not ids:
+            del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
+        self._write("DELETE FROM responses WHERE id = ?", response_id)
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        self._by_owner[owner].move_to_end(response_id)
+        self._write("UPDATE responses SET used = ? WHERE id = ?", self._use(), response_id)
+        return entry
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        if self.get(response_id, owner) is None:
+            return False
+        self._drop(response_id)
+        return True
+
+    def conversation(self, response_id: str, owner: str) -> list[dict]:
+        """The chat messages of the conversation up to and including response ``response_id``;
+        a 404 naming ``previous_response_id`` when it (or a turn before it) is not stored."""
+        chain, at = [], response_id
+        while at is not None:
+            entry = self.get(at, owner)
+            if entry is None:
+                missing = "" if at == response_id else f" (its earlier turn {at!r} is no longer stored)"
+                raise APIError(404, f"previous response {response_id!r} not found{missing}",
+                               param="previous_response_id", code="previous_response_not_found")
+            chain.append(entry.messages)
+            at = entry.parent
+            if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
+                break
+        return [message for messages in reversed(chain) for message in messages]
