@@ -794,7 +794,8 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
                                      tool_choice=body.tool_choice, add_generation_prompt=body.generation_prompt,
                                      continue_final_message=body.continue_final_message,
-                                     chat_template_kwargs=body.chat_template_kwargs)
+                                     chat_template_kwargs=body.chat_template_kwargs,
+                                     reasoning_effort=body.reasoning_effort)
         _structured(state, chat)   # the same 400s as chat completions (bad tool schemas, unknown names)
         ids, _ = await _render_chat(state, chat)
     else:

@@ -60,6 +60,10 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
+# OpenAI's reasoning efforts (chat ``reasoning_effort``, Responses ``reasoning.effort``)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -273,11 +277,16 @@ class _ChatTemplateFields(_Request):
     opens the assistant's turn after them; ``continue_final_message`` leaves the last
     message open instead, so the model continues it (an assistant prefill; the reply
     holds only the continuation); ``chat_template_kwargs`` are extra variables for the
-    chat template (e.g. ``{"enable_thinking": false}``)."""
+    chat template (e.g. ``{"enable_thinking": false}``). ``reasoning_effort`` (OpenAI's)
+    reaches the template as the variable ``reasoning_effort`` (gpt-oss's templates read
+    it); ``"none"`` and ``"minimal"`` also set ``enable_thinking: false`` (Qwen3's templates
+    then write an empty thinking block: the model answers without thinking), unless
+    ``chat_template_kwargs`` set these themselves."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -302,7 +311,12 @@ class _ChatTemplateFields(_Request):
 
     def template_options(self) -> dict:
         """``apply_chat_template`` keyword arguments for the rendering these fields ask for."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.generation_prompt,
+        effort = {}
+        if self.reasoning_effort is not None:
+            effort["reasoning_effort"] = self.reasoning_effort
+            if self.reasoning_effort in ("none", "minimal"):
+                effort["enable_thinking"] = False
+        return {**effort, **(self.chat_template_kwargs or {}), "add_generation_prompt": self.generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
 
@@ -518,10 +532,10 @@ class ResponseTextConfig(_Request):
 
 class ResponseReasoningConfig(_Request):
     """``reasoning``: taken when the server splits reasoning (``--reasoning-parser``);
-    ``effort`` and ``summary`` are not acted on (the model decides how long it thinks;
-    ``summary`` stays empty)."""
+    ``effort`` reaches the chat template as chat's ``reasoning_effort`` does (``"none"`` and
+    ``"minimal"`` turn Qwen3's thinking off); ``summary`` is not acted on (it stays empty)."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 

@@ -123,7 +123,8 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
             "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None, "tool_choice": choice,
             "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format,
             "user": body.user, "stream": body.stream, "logprobs": body.num_logprobs is not None,
-            "top_logprobs": body.num_logprobs, "max_tool_calls": body.max_tool_calls})
+            "top_logprobs": body.num_logprobs, "max_tool_calls": body.max_tool_calls,
+            "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None})
     except ValidationError as e:
         first = e.errors()[0]
         raise APIError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None

@@ -1109,3 +1109,31 @@ def test_a_response_store_with_a_file_keeps_responses_and_their_order_across_reo
     (tmp_path / "garbage.sqlite3").write_bytes(b"not a database at all" * 100)
     with pytest.raises(ValueError, match="response store"):
         ResponseStore(path=tmp_path / "garbage.sqlite3")
+
+
+def test_reasoning_effort_reaches_the_chat_template():
+    """Chat's ``reasoning_effort`` and Responses' ``reasoning.effort`` reach the template as
+    ``reasoning_effort``; "none" and "minimal" also turn ``enable_thinking`` off (Qwen3's
+    switch), unless ``chat_template_kwargs`` set it."""
+    from server.protocol import ResponsesRequest
+    from server.responses import chat_request, input_messages
+    engine = _Recorder()
+    engine.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}"
+        "{% if reasoning_effort is defined %} effort={{ reasoning_effort }}{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    with _client(engine, max_model_len=4096) as client:
+        def rendered(**fields):
+            ids = client.post("/tokenize", json={"model": "m", "messages": messages, "tool_choice": "none",
+                                                 **fields}).json()["tokens"]
+            return engine.tokenizer.decode(ids)
+        assert rendered() == "hi"
+        assert rendered(reasoning_effort="none") == rendered(reasoning_effort="minimal").replace("minimal", "none") \
+            == "hi no-think effort=none"
+        assert rendered(reasoning_effort="high") == "hi effort=high"
+        assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == "hi effort=none"
+        assert _error(client.post("/tokenize", json={"model": "m", "messages": messages,
+                                                     "reasoning_effort": "extreme"}), 400)["param"] == "reasoning_effort"
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
+    assert chat_request(body, [], input_messages(body)).template_options()["enable_thinking"] is False
