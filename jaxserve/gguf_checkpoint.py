@@ -60,6 +60,41 @@ def is_gguf_path(path: str | Path) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
+KEPT_VERSIONS = 32   # GGUF file versions whose index, and whose tokenizer, are kept (most recently used)
+
+
+def _touch(kept: Path) -> None:
+    """Mark a kept entry used now (``_keep_newest`` drops the least recently used)."""
+    try:
+        os.utime(kept)
+    except OSError:
+        pass
+
+
+def _keep_newest(folder: Path, count: int = KEPT_VERSIONS) -> None:
+    """Delete all but the ``count`` most recently used entries of ``folder`` (files or
+    folders; by modification time, which a use refreshes: ``_touch``): each edited or
+    replaced GGUF file leaves an entry for its old version behind, which nothing reads
+    again. Entries being written (dot names) and ones another process deletes meanwhile
+    are skipped."""
+    entries = []
+    for entry in os.scandir(folder):
+        if entry.name.startswith("."):
+            continue
+        try:
+            entries.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path, entry.is_dir()))
+        except FileNotFoundError:
+            continue
+    for _, name, is_dir in sorted(entries)[:max(0, len(entries) - count)]:
+        if is_dir:
+            shutil.rmtree(name, ignore_errors=True)
+        else:
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
+
+
 def _version_key(path: Path, *versions: str) -> str:
     """A name for what is kept of the file ``path`` (resolved) as it is now (inode, change
     and modification times, size) and built by the library ``versions``."""
@@ -129,7 +164,8 @@ def open_index(path: str | Path) -> GGUFIndex:
     places. So the config and each tensor's type, data type, shape and offset are kept
     in ``cache_root() / "gguf-index"`` per file version (path, inode, change and
     modification times, size, gguf version, ``INDEX_FORMAT``), and later loads map the tensors from that
-    without parsing the file. A cache that cannot be written only costs the time."""
+    without parsing the file (the ``KEPT_VERSIONS`` most recently used). A cache that
+    cannot be written only costs the time."""
     import gguf
 
     path = Path(path).expanduser()
@@ -142,6 +178,7 @@ def open_index(path: str | Path) -> GGUFIndex:
     except (OSError, ValueError):
         index = None
     if index is not None:
+        _touch(kept)
         raw = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = []
         for name, kind, dtype, shape, offset in index["tensors"]:
@@ -161,6 +198,7 @@ def open_index(path: str | Path) -> GGUFIndex:
         with os.fdopen(fd, "w") as f:
             json.dump({"config": config, "tensors": entries}, f)
         os.replace(tmp, kept)
+        _keep_newest(kept.parent)
     except OSError as e:
         log.info("index of %s not kept in %s (%s)", path.name, kept.parent, e)
     return GGUFIndex(config, tensors)
@@ -295,8 +333,8 @@ def load_tokenizer(path: str | Path):
     transformers builds it from the file's vocabulary and merges (~3 s for SmolLM2's
     49,152 tokens); the result is kept in ``cache_root() / "tokenizers"`` under the file
     version (path, inode, change and modification times, size) and the transformers and
-    tokenizers versions, and later loads read that (~0.2 s). A cache that cannot be
-    written only costs the time."""
+    tokenizers versions, and later loads read that (~0.2 s; the ``KEPT_VERSIONS`` most
+    recently used are kept). A cache that cannot be written only costs the time."""
     import tokenizers
 
     from jaxserve.hf_import import quiet_transformers
@@ -305,6 +343,7 @@ def load_tokenizer(path: str | Path):
     path = Path(path).expanduser().resolve()
     kept = cache_root() / "tokenizers" / _version_key(path, transformers.__version__, tokenizers.__version__)
     if (kept / "tokenizer.json").is_file():
+        _touch(kept)
         return transformers.PreTrainedTokenizerFast.from_pretrained(str(kept), local_files_only=True)
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                      local_files_only=True)
@@ -314,6 +353,7 @@ def load_tokenizer(path: str | Path):
         try:
             tokenizer.save_pretrained(str(tmp))
             os.replace(tmp, kept)   # whole or not at all (another process may have won the race)
+            _keep_newest(kept.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:

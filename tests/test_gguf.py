@@ -289,3 +289,21 @@ def test_a_gguf_of_each_architecture_decodes_as_its_checkpoint(kind, arch, tmp_p
     assert llm.tokenizer.encode("The capital of France is Paris.") == \
         gguf_checkpoint.load_tokenizer(model_source.smollm2_path()).encode("The capital of France is Paris.")
     llm.engine.shutdown()
+
+
+def test_the_gguf_caches_keep_the_most_recently_used_file_versions(tmp_path):
+    """Each edited or replaced GGUF file leaves an index and a tokenizer behind for its old
+    version: the folders keep the ``count`` most recently used entries (a use refreshes
+    one), never an entry being written."""
+    import os
+
+    from jaxserve.gguf_checkpoint import _keep_newest, _touch
+    for i in range(5):
+        entry = tmp_path / f"e{i}"
+        entry.mkdir() if i % 2 else entry.write_text("x")
+        os.utime(entry, ns=(i * 10**9, i * 10**9))
+    (tmp_path / ".index-tmp").write_text("being written")
+    os.utime(tmp_path / ".index-tmp", ns=(0, 0))
+    _touch(tmp_path / "e0")   # used now: the newest
+    _keep_newest(tmp_path, count=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".index-tmp", "e0", "e3", "e4"]
