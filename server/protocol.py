@@ -13,7 +13,10 @@ Responses are serialized with ``exclude_none`` so no ``null`` fields reach the c
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
+import zlib
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -463,13 +466,47 @@ class ResponseReasoningText(_Request):
     text: Text
 
 
+_REASONING_TOKEN = "jxr1."          # ``reasoning_token``'s prefix (its format's version)
+MAX_REASONING_TOKEN_TEXT = 8 * 2**20   # characters a reasoning token may unpack to
+
+
+def reasoning_token(text: str) -> str:
+    """A reasoning item's ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``):
+    its text, compressed, in an opaque string a stateless client sends back with the item
+    (not encrypted: the text is what the client may read in ``content`` anyway)."""
+    return _REASONING_TOKEN + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
+
+
+def reasoning_from_token(token: str) -> str:
+    """The text ``reasoning_token`` packed; ``ValueError`` for anything else."""
+    try:
+        if not token.startswith(_REASONING_TOKEN):
+            raise ValueError
+        unpack = zlib.decompressobj()
+        data = unpack.decompress(base64.urlsafe_b64decode(token[len(_REASONING_TOKEN):]), MAX_REASONING_TOKEN_TEXT)
+        if unpack.unconsumed_tail or not unpack.eof:
+            raise ValueError
+        return data.decode("utf-8")
+    except (ValueError, binascii.Error, zlib.error, UnicodeDecodeError):
+        raise ValueError("encrypted_content: not one this server wrote (or cut short)") from None
+
+
 class ResponseReasoningItem(_Request):
     """The reasoning of an earlier turn (as a response's ``output`` lists it, before that
-    turn's message and calls); ``summary`` and ``encrypted_content`` are not read."""
+    turn's message and calls): its ``content``, else its ``encrypted_content`` (this
+    server's ``reasoning_token``); ``summary`` is not read."""
 
     type: Literal["reasoning"]
     id: Text | None = None
     content: list[ResponseReasoningText] | None = None
+    encrypted_content: Text | None = None
+
+    @model_validator(mode="after")
+    def _unpack_encrypted_content(self):
+        if not self.content and self.encrypted_content is not None:
+            text = reasoning_from_token(self.encrypted_content)
+            self.content = [ResponseReasoningText(type="reasoning_text", text=text)]
+        return self
 
     @property
     def text(self) -> str:
@@ -544,7 +581,8 @@ class ResponsesRequest(_Request):
     tools, ``previous_response_id`` conversations, ``text.format``, ``reasoning`` with a
     reasoning parser, ``background`` runs, ``truncation: "auto"``, ``max_tool_calls`` of the
     server's tools). Fields of the API this server does not implement are refused when set
-    (``include`` values other than ``message.output_text.logprobs``, ``conversation``, ``prompt``)."""
+    (``include`` values other than ``message.output_text.logprobs`` and ``reasoning.encrypted_content``,
+    ``conversation``, ``prompt``)."""
 
     model: Text
     input: Text | list[ResponseInputItem] = Field(min_length=1)
@@ -565,8 +603,9 @@ class ResponsesRequest(_Request):
     reasoning: ResponseReasoningConfig | None = None
     background: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    # "message.output_text.logprobs": each output token's log-probability (and ``top_logprobs`` alternatives)
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    # "message.output_text.logprobs": each output token's log-probability (and ``top_logprobs`` alternatives);
+    # "reasoning.encrypted_content": reasoning items carry their text for a stateless client to send back
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     conversation: str | dict | None = None
     prompt: dict | None = None

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from server.errors import APIError
 from server.generation import ChoiceState
 from server.logprobs import TokenSpellings, chat_logprobs
-from server.protocol import ChatCompletionRequest, ResponsesRequest, ResponseToolChoiceFunction
+from server.protocol import ChatCompletionRequest, ResponsesRequest, ResponseToolChoiceFunction, reasoning_token
 from server.response_store import ResponseStore, StoredResponse
 from server.wire import argument_fragments, usage_of
 
@@ -220,8 +220,11 @@ class ResponsesWire:
         return part
 
     def _reasoning_item(self, text: str, later: bool = False) -> dict:
-        return {"type": "reasoning", "id": self._later_reasoning_id if later else self._reasoning_id, "summary": [],
+        item = {"type": "reasoning", "id": self._later_reasoning_id if later else self._reasoning_id, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}]}
+        if "reasoning.encrypted_content" in (self.body.include or ()):
+            item["encrypted_content"] = reasoning_token(text)
+        return item
 
     def _reasoning_parts(self, c: ChoiceState) -> tuple[str, str]:
         """``(first, later)``: the reasoning listed before the message (all of it, unless

@@ -395,3 +395,42 @@ def test_a_turn_that_may_think_first_reasons_freely_then_answers_in_the_format(s
         assert answer["reasoning"] == free["reasoning"] and answer["content"].startswith("{")
     finally:
         llm.reasoning_format = kept
+
+
+def test_encrypted_reasoning_content_lets_a_stateless_client_send_the_reasoning_back():
+    """``include: ["reasoning.encrypted_content"]``: each reasoning item (whole and streamed)
+    carries its text packed in ``encrypted_content``; an input reasoning item with only
+    that reads as the same reasoning; a string this server did not write is a 400."""
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+    from server.protocol import ResponsesRequest
+    from server.responses import input_messages
+    body = {"model": "m", "input": "hi", "store": False, "include": ["reasoning.encrypted_content"]}
+    with TestClient(create_app(_LaterReasoningEngine(), served_model_name="m", max_model_len=4096)) as client:
+        items = [i for i in client.post("/v1/responses", json=body).json()["output"] if i["type"] == "reasoning"]
+        r = client.post("/v1/responses", json={**body, "stream": True})
+        streamed = [json.loads(line[6:])["item"] for line in r.text.splitlines()
+                    if line.startswith("data: ") and '"response.output_item.done"' in line]
+        assert "encrypted_content" not in client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()[
+            "output"][0]
+        bad = client.post("/v1/responses", json={"model": "m", "input": [
+            {"type": "reasoning", "encrypted_content": "gAAAAB-not-ours"}, {"role": "user", "content": "q"}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("input.0")
+    assert [i["content"][0]["text"] for i in items] == ["R1\n\nR2"]
+    assert [i["content"][0]["text"] for i in streamed if i["type"] == "reasoning"] == ["R1", "R2"]
+    for item in items + [i for i in streamed if i["type"] == "reasoning"]:
+        sent_back = {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]}
+        request = ResponsesRequest.model_validate({"model": "m", "input": [
+            {"role": "user", "content": "q"}, sent_back, {"role": "assistant", "content": "a"}]})
+        assert input_messages(request)[1]["reasoning_content"] == item["content"][0]["text"]
+    import base64
+    import zlib
+
+    from server.protocol import reasoning_from_token, reasoning_token
+    assert reasoning_from_token(reasoning_token("é thought")) == "é thought"
+    bomb = "jxr1." + base64.urlsafe_b64encode(zlib.compress(b"a" * (9 * 2**20))).decode()   # 9 MiB from ~9 kB
+    with pytest.raises(ValueError, match="encrypted_content"):
+        reasoning_from_token(bomb)
+    with pytest.raises(ValueError, match="encrypted_content"):
+        reasoning_from_token(reasoning_token("cut")[:-4])
