@@ -833,3 +833,33 @@ def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
     (tmp_path / "bad" / "responses.sqlite3").write_bytes(b"not a database at all" * 100)
     bad = ServerProcess("demo", [*args[:-1], str(tmp_path / "bad")], log_path=tmp_path / "bad.log").start()
     assert bad.proc.wait(120) == 2 and "response store" in bad.log_tail()
+
+
+def test_many_background_runs_cancelled_or_finished_leave_nothing_held(servers, demo):
+    """Twelve background runs on the demo server (limit 16 engine requests), half cancelled
+    at once: every run ends (cancelled or done), then the engine is idle (no page held)
+    and all 16 concurrency slots are free again (16 requests at once, none refused)."""
+    import openai
+    client = openai.OpenAI(base_url=servers.demo.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    runs = [client.responses.create(model="demo", input=f"Tell me about {i}", max_output_tokens=120, temperature=0,
+                                    background=True) for i in range(12)]
+    cancelled = [client.responses.cancel(r.id) for r in runs[::2]]
+    assert all(r.status in ("cancelled", "completed", "incomplete") for r in cancelled)
+    deadline = time.monotonic() + 120
+    ended = {}
+    while len(ended) < len(runs):
+        assert time.monotonic() < deadline, "background runs did not end"
+        for r in runs:
+            status = client.responses.retrieve(r.id).status
+            if status not in ("queued", "in_progress"):
+                ended[r.id] = status
+        time.sleep(0.1)
+    assert {ended[r.id] for r in runs[1::2]} <= {"completed", "incomplete"}
+    assert metrics(demo)["jaxserve:num_background_responses"] == 0
+    wait_idle(demo, timeout=20)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=servers.demo.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json={
+                "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}) for _ in range(16)))
+    assert [r.status_code for r in asyncio.run(burst())] == [200] * 16
