@@ -25,6 +25,7 @@ import jsonschema
 
 KINDS = ("json_schema", "json_object", "tool_call", "regex", "choice", "grammar")
 JSON_KINDS = ("json_schema", "json_object")
+THINKING_FIRST_KINDS = (*JSON_KINDS, "regex", "choice")   # answers a reasoning block may come before
 MAX_PATTERN_CHARS = 16_384      # a regex or a grammar's text
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 65_536       # all choices together

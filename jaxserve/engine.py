@@ -23,7 +23,7 @@ import kernels
 from jaxserve.api_calls import ApiCalls, ApiResult, ToolOutput
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
-from jaxserve.constraints import JSON_KINDS
+from jaxserve.constraints import THINKING_FIRST_KINDS
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logit_adjust import LogitAdjuster
@@ -299,7 +299,7 @@ class LLMEngine:
         tool calls are constrained from their first token)."""
         fmt = self.reasoning_format
         if (fmt is None or parse_reasoning is False or self.tokenizer is None or params.structured is None
-                or params.structured.kind not in JSON_KINDS or fmt.opens_inside or self._ends_with_think(ids)):
+                or params.structured.kind not in THINKING_FIRST_KINDS or fmt.opens_inside or self._ends_with_think(ids)):
             return None
         return fmt
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.constraints import JSON_KINDS, StructuredOutput
+from jaxserve.constraints import JSON_KINDS, THINKING_FIRST_KINDS, StructuredOutput
 from jaxserve.reasoning import ReasoningFormat
 from jaxserve.tool_format.base import ToolFormat
 
@@ -164,7 +164,7 @@ class StructuredDecoding:
         ``ValueError`` naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
-        if reasoning is not None and spec.kind in JSON_KINDS:
+        if reasoning is not None and spec.kind in THINKING_FIRST_KINDS:
             text = thinking_first_lark(spec, reasoning, self._markup)
         elif spec.kind == "json_schema":
             text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
@@ -190,7 +190,7 @@ class StructuredDecoding:
         ``reasoning``: the turn may open with a reasoning block in that format before
         the answer the constraint asks for (JSON constraints only; ``thinks_first``)."""
         import llguidance
-        if spec.kind not in JSON_KINDS:   # (a JSON answer may follow the reasoning: ``thinking_first_lark``)
+        if spec.kind not in THINKING_FIRST_KINDS:   # (``thinking_first_lark``'s answers)
             reasoning = None
         key = spec.key() if reasoning is None else json.dumps([spec.key(), reasoning.start, reasoning.end])
         pristine = self._pristine.get(key)
@@ -284,15 +284,22 @@ def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[st
 def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Callable[[str], str]) -> str:
     """Lark grammar (llguidance dialect) for a turn that may open with a reasoning block
     (``fmt.start``, any text, ``fmt.end``, up to 4 spaces or newlines) and then gives the
-    JSON answer ``spec`` asks for: a thinking model (Qwen3) reasons as it would, and
-    only the answer is constrained. ``markup(text)`` renders the tags: a special
-    token (the text before it can never hold it) or text (the reasoning stops at its
-    first occurrence)."""
-    schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
-    answer = {**schema, "x-guidance": schema.get("x-guidance", _JSON_OPTIONS)}
+    answer ``spec`` asks for (``THINKING_FIRST_KINDS``: JSON, a regex, a choice): a
+    thinking model (Qwen3) reasons as it would, and only the answer is constrained.
+    ``markup(text)`` renders the tags: a special token (the text before it can never
+    hold it) or text (the reasoning stops at its first occurrence)."""
+    import llguidance
+    if spec.kind == "regex":   # (llguidance's own rendering of a regex as lark: ``start: /.../``, escaped)
+        lark = json.loads(llguidance.LLMatcher.grammar_from_regex(spec.pattern))["grammars"][0]["lark_grammar"]
+        answer = "answer:" + lark.removeprefix("start:")
+    elif spec.kind == "choice":
+        answer = "answer: " + " | ".join(json.dumps(choice) for choice in spec.choices)
+    else:
+        schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
+        answer = f"answer: %json {json.dumps({**schema, 'x-guidance': schema.get('x-guidance', _JSON_OPTIONS)})}"
     start, end = markup(fmt.start), markup(fmt.end)
     if end.startswith("<["):
         think = [f"think: {start} /(?s:.*)/ {end} /[ \\n]{{0,4}}/"]
     else:
         think = [f"think: {start} thought /[ \\n]{{0,4}}/", f"thought[stop={end}]: /(?s:.*)/"]
-    return "\n".join(["start: think? answer", *think, f"answer: %json {json.dumps(answer)}"])
+    return "\n".join(["start: think? answer", *think, answer])

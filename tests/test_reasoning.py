@@ -5,6 +5,7 @@ tag taken from that answer (the demo model thinks in no known format)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -357,8 +358,8 @@ def test_a_response_format_constrains_the_answer_after_the_reasoning(served):
 
 def test_a_turn_that_may_think_first_reasons_freely_then_answers_in_the_format(served):
     """A format whose turns are not known to open inside the reasoning (Qwen3's: the model
-    starts with the start tag when it thinks): a ``response_format`` grammar lets the turn
-    open with a reasoning block, so the model reasons as without a format (the same
+    starts with the start tag when it thinks): a ``response_format`` grammar (or a
+    choice, or a regex) lets the turn open with a reasoning block, so the model reasons as without a format (the same
     reasoning), and only the answer after the end tag is constrained (JSON from its first
     character, where the free answer was not). The tags here are cut from the greedy
     answer at token boundaries: its first tokens open the reasoning."""
@@ -393,6 +394,12 @@ def test_a_turn_that_may_think_first_reasons_freely_then_answers_in_the_format(s
                                                            "response_format": {"type": "json_object"}}).json()
         answer = shaped["choices"][0]["message"]
         assert answer["reasoning"] == free["reasoning"] and answer["content"].startswith("{")
+        for fields, ok in [({"structured_outputs": {"choice": ["alpha", "beta gamma"]}},
+                            lambda t: t in ("alpha", "beta gamma")),
+                           ({"guided_regex": r"[0-9]{3}/[a-z]"}, lambda t: re.fullmatch(r"[0-9]{3}/[a-z]", t))]:
+            other = client.post("/v1/chat/completions", json={**chat, "max_tokens": 40, **fields}).json()
+            answer = other["choices"][0]["message"]
+            assert answer["reasoning"] == free["reasoning"] and ok(answer["content"]), (fields, answer)
     finally:
         llm.reasoning_format = kept
 
