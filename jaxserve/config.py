@@ -50,6 +50,29 @@ def positive_int(text: str) -> int:
     return value
 
 
+def read_chat_template(value: str) -> str:
+    """The chat template ``value`` names: the text of the file at that path, else ``value``
+    itself when it is Jinja (holds ``{{`` or ``{%``). ``ValueError`` naming
+    ``chat_template`` for neither, or for a template Jinja cannot parse (read as
+    transformers renders templates: sandboxed, with loop controls)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"chat_template must be a template or a file path, got {value!r}")
+    if "{{" not in value and "{%" not in value:
+        path = Path(value).expanduser()
+        try:
+            value = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: {value!r} is not a readable file ({type(e).__name__}) "
+                             "and not a Jinja template") from None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return value
+
+
 def _flag(help_text: str, *, group: str = "engine", choices: tuple | None = None, cli: bool = True) -> dict:
     return {"help": help_text, "group": group, "choices": choices, "cli": cli}
 
@@ -109,6 +132,9 @@ class EngineConfig:
         "cost model for the waste equations: a built-in name or a JSON from `jaxserve profile` "
         "(default: the shipped profile of this backend)"))
     # ---------------------------------------------------------------- tools
+    chat_template: str | None = field(default=None, metadata=_flag(
+        "a Jinja chat template, or the path of a file holding one, used instead of the checkpoint's "
+        "(tool-call format detection reads it too)"))
     tool_call_parser: str | None = field(default=None, metadata=_flag(
         "tool-call format the model writes: hermes (qwen), llama3_json, mistral (default: detected from the "
         "chat template, else hermes)"))
@@ -242,6 +268,8 @@ class EngineConfig:
             raise ValueError(f"predictor: {e}") from None
         if not isinstance(self.policy_options, dict):
             raise ValueError("policy_options must be a dict of keyword options")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
         if self.tool_call_parser is not None:
             from jaxserve.tool_format import get_format
             try:

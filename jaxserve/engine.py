@@ -22,7 +22,7 @@ import numpy as np
 import kernels
 from jaxserve.api_calls import ApiCalls, ApiResult, ToolOutput
 from jaxserve.compilation_cache import enable_compilation_cache
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, read_chat_template
 from jaxserve.constraints import THINKING_FIRST_KINDS
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -118,6 +118,10 @@ class LLMEngine:
         scheduler = Scheduler(sched_cfg, policy, PageAllocator(num_pages, config.page_size, "device"),
                               PageAllocator(host_pages, config.page_size, "host"), self.cost)
         self.tokenizer = load_tokenizer(self.model_dir)
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template: this model has no tokenizer to render chats with")
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -15,6 +15,8 @@ BAD_SETTINGS = [
     ("dtype", "int8"), ("load_format", "pickle"), ("attention_impl", "flash"), ("handling", "keep"),
     ("policy", "lifo"), ("predictor", "psychic"), ("tool_call_parser", "xml"), ("max_num_seqs", True),
     ("compilation_cache_max_gb", 0), ("compilation_cache_max_gb", float("inf")), ("compilation_cache_max_gb", "4"),
+    ("chat_template", "/no/such/template.jinja"), ("chat_template", "{% for m in messages %}unclosed"),
+    ("chat_template", ""),
 ]
 
 ENGINE_SUBCOMMANDS = ("serve", "generate", "replay", "profile", "bench")   # the ones that build an engine
@@ -141,3 +143,28 @@ def test_an_engine_start_prunes_the_compilation_cache(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (cache / "old-program-cache").exists()
+
+
+def test_a_chat_template_given_as_a_file_or_text_replaces_the_checkpoints(tmp_path):
+    """``chat_template`` (``--chat-template``): a file's template, or the template text
+    itself, replaces the checkpoint's; the server renders chats with it."""
+    from fastapi.testclient import TestClient
+
+    from jaxserve import AsyncEngine
+    from server import create_app
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "demo", "--chat-template", str(path)])
+    assert EngineConfig.from_cli(args).chat_template == str(path)
+    assert EngineConfig(chat_template=template).chat_template == template
+    engine = AsyncEngine("demo", chat_template=str(path), page_size=8, num_pages=32, max_model_len=128, warmup=False)
+    try:
+        assert engine.tokenizer.chat_template == template
+        with TestClient(create_app(engine, served_model_name="demo", max_model_len=128)) as client:
+            ids = client.post("/tokenize", json={"model": "demo", "tool_choice": "none", "add_generation_prompt": False,
+                                                 "messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert engine.tokenizer.decode(ids) == "<user>hi"
+    finally:
+        engine.shutdown()
