@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def is_gguf_path(path: str | Path) -> bool:
 
 
 KEPT_VERSIONS = 32   # GGUF file versions whose index, and whose tokenizer, are kept (most recently used)
+STALE_WRITE_S = 3600   # an entry still being written after this long was left by a writer that died
 
 
 def _touch(kept: Path) -> None:
@@ -75,17 +77,21 @@ def _keep_newest(folder: Path, count: int = KEPT_VERSIONS) -> None:
     """Delete all but the ``count`` most recently used entries of ``folder`` (files or
     folders; by modification time, which a use refreshes: ``_touch``): each edited or
     replaced GGUF file leaves an entry for its old version behind, which nothing reads
-    again. Entries being written (dot names) and ones another process deletes meanwhile
-    are skipped."""
-    entries = []
+    again. Entries being written (dot names) are left alone unless older than
+    ``STALE_WRITE_S`` (their writer died); ones another process deletes meanwhile are
+    skipped."""
+    entries, stale = [], []
+    oldest_write = time.time_ns() - STALE_WRITE_S * 10**9
     for entry in os.scandir(folder):
-        if entry.name.startswith("."):
-            continue
         try:
-            entries.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path, entry.is_dir()))
+            mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+            if not entry.name.startswith("."):
+                entries.append((mtime, entry.path, entry.is_dir()))
+            elif mtime < oldest_write:
+                stale.append((mtime, entry.path, entry.is_dir()))
         except FileNotFoundError:
             continue
-    for _, name, is_dir in sorted(entries)[:max(0, len(entries) - count)]:
+    for _, name, is_dir in sorted(entries)[:max(0, len(entries) - count)] + stale:
         if is_dir:
             shutil.rmtree(name, ignore_errors=True)
         else:

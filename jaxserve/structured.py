@@ -173,7 +173,7 @@ class StructuredDecoding:
         elif spec.kind == "regex":
             text = llguidance.LLMatcher.grammar_from_regex(spec.pattern)
         elif spec.kind == "choice":
-            text = "start: " + " | ".join(json.dumps(choice) for choice in spec.choices)
+            text = f"start: {_alternatives(spec.choices)}"
         elif spec.kind == "grammar":
             text = llguidance.LLMatcher.grammar_from_lark(spec.pattern)
         else:
@@ -281,6 +281,11 @@ def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[st
                       f"call: {' | '.join(alternatives)}", *rules])
 
 
+def _alternatives(choices: tuple[str, ...]) -> str:
+    """A lark rule's body that matches exactly one of ``choices``."""
+    return " | ".join(json.dumps(choice) for choice in choices)
+
+
 def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Callable[[str], str]) -> str:
     """Lark grammar (llguidance dialect) for a turn that may open with a reasoning block
     (``fmt.start``, any text, ``fmt.end``, up to 4 spaces or newlines) and then gives the
@@ -293,7 +298,7 @@ def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Ca
         lark = json.loads(llguidance.LLMatcher.grammar_from_regex(spec.pattern))["grammars"][0]["lark_grammar"]
         answer = "answer:" + lark.removeprefix("start:")
     elif spec.kind == "choice":
-        answer = "answer: " + " | ".join(json.dumps(choice) for choice in spec.choices)
+        answer = f"answer: {_alternatives(spec.choices)}"
     else:
         schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
         answer = f"answer: %json {json.dumps({**schema, 'x-guidance': schema.get('x-guidance', _JSON_OPTIONS)})}"

@@ -107,7 +107,7 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4, response_store: str | Path | None = None) -> None:
+                 tokenizer_pool_size: int = 4, response_store: ResponseStore | str | Path | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -128,7 +128,8 @@ class ServerState:
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
         # stored /v1/responses results (``previous_response_id``), in a file too when given
-        self.responses = ResponseStore(path=response_store)
+        self.responses = response_store if isinstance(response_store, ResponseStore) else \
+            ResponseStore(path=response_store)
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -152,7 +153,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0,
-               response_store: str | Path | None = None) -> FastAPI:
+               response_store: ResponseStore | str | Path | None = None) -> FastAPI:
     """Build the app.
 
     ``tools``: the server-side tools to advertise; each must already be
@@ -160,8 +161,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     advertises every tool the engine has. ``max_model_len``: the context window
     in tokens (prompt + generated); required. ``max_fanout``: engine requests
     one HTTP request may become (prompts x ``n``). ``body_timeout_s``: seconds
-    allowed to receive a request body (408 after). ``response_store``: an SQLite
-    file that keeps stored responses across restarts (None: in memory only).
+    allowed to receive a request body (408 after). ``response_store``: the store, or
+    the SQLite file of one that keeps stored responses across restarts (None: in
+    memory only); the app closes it at shutdown.
     """
     if max_model_len is None or max_model_len < 2:
         raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")

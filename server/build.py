@@ -44,7 +44,18 @@ def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str
     from jaxserve.engine import LLMEngine
     from server.app import create_app
 
-    engine = LLMEngine(config=EngineConfig.from_cli(args, **config_overrides), tools=load_tools(args.tools))
+    from server.response_store import ResponseStore
+
+    config = EngineConfig.from_cli(args, **config_overrides)
+    tools = load_tools(args.tools)
+    # Opened first: a store in use or unreadable stops the server before the model loads.
+    store = ResponseStore(path=Path(args.response_store) / store_name) if args.response_store else None
+    try:
+        engine = LLMEngine(config=config, tools=tools)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     async_engine = (async_engine_class or AsyncEngine)(engine=engine)
     usage = async_engine.usage_snapshot
     pool_tokens = usage["device_pages_total"] * engine.config.page_size
@@ -58,5 +69,5 @@ def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
                      max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                     response_store=Path(args.response_store) / store_name if args.response_store else None)
+                     response_store=store)
     return async_engine, app

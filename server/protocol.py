@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-import zlib
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -467,14 +466,14 @@ class ResponseReasoningText(_Request):
 
 
 _REASONING_TOKEN = "jxr1."          # ``reasoning_token``'s prefix (its format's version)
-MAX_REASONING_TOKEN_TEXT = 8 * 2**20   # characters a reasoning token may unpack to
 
 
 def reasoning_token(text: str) -> str:
     """A reasoning item's ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``):
-    its text, compressed, in an opaque string a stateless client sends back with the item
-    (not encrypted: the text is what the client may read in ``content`` anyway)."""
-    return _REASONING_TOKEN + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
+    its text in an opaque string a stateless client sends back with the item (base64 of
+    its UTF-8; not encrypted: the text is what the client may read in ``content`` anyway;
+    not compressed, so a token never unpacks to more than it weighs)."""
+    return _REASONING_TOKEN + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
 
 
 def reasoning_from_token(token: str) -> str:
@@ -482,12 +481,8 @@ def reasoning_from_token(token: str) -> str:
     try:
         if not token.startswith(_REASONING_TOKEN):
             raise ValueError
-        unpack = zlib.decompressobj()
-        data = unpack.decompress(base64.urlsafe_b64decode(token[len(_REASONING_TOKEN):]), MAX_REASONING_TOKEN_TEXT)
-        if unpack.unconsumed_tail or not unpack.eof:
-            raise ValueError
-        return data.decode("utf-8")
-    except (ValueError, binascii.Error, zlib.error, UnicodeDecodeError):
+        return base64.urlsafe_b64decode(token[len(_REASONING_TOKEN):].encode("ascii")).decode("utf-8")
+    except (ValueError, binascii.Error, UnicodeError):
         raise ValueError("encrypted_content: not one this server wrote (or cut short)") from None
 
 

@@ -2,22 +2,33 @@
 kept in memory and, with a path, in an SQLite file too, so conversations
 (``previous_response_id``) outlive a restart.
 
-The file is written through (each store, drop and LRU refresh at once, in WAL
-mode without a sync per write: a power cut may lose the last writes, a process
-exit loses nothing) and read back whole when the store is opened, oldest use
-first, within the same limits. One file per process: replicas each keep their
-own (``server.build``).
+The file is written through (each store, delete and conversation walk in one
+transaction, in WAL mode without a sync per write: a power cut may lose the last
+writes, a process exit loses nothing) and read back whole when the store is
+opened, oldest use first, within the same limits. A write that fails (a full
+disk) is logged and the store goes on in memory. One process per file: a second
+one opening it is refused (an exclusive lock beside it); replicas each keep
+their own (``server.build``). The folder and file are the server user's only
+(0700 and 0600): they hold every API key's conversations. A local file system
+only (SQLite's WAL needs shared memory, which network file systems do not give).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
+import os
 import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from server.errors import APIError
+
+log = logging.getLogger("jaxserve.server")
 
 SCHEMA_VERSION = 1   # ``PRAGMA user_version`` of a store file
 
@@ -52,16 +63,29 @@ class ResponseStore:
         self._by_owner: dict[str, OrderedDict[str, None]] = {}   # owner -> its response ids, least recent first
         self._owner_bytes: dict[str, int] = {}
         self._db: sqlite3.Connection | None = None
-        self._uses = 0   # the last use's number (a file's LRU order)
+        self._lock: int | None = None   # the descriptor holding the file's lock
+        self._depth = 0                 # open ``_transaction`` blocks
+        self._uses = 0                  # the last use's number (a file's LRU order)
         if path is not None:
-            self._open(Path(path))
+            try:
+                self._open(Path(path).expanduser().resolve())
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ file
     def _open(self, path: Path) -> None:
-        """Open (or create) the file at ``path`` and load what it holds."""
+        """Lock, open (or create) the file at ``path`` and load what it holds; a
+        ``ValueError`` naming it when it is in use, not a store, or unreadable."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._lock = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(f"response store {path}: in use by another process") from None
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))   # (SQLite gives its WAL files the same mode)
+            self._db = db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if tables and (version != SCHEMA_VERSION or "responses" not in tables):
@@ -73,22 +97,63 @@ class ResponseStore:
                        "used INTEGER NOT NULL, entry TEXT NOT NULL)")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             rows = db.execute("SELECT id, owner, used, entry FROM responses ORDER BY used").fetchall()
-        except sqlite3.Error as e:
-            raise ValueError(f"response store {path}: {e}") from None
-        for response_id, owner, used, text in rows:   # (oldest use first: the LRU order comes back as it was)
-            if len(text) > self.max_bytes:
-                continue
-            data = json.loads(text)
-            self._keep(response_id, StoredResponse(owner, data["parent"], data["messages"], data["response"],
-                                                   data["input_items"]), len(text))
-            self._uses = max(self._uses, used)
-        self._db = db
-        dropped = {row[0] for row in rows} - set(self._entries)   # (over limits smaller than when they were stored)
-        db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i in dropped])
+            held = {}
+            for response_id, owner, used, text in rows:   # (oldest use first: the LRU order comes back as it was)
+                data = json.loads(text)
+                held[response_id] = (StoredResponse(owner, data["parent"], data["messages"], data["response"],
+                                                    data["input_items"]), len(text))
+                self._uses = max(self._uses, used)
+        except (sqlite3.Error, OSError, ValueError, KeyError, TypeError) as e:
+            if isinstance(e, ValueError) and str(e).startswith("response store"):
+                raise
+            raise ValueError(f"response store {path}: unreadable ({type(e).__name__}: {e})") from None
+        with self._transaction():
+            db, self._db = self._db, None   # (the drops below the limits go to the file at the end, at once)
+            for response_id, (entry, size) in held.items():
+                if size <= self.max_bytes:
+                    self._keep(response_id, entry, size)
+            self._db = db
+            self._write_many("DELETE FROM responses WHERE id = ?", [(i,) for i in set(held) - set(self._entries)])
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One file transaction for the writes inside (nested blocks join the outer one)."""
+        if self._db is None or self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
+        try:
+            begun = True
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as e:   # (the writes inside then commit one by one, or fail as logged)
+                log.warning("response store: cannot write the file (%s); kept in memory", e)
+                begun = False
+            yield
+        finally:
+            self._depth = 0
+            if begun:
+                try:
+                    self._db.execute("COMMIT")
+                except sqlite3.Error as e:
+                    log.warning("response store: a write to the file failed (%s); kept in memory", e)
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
 
     def _write(self, sql: str, *params) -> None:
-        if self._db is not None:
-            self._db.execute(sql, params)
+        self._write_many(sql, [params])
+
+    def _write_many(self, sql: str, rows: list[tuple]) -> None:
+        if self._db is None or not rows:
+            return
+        try:
+            self._db.executemany(sql, rows)
+        except sqlite3.Error as e:   # (a full disk): the file falls behind, the store goes on in memory
+            log.warning("response store: a write to the file failed (%s); kept in memory", e)
 
     def _use(self) -> int:
         self._uses += 1
@@ -98,18 +163,24 @@ class ResponseStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+        if self._lock is not None:
+            os.close(self._lock)   # (releases the lock)
+            self._lock = None
 
     # ------------------------------------------------------------- entries
     def put(self, response_id: str, entry: StoredResponse) -> None:
         """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
+        # ASCII JSON: text the API takes may hold lone surrogates (in metadata keys, schemas),
+        # which UTF-8 (and so SQLite) cannot hold; escaped, they read back the same.
         text = json.dumps({"parent": entry.parent, "messages": entry.messages, "response": entry.response,
-                           "input_items": entry.input_items}, ensure_ascii=False)
+                           "input_items": entry.input_items})
         if len(text) > self.max_bytes:
             return
-        self._drop(response_id)
-        if self._keep(response_id, entry, len(text)):
-            self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
-                        response_id, entry.owner, self._use(), text)
+        with self._transaction():
+            self._drop(response_id)
+            if self._keep(response_id, entry, len(text)):
+                self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
+                            response_id, entry.owner, self._use(), text)
 
     def _keep(self, response_id: str, entry: StoredResponse, size: int) -> bool:
         """Hold ``entry`` in memory (``size``: its JSON's length), then drop responses
@@ -146,23 +217,25 @@ class ResponseStore:
         return entry
 
     def delete(self, response_id: str, owner: str) -> bool:
-        if self.get(response_id, owner) is None:
-            return False
-        self._drop(response_id)
-        return True
+        with self._transaction():
+            if self.get(response_id, owner) is None:
+                return False
+            self._drop(response_id)
+            return True
 
     def conversation(self, response_id: str, owner: str) -> list[dict]:
         """The chat messages of the conversation up to and including response ``response_id``;
         a 404 naming ``previous_response_id`` when it (or a turn before it) is not stored."""
         chain, at = [], response_id
-        while at is not None:
-            entry = self.get(at, owner)
-            if entry is None:
-                missing = "" if at == response_id else f" (its earlier turn {at!r} is no longer stored)"
-                raise APIError(404, f"previous response {response_id!r} not found{missing}",
-                               param="previous_response_id", code="previous_response_not_found")
-            chain.append(entry.messages)
-            at = entry.parent
-            if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
-                break
+        with self._transaction():   # (one commit for the walk's refreshes)
+            while at is not None:
+                entry = self.get(at, owner)
+                if entry is None:
+                    missing = "" if at == response_id else f" (its earlier turn {at!r} is no longer stored)"
+                    raise APIError(404, f"previous response {response_id!r} not found{missing}",
+                                   param="previous_response_id", code="previous_response_not_found")
+                chain.append(entry.messages)
+                at = entry.parent
+                if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
+                    break
         return [message for messages in reversed(chain) for message in messages]

@@ -294,7 +294,7 @@ def test_a_gguf_of_each_architecture_decodes_as_its_checkpoint(kind, arch, tmp_p
 def test_the_gguf_caches_keep_the_most_recently_used_file_versions(tmp_path):
     """Each edited or replaced GGUF file leaves an index and a tokenizer behind for its old
     version: the folders keep the ``count`` most recently used entries (a use refreshes
-    one), never an entry being written."""
+    one), never an entry being written, unless its writer died long ago."""
     import os
 
     from jaxserve.gguf_checkpoint import _keep_newest, _touch
@@ -302,8 +302,9 @@ def test_the_gguf_caches_keep_the_most_recently_used_file_versions(tmp_path):
         entry = tmp_path / f"e{i}"
         entry.mkdir() if i % 2 else entry.write_text("x")
         os.utime(entry, ns=(i * 10**9, i * 10**9))
-    (tmp_path / ".index-tmp").write_text("being written")
-    os.utime(tmp_path / ".index-tmp", ns=(0, 0))
+    (tmp_path / ".index-new").write_text("being written")
+    (tmp_path / ".tokenizer-dead").mkdir()   # left by a writer that died long ago
+    os.utime(tmp_path / ".tokenizer-dead", ns=(0, 0))
     _touch(tmp_path / "e0")   # used now: the newest
     _keep_newest(tmp_path, count=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".index-tmp", "e0", "e3", "e4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".index-new", "e0", "e3", "e4"]

@@ -1137,3 +1137,32 @@ def test_reasoning_effort_reaches_the_chat_template():
                                                      "reasoning_effort": "extreme"}), 400)["param"] == "reasoning_effort"
     body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
     assert chat_request(body, [], input_messages(body)).template_options()["enable_thinking"] is False
+
+
+def test_a_response_store_file_is_private_locked_and_never_fails_a_response(tmp_path):
+    """The store's folder and file are the server user's only; a second process (or store)
+    cannot open a file in use; text the API takes that UTF-8 cannot hold (a lone surrogate
+    in a metadata key) is kept and read back; a file that cannot be written only logs, and
+    the store goes on in memory; a row that cannot be read is a ``ValueError``."""
+    import sqlite3
+    import stat
+
+    from server.response_store import ResponseStore, StoredResponse
+    folder = tmp_path / "private"
+    path = folder / "responses.sqlite3"
+    store = ResponseStore(path=path)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(ValueError, match="in use by another process"):
+        ResponseStore(path=path)
+    odd = {"metadata": {"\ud800key": "v"}}
+    store.put("odd", StoredResponse("o", None, [], odd))
+    store._db.execute("PRAGMA query_only = ON")   # (every write now fails, as on a full disk)
+    store.put("memory-only", StoredResponse("o", None, [], {"id": "m"}))
+    assert store.get("memory-only", "o").response == {"id": "m"}
+    store.close()
+    again = ResponseStore(path=path)
+    assert again.get("odd", "o").response == odd and again.get("memory-only", "o") is None
+    again.close()
+    sqlite3.connect(path).execute("INSERT INTO responses VALUES ('bad', 'o', 99, '{}')").connection.commit()
+    with pytest.raises(ValueError, match="unreadable"):
+        ResponseStore(path=path)
