@@ -17,6 +17,7 @@ import asyncio
 import copy
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import time
@@ -200,6 +201,10 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         if not engine.is_alive:
             return JSONResponse({"status": "dead"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():   # (vLLM's route: tools probe it)
+        return {"version": importlib.metadata.version("jaxserve")}
 
     @app.get("/metrics")
     async def metrics():

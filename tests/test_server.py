@@ -482,7 +482,9 @@ def test_unknown_model_route_and_oversized_body(demo):
 def test_api_key_guards_every_route_but_health_and_metrics(servers, tools):
     url = servers.tools.url
     requests = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": "tool-model", "prompt": "hi"}),
-                ("POST", "/v1/chat/completions", chat("hi")), ("GET", "/v1/unknown", None)]
+                ("POST", "/v1/chat/completions", chat("hi")), ("GET", "/v1/unknown", None), ("GET", "/version", None),
+                ("POST", "/v1/responses/resp_x/cancel", None), ("GET", "/v1/responses/resp_x/input_items", None),
+                ("POST", "/v1/responses/input_tokens", {"input": "hi"})]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path, body in requests:
             r = httpx.request(method, url + path, json=body, headers=headers, timeout=30)

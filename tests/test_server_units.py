@@ -1166,3 +1166,10 @@ def test_a_response_store_file_is_private_locked_and_never_fails_a_response(tmp_
     sqlite3.connect(path).execute("INSERT INTO responses VALUES ('bad', 'o', 99, '{}')").connection.commit()
     with pytest.raises(ValueError, match="unreadable"):
         ResponseStore(path=path)
+
+
+
+def test_the_version_route_names_the_installed_package():
+    import importlib.metadata
+    with _client(_ScriptedEngine()) as client:
+        assert client.get("/version").json() == {"version": importlib.metadata.version("jaxserve")}
