@@ -23,7 +23,6 @@ import kernels
 from jaxserve.api_calls import ApiCalls, ApiResult, ToolOutput
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig, read_chat_template
-from jaxserve.constraints import THINKING_FIRST_KINDS
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logit_adjust import LogitAdjuster
@@ -244,7 +243,9 @@ class LLMEngine:
         # A call at after_tokens == max_tokens is the request's last step: it ends when the call returns.
         now = self.clock.now()
         parse = bool(self.tools) if parse_tool_calls is None else parse_tool_calls
-        grammar = self._start_grammar(params, self._thinks_first(ids, params, parse_reasoning))
+        inside = self._opens_inside(ids, parse_reasoning)
+        # A turn not known to open inside the reasoning (Qwen3's) may think before a constrained answer.
+        grammar = self._start_grammar(params, self.reasoning_format if inside is False else None)
         if grammar is not None:   # a forced call must be parsed; markup inside JSON strings must not be
             parse = params.structured.kind == "tool_call"
         seed = params.seed if params.seed is not None else \
@@ -271,41 +272,34 @@ class LLMEngine:
                                                 params.include_stop_str_in_output)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
-            reasoning=self._reasoning_split(ids, grammar, parse_reasoning),
+            reasoning=self._reasoning_split(inside, grammar),
             logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
         return request
 
-    def _reasoning_split(self, ids: list[int], grammar: RequestGrammar | None,
-                         parse_reasoning: bool | None) -> ReasoningSplit | None:
-        """The reasoning split of a request of prompt ``ids`` (None: not asked, no
-        parser or no tokenizer). With a grammar: a ``response_format`` one sleeps while a
-        turn known to open inside the reasoning reasons, and constrains the answer after
-        it (as vLLM's); one that lets the turn open with its reasoning (``thinks_first``)
-        constrains it all, the reasoning split out as without a grammar; otherwise (a
-        forced tool call) the grammar constrains the text from its first token, and there
-        is no reasoning to split."""
+    def _opens_inside(self, ids: list[int], parse_reasoning: bool | None) -> bool | None:
+        """Whether the first turn of a request of prompt ``ids`` starts inside the reasoning
+        (the format says so, or the prompt ends with its start tag); None when its
+        reasoning is not split (not asked, no parser or no tokenizer)."""
         fmt = self.reasoning_format
         if fmt is None or parse_reasoning is False or self.tokenizer is None:
             return None
-        inside = fmt.opens_inside or self._ends_with_think(ids)
+        return fmt.opens_inside or self._ends_with_think(ids)
+
+    def _reasoning_split(self, inside: bool | None, grammar: RequestGrammar | None) -> ReasoningSplit | None:
+        """The reasoning split of a request whose first turn opens ``inside`` the reasoning
+        (``_opens_inside``; None: no split). With a grammar: one that lets the turn open
+        with its reasoning (``thinks_first``: JSON, regex and choice answers) constrains it
+        all, the reasoning split out as without a grammar; a ``response_format`` one sleeps
+        while a turn known to open inside reasons, and constrains the answer after it (as
+        vLLM's); otherwise (a forced tool call, a Lark grammar) the grammar constrains the
+        text from its first token, and there is no reasoning to split."""
+        if inside is None:
+            return None
         if grammar is not None and not grammar.thinks_first:
             if grammar.forced_call or not inside:
                 return None
             grammar.sleep()
-        return ReasoningSplit(fmt, inside)
-
-    def _thinks_first(self, ids: list[int], params: SamplingParams, parse_reasoning: bool | None):
-        """The reasoning format a ``response_format`` grammar lets a turn of prompt ``ids``
-        open with (``StructuredDecoding.start``): with a reasoning parser, when the turn is
-        not known to open inside the reasoning (Qwen3's: it may or may not think), so the
-        model reasons as it would and only its answer is constrained. None otherwise (a
-        turn known to open inside is constrained after it: ``_reasoning_split``; forced
-        tool calls are constrained from their first token)."""
-        fmt = self.reasoning_format
-        if (fmt is None or parse_reasoning is False or self.tokenizer is None or params.structured is None
-                or params.structured.kind not in THINKING_FIRST_KINDS or fmt.opens_inside or self._ends_with_think(ids)):
-            return None
-        return fmt
+        return ReasoningSplit(self.reasoning_format, inside)
 
     def _ends_with_think(self, ids: list[int]) -> bool:
         """Whether context ``ids`` end with the reasoning format's start tag (and newlines):

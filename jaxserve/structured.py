@@ -159,9 +159,9 @@ class StructuredDecoding:
         return self._llg_tokenizer
 
     def grammar(self, spec: StructuredOutput, reasoning: ReasoningFormat | None = None) -> str:
-        """The llguidance grammar text for ``spec`` (``reasoning``: a JSON answer that may
-        follow a reasoning block in that format, ``thinking_first_lark``). Raises
-        ``ValueError`` naming the request field when the library rejects or cannot satisfy it."""
+        """The llguidance grammar text for ``spec`` (``reasoning``: an answer that may follow
+        a reasoning block in that format, ``thinking_first_lark``). Raises ``ValueError``
+        naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
         if reasoning is not None and spec.kind in THINKING_FIRST_KINDS:
@@ -188,7 +188,8 @@ class StructuredDecoding:
         """A fresh matcher for one request (one per choice when n > 1): a copy of the
         constraint's cached matcher at its start (~2 us; building one is ~1 ms).
         ``reasoning``: the turn may open with a reasoning block in that format before
-        the answer the constraint asks for (JSON constraints only; ``thinks_first``)."""
+        the answer the constraint asks for (``THINKING_FIRST_KINDS``; ``thinks_first``;
+        ignored for other kinds)."""
         import llguidance
         if spec.kind not in THINKING_FIRST_KINDS:   # (``thinking_first_lark``'s answers)
             reasoning = None

@@ -23,7 +23,6 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -108,7 +107,7 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4, response_store: ResponseStore | str | Path | None = None) -> None:
+                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -128,9 +127,8 @@ class ServerState:
         self.token_spellings = TokenSpellings(self.tokenizers.template) if self.tokenizers is not None else None
         # The engine parses calls in this format; the app hides its markup and renders tools with it.
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
-        # stored /v1/responses results (``previous_response_id``), in a file too when given
-        self.responses = response_store if isinstance(response_store, ResponseStore) else \
-            ResponseStore(path=response_store)
+        # stored /v1/responses results (``previous_response_id``); in memory unless given one with a file
+        self.responses = response_store if response_store is not None else ResponseStore()
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -154,7 +152,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0,
-               response_store: ResponseStore | str | Path | None = None) -> FastAPI:
+               response_store: ResponseStore | None = None) -> FastAPI:
     """Build the app.
 
     ``tools``: the server-side tools to advertise; each must already be
@@ -162,9 +160,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     advertises every tool the engine has. ``max_model_len``: the context window
     in tokens (prompt + generated); required. ``max_fanout``: engine requests
     one HTTP request may become (prompts x ``n``). ``body_timeout_s``: seconds
-    allowed to receive a request body (408 after). ``response_store``: the store, or
-    the SQLite file of one that keeps stored responses across restarts (None: in
-    memory only); the app closes it at shutdown.
+    allowed to receive a request body (408 after). ``response_store``: where stored
+    responses are kept (``ResponseStore(path=...)`` keeps them across restarts; None:
+    a store in memory); the app closes it at shutdown.
     """
     if max_model_len is None or max_model_len < 2:
         raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")
@@ -575,14 +573,11 @@ def _input_items_page(state: ServerState, response_id: str, owner: str, limit: i
         raise APIError(400, f"limit: must be in [1, 100], got {limit}", param="limit")
     if order not in ("asc", "desc"):
         raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
-    run = state.background.get(response_id, owner)
     entry = state.responses.get(response_id, owner)
-    if entry is not None:
-        items = entry.input_items
-    elif run is not None:
-        items = run.input_items
-    else:
+    run = state.background.get(response_id, owner) if entry is None else None   # (a run still going)
+    if entry is None and run is None:
         raise _response_not_found(response_id)
+    items = entry.input_items if entry is not None else run.input_items
     items = items if order == "asc" else items[::-1]
     start = 0
     if after is not None:
@@ -639,7 +634,7 @@ def _vllm_structured(body) -> StructuredOutput | None:
     ``guided_regex``, ``guided_choice``, ``guided_grammar``), if the request gives one;
     more than one is a 400."""
     given = []
-    params = getattr(body, "structured_outputs", None)
+    params = body.structured_outputs
     if params is not None:
         given += [("structured_outputs", kind, value) for kind, value in (
             ("json", params.json_), ("json_object", params.json_object or None), ("regex", params.regex),
@@ -647,8 +642,8 @@ def _vllm_structured(body) -> StructuredOutput | None:
         if not given:
             raise APIError(400, "structured_outputs: give one of json, json_object, regex, choice or grammar",
                            param="structured_outputs")
-    given += [(f"guided_{kind}", kind, getattr(body, f"guided_{kind}", None))
-              for kind in ("json", "regex", "choice", "grammar") if getattr(body, f"guided_{kind}", None) is not None]
+    older = {kind: getattr(body, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+    given += [(f"guided_{kind}", kind, value) for kind, value in older.items() if value is not None]
     if not given:
         return None
     if len(given) > 1:
