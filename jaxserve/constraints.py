@@ -51,7 +51,11 @@ class StructuredOutput:
     ``parameters``. Once the turn is complete the constraint ends: the request
     pauses on its calls and, after their results, continues unconstrained.
     ``parallel``: the OpenAI ``parallel_tool_calls`` flag: one or more calls in
-    the turn (the model decides how many), else exactly one.
+    the turn (the model decides how many), else exactly one. ``optional``: the
+    turn may instead be text with no call in it, or text and then the calls
+    (OpenAI ``tool_choice: {"type": "allowed_tools", "mode": "auto"}``): the
+    model decides whether to call, and calls only ``tools``; the request then
+    pauses on its calls as the parser finds them, as without a constraint.
     ``regex``: the text matches ``pattern`` (Rust ``regex`` syntax, whole text).
     ``choice``: the text is one of ``choices``. ``grammar``: the text is in the
     language of ``grammar``, a Lark grammar (llguidance's dialect: ``start`` its
@@ -67,6 +71,7 @@ class StructuredOutput:
     schema: dict | None = None
     tools: tuple[ToolSchema, ...] = ()
     parallel: bool = True
+    optional: bool = False              # tool_call: text with no call is allowed too
     pattern: str | None = None          # regex, or grammar text
     choices: tuple[str, ...] = ()
     field: str | None = None
@@ -93,11 +98,12 @@ class StructuredOutput:
 
     @classmethod
     def tool_call(cls, tools: list[dict] | dict[str, dict], name: str | None = None,
-                  parallel: bool = True) -> "StructuredOutput":
+                  parallel: bool = True, optional: bool = False) -> "StructuredOutput":
         """``tools``: OpenAI tool definitions (``{"type": "function", "function": {"name",
         "parameters"}}`` or just the ``function`` part), or ``{name: parameters}``.
         ``name``: force this function (``tool_choice`` naming one); None: any of them
-        (``tool_choice: "required"``)."""
+        (``tool_choice: "required"``). ``optional``: text with no call is allowed too
+        (``allowed_tools`` in mode ``auto``)."""
         if isinstance(tools, dict):
             specs = [ToolSchema(n, p if p is not None else {"type": "object"}) for n, p in tools.items()]
         else:
@@ -113,7 +119,14 @@ class StructuredOutput:
                 known = ", ".join(s.name for s in specs) or "none"
                 raise ValueError(f"tool_choice: function {name!r} is not among the tools ({known})")
             specs = chosen
-        return cls("tool_call", tools=tuple(specs), parallel=parallel)
+        return cls("tool_call", tools=tuple(specs), parallel=parallel, optional=optional)
+
+    @property
+    def may_reason_first(self) -> bool:
+        """Whether a reasoning block may open the turn before the constrained answer
+        (``jaxserve.structured.thinking_first_lark``): JSON, regex and choice answers
+        (``THINKING_FIRST_KINDS``), and optional tool calls (text or calls)."""
+        return self.kind in THINKING_FIRST_KINDS or self.optional
 
     @property
     def param(self) -> str:
@@ -126,6 +139,8 @@ class StructuredOutput:
         """Raise ``ValueError`` (field name first) if the constraint is malformed."""
         if self.kind not in KINDS:
             raise ValueError(f"structured: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.optional and self.kind != "tool_call":
+            raise ValueError(f"structured: optional applies to tool calls, not to {self.kind}")
         if self.kind == "json_schema":
             check_schema(self.schema, self.param)
         elif self.kind == "tool_call":
@@ -158,7 +173,7 @@ class StructuredOutput:
         as sorted JSON, so a cache of 256 grammars holds no schema texts (a request
         body may carry megabytes of schema)."""
         text = json.dumps([self.kind, self.schema, [[t.name, t.parameters] for t in self.tools], self.parallel,
-                           self.pattern, list(self.choices)], sort_keys=True)
+                           self.pattern, list(self.choices), self.optional], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -460,6 +460,8 @@ class LLMEngine:
             if request.logit_adjuster is not None:
                 request.logit_adjuster.set_stop_ids(request.stop_token_ids, request.num_generated)
         if calls:
+            if grammar is not None and grammar.optional_calls:
+                grammar.active = False   # (allowed tools, mode auto: the turn's calls end the constraint)
             self._pause_for_tools(request, calls, now)
 
     def _pause_for_tools(self, request: Request, calls: list, now: float) -> None:

@@ -27,9 +27,9 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.constraints import JSON_KINDS, THINKING_FIRST_KINDS, StructuredOutput
+from jaxserve.constraints import JSON_KINDS, StructuredOutput
 from jaxserve.reasoning import ReasoningFormat
-from jaxserve.tool_format.base import ToolFormat
+from jaxserve.tool_format.base import ToolFormat, regex_literal
 
 log = logging.getLogger("jaxserve")
 
@@ -61,12 +61,18 @@ class RequestGrammar:
     waits for the model's reasoning to end (``sleep``, then ``wake``); until then it is
     inactive and takes no token. ``thinks_first``: the grammar itself lets the turn open
     with a reasoning block before the constrained answer (``thinking_first_lark``).
+    ``optional_calls``: the turn is text with no call, or (text and then) calls
+    (``StructuredOutput.optional``, ``optional_call_lark``); the engine pauses on the
+    calls as the parser finds them, as without a grammar, and the constraint ends there
+    (``active`` False: the text after the results is free).
     """
 
     def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False,
-                 close_token: int | None = None, string_token: int | None = None) -> None:
+                 close_token: int | None = None, string_token: int | None = None,
+                 optional_calls: bool = False) -> None:
         self.matcher = matcher
         self.forced_call = forced_call
+        self.optional_calls = optional_calls
         self.ends_with_eos = ends_with_eos
         self.close_token = close_token
         self.string_token = string_token   # '"': allowed inside no call boundary, only around strings
@@ -108,7 +114,7 @@ class RequestGrammar:
             return None
         if m.is_stopped():
             self.active = False
-            return "stop"
+            return None if self.optional_calls else "stop"   # (calls end it: the engine pauses on them)
         self._tokens += 1
         if self.close_token is not None and tokens_left is not None and self._at_call_boundary():
             self._boundaries += 1
@@ -164,8 +170,10 @@ class StructuredDecoding:
         naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
-        if reasoning is not None and spec.kind in THINKING_FIRST_KINDS:
-            text = thinking_first_lark(spec, reasoning, self._markup)
+        if reasoning is not None and spec.may_reason_first:
+            text = thinking_first_lark(spec, reasoning, self._markup, self.tool_format)
+        elif spec.optional:
+            text = optional_call_lark(spec, self.tool_format, self._markup)
         elif spec.kind == "json_schema":
             text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
         elif spec.kind == "json_object":
@@ -188,10 +196,10 @@ class StructuredDecoding:
         """A fresh matcher for one request (one per choice when n > 1): a copy of the
         constraint's cached matcher at its start (~2 us; building one is ~1 ms).
         ``reasoning``: the turn may open with a reasoning block in that format before
-        the answer the constraint asks for (``THINKING_FIRST_KINDS``; ``thinks_first``;
+        the answer the constraint asks for (``StructuredOutput.may_reason_first``; ``thinks_first``;
         ignored for other kinds)."""
         import llguidance
-        if spec.kind not in THINKING_FIRST_KINDS:   # (``thinking_first_lark``'s answers)
+        if not spec.may_reason_first:   # (``thinking_first_lark``'s answers)
             reasoning = None
         key = spec.key() if reasoning is None else json.dumps([spec.key(), reasoning.start, reasoning.end])
         pristine = self._pristine.get(key)
@@ -204,8 +212,8 @@ class StructuredDecoding:
                 self._pristine.popitem(last=False)
         else:
             self._pristine.move_to_end(key)
-        if spec.kind != "tool_call":
-            grammar = RequestGrammar(pristine.deep_copy())
+        if spec.optional or spec.kind != "tool_call":
+            grammar = RequestGrammar(pristine.deep_copy(), optional_calls=spec.optional)
             grammar.thinks_first = reasoning is not None
             return grammar
         ends_with_eos = self.tool_format.turn_ends_with_eos(spec.parallel)
@@ -266,11 +274,13 @@ def _force_tokens(bitmask: np.ndarray, forced: list[tuple[int, int]]) -> np.ndar
     return bitmask
 
 
-def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str]) -> str:
+def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str],
+                   opener: str | None = None) -> str:
     """Lark grammar (llguidance dialect) for a turn of tool calls in format ``fmt`` to
     ``spec.tools`` (one call, or one or more with ``spec.parallel``): each call object
     ``{"name": NAME, <fmt.args_key>: ARGS}``, ARGS valid against that tool's
-    ``parameters``. ``markup(text)`` renders the format's fixed markup as lark terminals."""
+    ``parameters``. ``markup(text)`` renders the format's fixed markup as lark terminals;
+    ``opener`` replaces the turn's first opening markup (``ToolFormat.forced_call_grammar``)."""
     alternatives, rules = [], []
     for i, tool in enumerate(spec.tools):
         call = {"type": "object", "properties": {"name": {"const": tool.name}, fmt.args_key: tool.parameters},
@@ -278,8 +288,35 @@ def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[st
                 "x-guidance": _JSON_OPTIONS}
         alternatives.append(f"call_{i}")
         rules.append(f"call_{i}: %json {json.dumps(call)}")
-    return "\n".join([fmt.forced_call_grammar("call", spec.parallel, markup),
+    return "\n".join([fmt.forced_call_grammar("call", spec.parallel, markup, opener),
                       f"call: {' | '.join(alternatives)}", *rules])
+
+
+def optional_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str],
+                       rule: str = "start", not_opening: str | None = None) -> str:
+    """Lark grammar (llguidance dialect) for a turn that is text in which ``fmt``'s parser
+    finds no call (it matches none of ``fmt.call_starts``), or a turn of calls to
+    ``spec.tools`` as ``tool_call_lark`` writes it, after text where the format lets calls
+    follow text (``fmt.call_opener``). When the opener is a special token, the text ends
+    where it comes; when it is text, one lexeme holds the text and the opener (its only
+    occurrence, at its end), since llguidance does not end a lexeme where another may
+    begin inside it. ``rule``: the name of the grammar's top rule. ``not_opening``: text
+    the turn's text may not open with (a reasoning start tag written as text: the turn
+    then reasons, ``thinking_first_lark``)."""
+    opening = () if not_opening is None else (f"(?s:{regex_literal(not_opening)}.*)",)
+    text = "TEXT: /(?s:.+)/" + "".join(f" & ~/{pattern}/" for pattern in (*fmt.call_starts, *opening))
+    opener = None
+    if fmt.call_opener is not None:
+        tag = markup(fmt.call_opener)
+        if tag.startswith("<["):
+            opener, lead = "lead", f"lead: TEXT? {tag}"
+        else:
+            literal = regex_literal(fmt.call_opener)
+            opener, lead = "LEAD", f"LEAD: /(?s:.*{literal})/ & ~/(?s:.*{literal}.+)/" + "".join(
+                f" & ~/{pattern}/" for pattern in opening)
+        text += "\n" + lead
+    calls = tool_call_lark(spec, fmt, markup, opener).replace("start:", "calls:", 1)
+    return "\n".join([f"{rule}: TEXT | calls", text, calls])
 
 
 def _alternatives(choices: tuple[str, ...]) -> str:
@@ -287,19 +324,24 @@ def _alternatives(choices: tuple[str, ...]) -> str:
     return " | ".join(json.dumps(choice) for choice in choices)
 
 
-def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Callable[[str], str]) -> str:
+def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Callable[[str], str],
+                        tool_format: ToolFormat) -> str:
     """Lark grammar (llguidance dialect) for a turn that may open with a reasoning block
     (``fmt.start``, any text, ``fmt.end``, up to 4 spaces or newlines) and then gives the
-    answer ``spec`` asks for (``THINKING_FIRST_KINDS``: JSON, a regex, a choice): a
+    answer ``spec`` asks for (``may_reason_first``: JSON, a regex, a choice, text or calls): a
     thinking model (Qwen3) reasons as it would, and only the answer is constrained.
     ``markup(text)`` renders the tags: a special token (the text before it can never
-    hold it) or text (the reasoning stops at its first occurrence)."""
+    hold it) or text (the reasoning stops at its first occurrence). ``tool_format``: the
+    format an optional turn of calls is written in."""
     import llguidance
     if spec.kind == "regex":   # (llguidance's own rendering of a regex as lark: ``start: /.../``, escaped)
         lark = json.loads(llguidance.LLMatcher.grammar_from_regex(spec.pattern))["grammars"][0]["lark_grammar"]
         answer = "answer:" + lark.removeprefix("start:")
     elif spec.kind == "choice":
         answer = f"answer: {_alternatives(spec.choices)}"
+    elif spec.optional:   # (its text may not open with a start tag written as text: that opens the reasoning)
+        tag = None if markup(fmt.start).startswith("<[") else fmt.start
+        answer = optional_call_lark(spec, tool_format, markup, "answer", tag)
     else:
         schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
         answer = f"answer: %json {json.dumps({**schema, 'x-guidance': schema.get('x-guidance', _JSON_OPTIONS)})}"

@@ -41,8 +41,9 @@ from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                             ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
+from server.protocol import (AllowedToolsChoice, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest,
+                             ToolChoice)
 from server.response_store import ResponseStore
 from server.responses import ResponsesWire, chat_request, input_messages, responses_error
 from server.tokenizers import TokenizerPool
@@ -599,10 +600,11 @@ def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[d
 def _structured(state: ServerState, body) -> StructuredOutput | None:
     """The output constraint a request asks for: a forced tool call (``tool_choice``
     a named function, request's or server's; ``"required"``: one of the request's
-    tools, or of the server's when it declares none; it wins over ``response_format``), else
-    ``response_format`` json_object / json_schema. Bad schemas (the request's tools'
-    included, forced or not), duplicate tool names and unknown function names are 400s
-    naming the field."""
+    tools, or of the server's when it declares none; ``allowed_tools``: calls to those
+    only, forced in mode ``required``, optional in mode ``auto``; it wins over
+    ``response_format``), else ``response_format`` json_object / json_schema. Bad schemas
+    (the request's tools' included, forced or not), duplicate tool names and unknown
+    function names are 400s naming the field."""
     choice = getattr(body, "tool_choice", None)
     try:
         if getattr(body, "tools", None):   # the request's tools are checked whether or not a call is forced
@@ -613,6 +615,8 @@ def _structured(state: ServerState, body) -> StructuredOutput | None:
         elif choice == "required":   # one of the request's own tools (the server's when it declares none)
             tools = [t.schema_dict() for t in body.tools or []] or _advertised_tools(state, body)
             spec = StructuredOutput.tool_call(tools, parallel=body.parallel_tool_calls is not False)
+        elif isinstance(choice, AllowedToolsChoice):
+            spec = _allowed_tools(state, body, choice)
         elif (vllm := _vllm_structured(body)) is not None:
             if body.response_format is not None and body.response_format.type != "text":
                 raise APIError(400, f"{vllm.param}: give response_format or {vllm.param}, not both", param=vllm.param)
@@ -627,6 +631,20 @@ def _structured(state: ServerState, body) -> StructuredOutput | None:
     except ValueError as e:
         raise from_value_error(e) from None
     return spec
+
+
+def _allowed_tools(state: ServerState, body, choice: AllowedToolsChoice) -> StructuredOutput:
+    """``tool_choice: {"type": "allowed_tools", ...}``: calls to the named tools only (each
+    among the request's or the server's tools; all of them stay in the prompt), one or more
+    in mode ``required``, none or some in mode ``auto``."""
+    advertised = {t["function"]["name"]: t for t in _advertised_tools(state, body)}
+    names = list(dict.fromkeys(t.function.name for t in choice.allowed_tools.tools))
+    unknown = [name for name in names if name not in advertised]
+    if unknown:
+        raise ValueError(f"tool_choice: allowed tool {unknown[0]!r} is not among the tools "
+                         f"({', '.join(advertised) or 'none'})")
+    return StructuredOutput.tool_call([advertised[name] for name in names], parallel=body.parallel_tool_calls is not False,
+                                      optional=choice.allowed_tools.mode == "auto")
 
 
 def _vllm_structured(body) -> StructuredOutput | None:

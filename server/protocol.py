@@ -104,6 +104,23 @@ class ToolChoice(_Request):
     function: ToolChoiceFunction
 
 
+class AllowedTools(_Request):
+    """``mode``: ``"required"``, one or more calls to ``tools``; ``"auto"``, the model
+    answers in text or calls some of them. ``tools``: ``{"type": "function",
+    "function": {"name": ...}}`` each, names among the request's (or the server's) tools."""
+
+    mode: Literal["auto", "required"]
+    tools: list[ToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Request):
+    """``{"type": "allowed_tools", "allowed_tools": {...}}``: the model may call only
+    these tools; every tool stays in the prompt (so its prefix stays cached)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class StructuredOutputsParams(_Request):
     """vLLM's ``structured_outputs`` (exactly one of them): ``json`` (a JSON Schema),
     ``json_object``, ``regex``, ``choice`` or ``grammar`` (Lark, llguidance's dialect)."""
@@ -326,7 +343,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | AllowedToolsChoice | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
@@ -358,7 +375,7 @@ class TokenizeRequest(_ChatTemplateFields):
     add_special_tokens: bool = True   # (a prompt: as completions encode it)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | AllowedToolsChoice | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -541,6 +558,15 @@ class ResponseToolChoiceFunction(_Request):
     name: str
 
 
+class ResponseAllowedTools(_Request):
+    """The Responses API's ``{"type": "allowed_tools", "mode", "tools": [{"type": "function",
+    "name"}, ...]}`` (``AllowedToolsChoice``, flat)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[ResponseToolChoiceFunction] = Field(min_length=1)
+
+
 class ResponseTextFormat(_Request):
     """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
     ``{"type": "json_schema", "name", "schema", "strict", "description"}``."""
@@ -589,7 +615,7 @@ class ResponsesRequest(_Request):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     tools: list[ResponseFunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoiceFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoiceFunction | ResponseAllowedTools | None = None
     parallel_tool_calls: bool | None = None
     text: ResponseTextConfig | None = None
     user: Text | None = Field(default=None, max_length=256)

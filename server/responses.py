@@ -27,12 +27,13 @@ import json
 import time
 import uuid
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from server.errors import APIError
 from server.generation import ChoiceState
 from server.logprobs import TokenSpellings, chat_logprobs
-from server.protocol import ChatCompletionRequest, ResponsesRequest, ResponseToolChoiceFunction, reasoning_token
+from server.protocol import (ChatCompletionRequest, ResponseAllowedTools, ResponsesRequest, ResponseToolChoiceFunction,
+                             reasoning_token)
 from server.response_store import ResponseStore, StoredResponse
 from server.wire import argument_fragments, usage_of
 
@@ -110,6 +111,9 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
     choice = body.tool_choice
     if isinstance(choice, ResponseToolChoiceFunction):
         choice = {"type": "function", "function": {"name": choice.name}}
+    elif isinstance(choice, ResponseAllowedTools):
+        choice = {"type": "allowed_tools", "allowed_tools": {
+            "mode": choice.mode, "tools": [{"type": "function", "function": {"name": t.name}} for t in choice.tools]}}
     fmt = body.text.format if body.text is not None else None
     response_format = None
     if fmt is not None:
@@ -176,7 +180,7 @@ class ResponsesWire:
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         obj = {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
                "model": self.model_name, "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-               "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponseToolChoiceFunction)
+               "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
                else (body.tool_choice or "auto"),
                "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                "temperature": body.temperature, "top_p": body.top_p, "store": body.store,

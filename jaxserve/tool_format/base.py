@@ -6,7 +6,8 @@ A format answers five questions about one model family's tool calling:
 how calls look in generated text (``parser``), which text to hide from chat
 clients while it streams (``markup_filter``), how the tools' results go back
 into the context (``wrap_results``), which grammar forces a turn of calls
-(``forced_call_grammar``), and, for chat templates that know nothing about
+(``forced_call_grammar``), where a call may open after text (``call_opener``)
+and which text holds none (``call_starts``), and, for chat templates that know nothing about
 tools, how to describe the tools and past calls in plain messages
 (``system_prompt``, ``render_calls``).
 
@@ -256,17 +257,26 @@ class ToolFormat:
     name: str = ""
     template_markers: tuple[str, ...] = ()
     args_key: str = "arguments"   # the key of a call object's arguments
+    # The markup that opens a turn's calls, which may follow text (Hermes, Mistral);
+    # None: calls can only open a turn (Llama 3's bare JSON).
+    call_opener: str | None = None
+    # Rust regexes (whole text, llguidance's dialect) of the texts in which the parser may
+    # find a call: text that matches none of them holds no call.
+    call_starts: tuple[str, ...] = ()
 
     def parser(self):
         """A fresh per-request parser: ``feed(delta) -> list[ParsedToolCall]``, the calls
         this delta completed (each call once, in order; usually none)."""
         raise NotImplementedError
 
-    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
+    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str],
+                            opener: str | None = None) -> str:
         """The lark ``start`` rule (llguidance dialect) of an assistant turn that is nothing
         but calls: ``call`` names the rule of one call object ``{"name": ..., args_key: ...}``;
         ``parallel``: one or more calls, else exactly one. ``markup(text)`` renders fixed
-        markup as a lark terminal (a special token when the tokenizer has one). It takes
+        markup as a lark terminal (a special token when the tokenizer has one); ``opener``,
+        when given, is written in place of the turn's first ``call_opener`` (a rule that
+        lets text come before it). It takes
         what ``render_calls`` writes, separators included, and no other spelling where
         refusing one costs the model nothing: a client's follow-up re-renders the turn, and
         a paused context resumes only if the re-rendered turn spells what the model wrote."""
@@ -294,6 +304,16 @@ class ToolFormat:
         """Tool definitions (OpenAI ``{"type": "function", "function": {...}}``) and
         how to call them, for a system message when the template has no tool support."""
         raise NotImplementedError
+
+
+def contains(text: str) -> str:
+    """A ``call_starts`` regex: any text with ``text`` in it."""
+    return f"(?s:.*{regex_literal(text)}.*)"
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a literal in a Rust regex inside a lark ``/…/`` terminal."""
+    return "".join(f"\\{ch}" if ch in "\\.+*?()|[]{}^$#&-~/" else ch for ch in text)
 
 
 def tool_list_json(tools: list[dict]) -> str:

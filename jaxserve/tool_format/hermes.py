@@ -8,7 +8,7 @@ import json
 from typing import Callable
 
 from jaxserve.tool_format.base import (CHATML_START, ParsedToolCall, TaggedMarkupFilter, ToolFormat, call_from_json,
-                                       chatml_tool_turns, tool_list_json)
+                                       chatml_tool_turns, contains, tool_list_json)
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -45,14 +45,18 @@ class HermesParser:
 class HermesFormat(ToolFormat):
     name = "hermes"
     template_markers = (START,)
+    call_opener = START
+    call_starts = (contains(START),)
 
     def parser(self) -> HermesParser:
         return HermesParser()
 
-    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
+    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str],
+                            opener: str | None = None) -> str:
         block = f"{markup(START)} {call} {markup(END)}"
+        first = f"{opener or markup(START)} {call} {markup(END)}"
         # blocks one line apart, exactly as ``render_calls`` writes them back (a follow-up re-renders the turn)
-        return f'start: {block} ("\\n" {block})*' if parallel else f"start: {block}"
+        return f'start: {first} ("\\n" {block})*' if parallel else f"start: {first}"
 
     def turn_ends_with_eos(self, parallel: bool) -> bool:
         return parallel   # after a block the model either opens another one or ends its turn

@@ -9,7 +9,7 @@ import json
 from typing import Callable
 
 from jaxserve.tool_format.base import (CHATML_START, JsonMarkupFilter, ParsedToolCall, ToolFormat, calls_from_json,
-                                       chatml_tool_turns, json_extent, tool_list_json)
+                                       chatml_tool_turns, contains, json_extent, tool_list_json)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -64,11 +64,13 @@ class Llama3Format(ToolFormat):
     name = "llama3_json"
     template_markers = (PYTHON_TAG, "ipython")
     args_key = "parameters"
+    call_starts = (r"(?s:[ \t\r\n]*[\[{].*)", contains(PYTHON_TAG))   # (bare JSON opening the turn, or the tag)
 
     def parser(self) -> Llama3Parser:
         return Llama3Parser()
 
-    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
+    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str],
+                            opener: str | None = None) -> str:
         # (a list of one call is allowed, though ``render_calls`` writes one call bare: refusing it would make
         # a model that opened "[" invent a second call; such a turn's follow-up is served from the prefix cache)
         return f'start: {call} | "[" {call} (", " {call})* "]"' if parallel else f"start: {call}"

@@ -8,7 +8,7 @@ import json
 from typing import Callable
 
 from jaxserve.tool_format.base import (CHATML_START, JsonMarkupFilter, ParsedToolCall, ToolFormat, calls_from_json,
-                                       chatml_tool_turns, json_extent, tool_list_json)
+                                       chatml_tool_turns, contains, json_extent, tool_list_json)
 
 TOOL_CALLS = "[TOOL_CALLS]"
 
@@ -46,13 +46,16 @@ class MistralParser:
 class MistralFormat(ToolFormat):
     name = "mistral"
     template_markers = (TOOL_CALLS,)
+    call_opener = TOOL_CALLS
+    call_starts = (contains(TOOL_CALLS),)
 
     def parser(self) -> MistralParser:
         return MistralParser()
 
-    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str]) -> str:
+    def forced_call_grammar(self, call: str, parallel: bool, markup: Callable[[str], str],
+                            opener: str | None = None) -> str:
         more = f' (", " {call})*' if parallel else ""
-        return f'start: {markup(TOOL_CALLS)} "[" {call}{more} "]"'
+        return f'start: {opener or markup(TOOL_CALLS)} "[" {call}{more} "]"'
 
     def markup_filter(self) -> JsonMarkupFilter:
         return JsonMarkupFilter(TOOL_CALLS)
