@@ -5,7 +5,12 @@ kept in memory and, with a path, in an SQLite file too, so conversations
 The file is written through (each store, delete and conversation walk in one
 transaction, in WAL mode without a sync per write: a power cut may lose the last
 writes, a process exit loses nothing) and read back whole when the store is
-opened, oldest use first, within the same limits. A write that fails (a full
+opened, oldest use first, within the same limits. A background response is
+stored when it is created (``queued``) and again when it ends; one still
+``queued`` or ``in_progress`` in a file being opened was running when the
+server stopped without ending it (a crash: a clean stop cancels live runs), and
+reads back ``failed`` with a ``server_error``, so its client's poll gets an
+answer, not a 404. A write that fails (a full
 disk) is logged and the store goes on in memory. One process per file: a second
 one opening it is refused (an exclusive lock beside it); replicas each keep
 their own (``server.build``). The folder and file are the server user's only
@@ -31,6 +36,7 @@ from server.errors import APIError
 log = logging.getLogger("jaxserve.server")
 
 SCHEMA_VERSION = 1   # ``PRAGMA user_version`` of a store file
+UNFINISHED = ("queued", "in_progress")   # statuses of a background response that has not ended
 
 
 @dataclass
@@ -97,9 +103,12 @@ class ResponseStore:
                        "used INTEGER NOT NULL, entry TEXT NOT NULL)")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             rows = db.execute("SELECT id, owner, used, entry FROM responses ORDER BY used").fetchall()
-            held = {}
+            held, ended = {}, {}
             for response_id, owner, used, text in rows:   # (oldest use first: the LRU order comes back as it was)
                 data = json.loads(text)
+                if data["response"].get("status") in UNFINISHED:
+                    data["response"] = stopped_by_restart(data["response"])
+                    ended[response_id] = text = json.dumps(data)
                 held[response_id] = (StoredResponse(owner, data["parent"], data["messages"], data["response"],
                                                     data["input_items"]), len(text))
                 self._uses = max(self._uses, used)
@@ -114,6 +123,11 @@ class ResponseStore:
                     self._keep(response_id, entry, size)
             self._db = db
             self._write_many("DELETE FROM responses WHERE id = ?", [(i,) for i in set(held) - set(self._entries)])
+            self._write_many("UPDATE responses SET entry = ? WHERE id = ?",
+                             [(text, i) for i, text in ended.items() if i in self._entries])
+        if ended:
+            log.warning("response store: %d background response(s) were running when the server stopped; "
+                        "they read back as failed", len(ended))
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -239,3 +253,11 @@ class ResponseStore:
                 if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
                     break
         return [message for messages in reversed(chain) for message in messages]
+
+
+def stopped_by_restart(response: dict) -> dict:
+    """A background ``response`` that was running when the server stopped, as it reads back:
+    ``failed``, its ``error`` a ``server_error`` that says so (its output is lost)."""
+    return {**response, "status": "failed", "error": {
+        "code": "server_error", "message": "the server stopped before this background response ended; "
+                                           "its output is lost: create it again"}}

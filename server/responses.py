@@ -319,8 +319,13 @@ class ResponsesWire:
 
     def queued(self) -> tuple[dict, list[str]]:
         """A background response as created: its object (``status: "queued"``) and the
-        events that open its stream (``response.created``, ``response.queued``)."""
+        events that open its stream (``response.created``, ``response.queued``). It is
+        stored as it is now, so a server that stops before the run ends (a crash) reads
+        it back as failed (``ResponseStore``); its end stores it again."""
         pending = self._object("queued", [])
+        if self.store is not None:
+            self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id, self.added,
+                                                            pending, self.input_items))
         return pending, [self._event("response.created", response=pending),
                          self._event("response.queued", response=pending)]
 

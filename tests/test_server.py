@@ -804,9 +804,11 @@ def test_a_background_response_outlives_its_client_and_is_polled_resumed_and_can
 
 
 def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
-    """``--response-store DIR``: a conversation stored before the server restarts is
-    read back and continued (``previous_response_id``) after it, through the official
-    client; a file that is not a store stops the server at start with a clear error."""
+    """``--response-store DIR``: a conversation stored before the server is killed (SIGKILL,
+    mid-run) is read back and continued (``previous_response_id``) after it restarts,
+    through the official client; the background response that was running reads back
+    ``failed`` with a ``server_error``, not a 404; a file that is not a store stops the
+    server at start with a clear error."""
     import openai
     args = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "512",
             "--response-store", str(tmp_path / "store")]
@@ -818,6 +820,11 @@ def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         first = client.responses.create(model="demo", input="Hello", max_output_tokens=8, temperature=0)
+        running = client.responses.create(model="demo", input="Tell me everything", max_output_tokens=300,
+                                          temperature=0, background=True)
+        assert client.responses.retrieve(running.id).status in ("queued", "in_progress")
+        server.proc.kill()
+        server.proc.wait(30)
     finally:
         server.stop()
     assert (tmp_path / "store" / "responses.sqlite3").exists()
@@ -825,6 +832,9 @@ def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        lost = client.responses.retrieve(running.id)
+        assert lost.status == "failed" and lost.error.code == "server_error" and lost.background
+        assert "1 background response(s) were running" in server.log_tail()
         second = client.responses.create(model="demo", input="And then?", previous_response_id=first.id,
                                          max_output_tokens=8, temperature=0)
         assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id

@@ -1111,6 +1111,34 @@ def test_a_response_store_with_a_file_keeps_responses_and_their_order_across_reo
         ResponseStore(path=tmp_path / "garbage.sqlite3")
 
 
+def test_a_background_response_left_running_in_a_store_file_reads_back_failed(tmp_path, caplog):
+    """A response stored ``queued`` or ``in_progress`` (a background run the server did not
+    end: it crashed) reads back ``failed`` with a ``server_error`` when the file is opened,
+    the rest of it as stored; the file is rewritten, so the next opening finds nothing to
+    mend; ended responses are untouched."""
+    from server.response_store import ResponseStore, StoredResponse
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(path=path)
+    for rid, status in [("q", "queued"), ("r", "in_progress"), ("c", "completed"), ("x", "cancelled")]:
+        store.put(rid, StoredResponse("o", None, [{"role": "user", "content": rid}],
+                                      {"id": rid, "status": status, "background": True}))
+    store.close()
+    with caplog.at_level("WARNING", logger="jaxserve.server"):
+        again = ResponseStore(path=path)
+    assert "2 background response(s) were running" in caplog.text
+    for rid in ("q", "r"):
+        response = again.get(rid, "o").response
+        assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+        assert response["id"] == rid and response["background"] and again.get(rid, "o").messages[0]["content"] == rid
+    assert [again.get(rid, "o").response["status"] for rid in ("c", "x")] == ["completed", "cancelled"]
+    again.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxserve.server"):
+        third = ResponseStore(path=path)
+    assert "were running" not in caplog.text and third.get("q", "o").response["status"] == "failed"
+    third.close()
+
+
 def test_reasoning_effort_reaches_the_chat_template():
     """Chat's ``reasoning_effort`` and Responses' ``reasoning.effort`` reach the template as
     ``reasoning_effort``; "none" and "minimal" also turn ``enable_thinking`` off (Qwen3's
