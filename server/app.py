@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -34,6 +35,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
 from server.background import BackgroundRun, BackgroundRuns
+from server.conversations import Conversations
 from server.errors import APIError, from_value_error, install_handlers
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
                                wait_or_disconnect)
@@ -41,11 +43,11 @@ from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware
 from server.parked import ParkedContexts, Spelling
-from server.protocol import (AllowedToolsChoice, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest,
-                             ToolChoice)
+from server.protocol import (AllowedToolsChoice, ChatCompletionRequest, CompletionRequest, ConversationCreateRequest,
+                             ConversationItemsRequest, ConversationUpdateRequest, DetokenizeRequest, ModelCard,
+                             ModelList, ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
-from server.responses import ResponsesWire, chat_request, input_messages, responses_error
+from server.responses import ResponsesWire, chat_request, input_messages, items_page, responses_error
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
 
@@ -130,6 +132,7 @@ class ServerState:
         self.tool_format = getattr(getattr(engine, "engine", None), "tool_format", None) or get_format("hermes")
         # stored /v1/responses results (``previous_response_id``); in memory unless given one with a file
         self.responses = response_store if response_store is not None else ResponseStore()
+        self.conversations = Conversations(self.responses)   # the Conversations API, kept in the same store
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -259,6 +262,39 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
             raise _response_not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
+    @app.post("/v1/conversations")
+    async def create_conversation(body: ConversationCreateRequest, request: Request):
+        return state.conversations.create(_owner(request, None), body.items or [], body.metadata)
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(conversation_id: str, request: Request):
+        return state.conversations.get(conversation_id, _owner(request, None)).response
+
+    @app.post("/v1/conversations/{conversation_id}")
+    async def update_conversation(conversation_id: str, body: ConversationUpdateRequest, request: Request):
+        return state.conversations.update(conversation_id, _owner(request, None), body.metadata)
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(conversation_id: str, request: Request):
+        return state.conversations.delete(conversation_id, _owner(request, None))
+
+    @app.post("/v1/conversations/{conversation_id}/items")
+    async def add_conversation_items(conversation_id: str, body: ConversationItemsRequest, request: Request):
+        return state.conversations.add_items(conversation_id, _owner(request, None), body.items)
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def list_conversation_items(conversation_id: str, request: Request, limit: int = 20, order: str = "desc",
+                                      after: str | None = None):
+        return state.conversations.items(conversation_id, _owner(request, None), limit, order, after)
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def get_conversation_item(conversation_id: str, item_id: str, request: Request):
+        return state.conversations.item(conversation_id, _owner(request, None), item_id)
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_conversation_item(conversation_id: str, item_id: str, request: Request):
+        return state.conversations.delete_item(conversation_id, _owner(request, None), item_id)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return await _tokenize(state, body)
@@ -387,8 +423,10 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
     owner = _owner(request, None)
     try:
         chat, added, rendered = await _responses_chat(state, body, owner)
+        continues = None if body.conversation_id is None else \
+            functools.partial(state.conversations.extend, body.conversation_id, owner)
         wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
-                             state.cache_page_size, state.token_spellings)
+                             state.cache_page_size, state.token_spellings, continues)
         return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered)
     except APIError as e:
         raise responses_error(e) from None
@@ -417,8 +455,13 @@ async def _responses_chat(state: ServerState, body: ResponsesRequest, owner: str
     if earlier is not None and not earlier.done:
         raise APIError(400, f"previous response {body.previous_response_id!r} is still {earlier.status}: wait for "
                        "it to end (or cancel it)", param="previous_response_id", code="previous_response_in_progress")
-    history = state.responses.conversation(body.previous_response_id, owner) if body.previous_response_id else []
-    added = input_messages(body)
+    if body.conversation_id is not None:
+        history = state.conversations.messages(body.conversation_id, owner)
+    elif body.previous_response_id:
+        history = state.responses.conversation(body.previous_response_id, owner)
+    else:
+        history = []
+    added = input_messages(body.input)
     chat = chat_request(body, history, added)
     rendered = None
     if body.truncation == "auto":
@@ -570,24 +613,12 @@ def _input_items_page(state: ServerState, response_id: str, owner: str, limit: i
                       after: str | None) -> dict:
     """``GET /v1/responses/{id}/input_items``: a page of the response's input items
     (``order`` "asc": as sent, "desc": last first; ``after``: the page after that item id)."""
-    if not 1 <= limit <= 100:
-        raise APIError(400, f"limit: must be in [1, 100], got {limit}", param="limit")
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
     entry = state.responses.get(response_id, owner)
     run = state.background.get(response_id, owner) if entry is None else None   # (a run still going)
     if entry is None and run is None:
         raise _response_not_found(response_id)
-    items = entry.input_items if entry is not None else run.input_items
-    items = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), None)
-        if start is None:
-            raise APIError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
-    page = items[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+    return items_page(entry.input_items if entry is not None else run.input_items, limit, order, after,
+                      f"response {response_id!r}")
 
 
 def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict]:

@@ -542,6 +542,35 @@ ResponseInputItem = Annotated[Union[Annotated[ResponseMessageItem, Tag("message"
                                             "supported by this server)")]
 
 
+MAX_ITEMS_PER_CALL = 20   # items one Conversations API call may add (OpenAI's limit)
+Metadata = dict[str, Annotated[Text, Field(max_length=512)]]
+
+
+class ConversationRef(_Request):
+    """``{"id": "conv_..."}``: the conversation a Responses request continues."""
+
+    id: Text = Field(min_length=1, max_length=256)
+
+
+class ConversationCreateRequest(_Request):
+    """``POST /v1/conversations``: its first ``items`` (input items, up to 20) and ``metadata``."""
+
+    items: list[ResponseInputItem] | None = Field(default=None, max_length=MAX_ITEMS_PER_CALL)
+    metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
+
+
+class ConversationUpdateRequest(_Request):
+    """``POST /v1/conversations/{id}``: its new ``metadata`` (replaces the old)."""
+
+    metadata: Metadata = Field(max_length=MAX_STORED_METADATA)
+
+
+class ConversationItemsRequest(_Request):
+    """``POST /v1/conversations/{id}/items``: items to add at its end (1 to 20)."""
+
+    items: list[ResponseInputItem] = Field(min_length=1, max_length=MAX_ITEMS_PER_CALL)
+
+
 class ResponseFunctionTool(_Request):
     """``{"type": "function", "name", "description", "parameters", "strict"}`` (the Responses
     API's flat form of a chat completions tool)."""
@@ -603,7 +632,7 @@ class ResponsesRequest(_Request):
     reasoning parser, ``background`` runs, ``truncation: "auto"``, ``max_tool_calls`` of the
     server's tools). Fields of the API this server does not implement are refused when set
     (``include`` values other than ``message.output_text.logprobs`` and ``reasoning.encrypted_content``,
-    ``conversation``, ``prompt``)."""
+    ``prompt``). ``conversation``: a Conversations API conversation it continues (``server.conversations``)."""
 
     model: Text
     input: Text | list[ResponseInputItem] = Field(min_length=1)
@@ -619,8 +648,7 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     text: ResponseTextConfig | None = None
     user: Text | None = Field(default=None, max_length=256)
-    metadata: dict[str, Annotated[Text, Field(max_length=512)]] | None = Field(default=None,
-                                                                               max_length=MAX_STORED_METADATA)
+    metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
     reasoning: ResponseReasoningConfig | None = None
     background: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
@@ -628,7 +656,7 @@ class ResponsesRequest(_Request):
     # "reasoning.encrypted_content": reasoning items carry their text for a stateless client to send back
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    conversation: str | dict | None = None
+    conversation: Annotated[Text, Field(min_length=1, max_length=256)] | ConversationRef | None = None
     prompt: dict | None = None
     max_tool_calls: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
@@ -639,12 +667,18 @@ class ResponsesRequest(_Request):
         asked = self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or ())
         return (self.top_logprobs or 0) if asked else None
 
+    @property
+    def conversation_id(self) -> str | None:
+        """The id of the conversation this request continues (``conversation``), if any."""
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
+
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
-        unsupported = [name for name, set_ in [
-            ("conversation", self.conversation is not None), ("prompt", self.prompt is not None)] if set_]
-        if unsupported:
-            raise ValueError(f"{unsupported[0]} is not supported by this server")
+        if self.prompt is not None:
+            raise ValueError("prompt is not supported by this server")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise ValueError("conversation and previous_response_id cannot both be given: a response continues "
+                             "one or the other")
         if self.background and not self.store:
             raise ValueError("background responses must be stored (store: true): they are read back with "
                              "GET /v1/responses/{id}")

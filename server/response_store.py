@@ -1,6 +1,10 @@
-"""Stored Responses API responses (``store: true``), in a bounded LRU per API key,
-kept in memory and, with a path, in an SQLite file too, so conversations
-(``previous_response_id``) outlive a restart.
+"""Stored Responses API responses (``store: true``) and Conversations API
+conversations (``server.conversations``), in one bounded LRU per API key, kept in
+memory and, with a path, in an SQLite file too, so conversations
+(``previous_response_id``, ``conversation``) outlive a restart. An entry's
+``response`` is the object the API returns for it; its ``object`` field
+(``"response"``, ``"conversation"``) is the entry's kind, and a lookup of one kind
+never finds the other.
 
 The file is written through (each store, delete and conversation walk in one
 transaction, in WAL mode without a sync per write: a power cut may lose the last
@@ -182,19 +186,21 @@ class ResponseStore:
             self._lock = None
 
     # ------------------------------------------------------------- entries
-    def put(self, response_id: str, entry: StoredResponse) -> None:
-        """Store ``entry`` (one larger than ``max_bytes`` alone is not kept)."""
+    def put(self, response_id: str, entry: StoredResponse) -> bool:
+        """Store ``entry`` (one larger than ``max_bytes`` alone is not kept); whether it is."""
         # ASCII JSON: text the API takes may hold lone surrogates (in metadata keys, schemas),
         # which UTF-8 (and so SQLite) cannot hold; escaped, they read back the same.
         text = json.dumps({"parent": entry.parent, "messages": entry.messages, "response": entry.response,
                            "input_items": entry.input_items})
         if len(text) > self.max_bytes:
-            return
+            return False
         with self._transaction():
             self._drop(response_id)
-            if self._keep(response_id, entry, len(text)):
-                self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
-                            response_id, entry.owner, self._use(), text)
+            if not self._keep(response_id, entry, len(text)):
+                return False
+            self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
+                        response_id, entry.owner, self._use(), text)
+        return True
 
     def _keep(self, response_id: str, entry: StoredResponse, size: int) -> bool:
         """Hold ``entry`` in memory (``size``: its JSON's length), then drop responses
@@ -222,17 +228,18 @@ class ResponseStore:
             del self._by_owner[entry.owner], self._owner_bytes[entry.owner]
         self._write("DELETE FROM responses WHERE id = ?", response_id)
 
-    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str, kind: str = "response") -> StoredResponse | None:
+        """``owner``'s entry ``response_id`` of ``kind`` (its object's ``object``), else None."""
         entry = self._entries.get(response_id)
-        if entry is None or entry.owner != owner:
+        if entry is None or entry.owner != owner or entry.response.get("object", "response") != kind:
             return None
         self._by_owner[owner].move_to_end(response_id)
         self._write("UPDATE responses SET used = ? WHERE id = ?", self._use(), response_id)
         return entry
 
-    def delete(self, response_id: str, owner: str) -> bool:
+    def delete(self, response_id: str, owner: str, kind: str = "response") -> bool:
         with self._transaction():
-            if self.get(response_id, owner) is None:
+            if self.get(response_id, owner, kind) is None:
                 return False
             self._drop(response_id)
             return True

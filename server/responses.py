@@ -26,14 +26,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Callable
 
 from pydantic import BaseModel, ValidationError
 
 from server.errors import APIError
 from server.generation import ChoiceState
 from server.logprobs import TokenSpellings, chat_logprobs
-from server.protocol import (ChatCompletionRequest, ResponseAllowedTools, ResponsesRequest, ResponseToolChoiceFunction,
-                             reasoning_token)
+from server.protocol import (ChatCompletionRequest, ResponseAllowedTools, ResponseInputItem, ResponsesRequest,
+                             ResponseToolChoiceFunction, reasoning_token)
 from server.response_store import ResponseStore, StoredResponse
 from server.wire import argument_fragments, usage_of
 
@@ -42,16 +43,16 @@ _RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_t
                      "response_format": "text.format", "prompt": "input"}
 
 
-def input_messages(body: ResponsesRequest) -> list[dict]:
-    """``body.input`` as chat messages: a string is a user message; consecutive
+def input_messages(given: str | list[ResponseInputItem]) -> list[dict]:
+    """Input items (a request's ``input``, a conversation's items) as chat messages: a string is a user message; consecutive
     ``function_call`` items join the assistant message before them (or start one);
     a ``reasoning`` item's text is the ``reasoning_content`` of the assistant message
     (or call) that comes right after it (elsewhere it belongs to no message: dropped)."""
-    if isinstance(body.input, str):
-        return [{"role": "user", "content": body.input}]
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
     out: list[dict] = []
     reasoning: str | None = None   # a reasoning item's, for the next assistant message
-    for item in body.input:
+    for item in given:
         if item.type == "reasoning":
             reasoning = item.text if reasoning is None else f"{reasoning}\n\n{item.text}"
             continue
@@ -73,21 +74,21 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     return out
 
 
-def input_items(body: ResponsesRequest) -> list[dict]:
-    """``body.input`` as the API lists a response's input items (``GET
-    /v1/responses/{id}/input_items``): each with an ``id`` (the client's, for a reasoning
-    item that had one) and its text parts as ``input_text`` (or ``output_text`` for an
-    assistant's)."""
+def input_items(given: str | list[ResponseInputItem]) -> list[dict]:
+    """Input items (a request's ``input``, items added to a conversation) as the API lists
+    them (``GET /v1/responses/{id}/input_items``, a conversation's items): each with an
+    ``id`` (the client's, for a reasoning item that had one) and its text parts as
+    ``input_text`` (or ``output_text`` for an assistant's)."""
     def parts(content, kind: str) -> list[dict]:
         if isinstance(content, str):
             return [{"type": kind, "text": content}]
         return [{"type": part.type, "text": part.text} for part in content]
 
-    if isinstance(body.input, str):
+    if isinstance(given, str):
         return [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "user",
-                 "content": parts(body.input, "input_text")}]
+                 "content": parts(given, "input_text")}]
     items = []
-    for item in body.input:
+    for item in given:
         if item.type == "message":
             kind = "output_text" if item.role == "assistant" else "input_text"
             items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
@@ -104,9 +105,29 @@ def input_items(body: ResponsesRequest) -> list[dict]:
     return items
 
 
+def items_page(items: list[dict], limit: int, order: str, after: str | None, where: str) -> dict:
+    """A page of ``items`` (each with an ``id``) as the API lists them: ``limit`` (1-100) of
+    them, ``order`` "asc" (as added) or "desc" (last first), after the item ``after``;
+    bad values are 400s naming the parameter (``where``: the list's owner, for the message)."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit: must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), None)
+        if start is None:
+            raise APIError(400, f"after: no item {after!r} in {where}", param="after")
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
 def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict]) -> ChatCompletionRequest:
     """The chat completions request ``body`` amounts to after ``history`` (the stored
-    conversation of its previous response) with ``added`` (``input_messages(body)``)."""
+    conversation of its previous response, or its conversation's items) with ``added``
+    (``input_messages(body.input)``)."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history + added
     choice = body.tool_choice
     if isinstance(choice, ResponseToolChoiceFunction):
@@ -153,14 +174,18 @@ class ResponsesWire:
 
     def __init__(self, body: ResponsesRequest, model_name: str, store: ResponseStore | None, owner: str,
                  added: list[dict], cache_page_size: int | None = None,
-                 token_spellings: TokenSpellings | None = None) -> None:
+                 token_spellings: TokenSpellings | None = None,
+                 continues: Callable[[list[dict]], None] | None = None) -> None:
         """``cache_page_size``: the engine's page size when its prefix cache is on (else None);
-        ``token_spellings``: for ``output_text.logprobs``."""
+        ``token_spellings``: for ``output_text.logprobs``; ``continues``: for a request that
+        continues a conversation (``body.conversation``), what adds the response's input and
+        output items to it when it ends completed or incomplete."""
         self.body, self.model_name, self.store, self.owner, self.added = body, model_name, store, owner, added
         self.cache_page_size, self.token_spellings = cache_page_size, token_spellings
+        self.continues = continues
         self.background = bool(body.background)
         self.streaming = body.stream or self.background   # a background response runs as a stream (``server.background``)
-        self.input_items = input_items(body) if store is not None else []
+        self.input_items = input_items(body.input) if store is not None or continues is not None else []
         self.final: dict | None = None   # the response object it ended with (completed, incomplete, failed, cancelled)
         self._held_logprobs: list = []   # records of tokens streamed before any text (tool markup, held text)
         self.response_id = f"resp_{uuid.uuid4().hex}"
@@ -191,6 +216,8 @@ class ResponsesWire:
                      "max_tool_calls"):
             if getattr(body, name) is not None:
                 obj[name] = getattr(body, name)
+        if body.conversation_id is not None:
+            obj["conversation"] = {"id": body.conversation_id}
         if body.reasoning is not None:
             obj["reasoning"] = body.reasoning.model_dump()
         if incomplete is not None:
@@ -310,6 +337,8 @@ class ResponsesWire:
                                         for call in c.tool_calls]
             self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
                                                             self.added + [answer], response, self.input_items))
+        if self.continues is not None and response["status"] in ("completed", "incomplete"):
+            self.continues(self.input_items + response["output"])
 
     # ----------------------------------------------------------------- stream
     def _event(self, kind: str, **fields) -> str:

@@ -243,7 +243,7 @@ def test_a_reasoning_input_item_belongs_to_the_assistant_turn_right_after_it():
     from server.responses import input_messages
 
     def messages(items):
-        return input_messages(ResponsesRequest.model_validate({"model": "m", "input": items}))
+        return input_messages(ResponsesRequest.model_validate({"model": "m", "input": items}).input)
     thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "R"}]}
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
     assert messages([{"role": "user", "content": "q"}, thought, call]) == [
@@ -430,7 +430,7 @@ def test_encrypted_reasoning_content_lets_a_stateless_client_send_the_reasoning_
         sent_back = {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]}
         request = ResponsesRequest.model_validate({"model": "m", "input": [
             {"role": "user", "content": "q"}, sent_back, {"role": "assistant", "content": "a"}]})
-        assert input_messages(request)[1]["reasoning_content"] == item["content"][0]["text"]
+        assert input_messages(request.input)[1]["reasoning_content"] == item["content"][0]["text"]
     from server.protocol import reasoning_from_token, reasoning_token
     assert reasoning_from_token(reasoning_token("é thought")) == "é thought"
     assert len(reasoning_token("x" * 3000)) < 4100   # (never more text out than it weighs: no compression bombs)

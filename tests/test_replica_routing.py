@@ -85,6 +85,15 @@ def test_round_robin_and_bounded_maps():
     assert list(router.parked_calls) == ["b", "c"]
 
 
+def test_a_response_continuing_stored_state_names_it_for_routing():
+    """``previous_response_id``, or ``conversation`` (an id or ``{"id": ...}``), is the state a
+    Responses request needs: the hint that sends it to the replica holding it."""
+    assert read_hints({"previous_response_id": "resp_1"}, {}, None, 16).stored_response == "resp_1"
+    assert read_hints({"conversation": "conv_1"}, {}, None, 16).stored_response == "conv_1"
+    assert read_hints({"conversation": {"id": "conv_2"}}, {}, None, 16).stored_response == "conv_2"
+    assert read_hints({"conversation": 7}, {}, None, 16).stored_response is None
+
+
 def test_odd_bodies_give_no_hints():
     assert read_hints({"messages": "nope", "prompt": 3}, {}, None, 16) == RoutingHints()
     # A body the replica will reject still keeps the hints it has (the session key).
@@ -185,10 +194,14 @@ def test_a_stored_response_is_served_where_it_is_stored_under_every_policy():
 
 
 def test_the_front_notes_stored_responses_and_responses_function_calls():
-    from jaxserve.distributed.frontend import _CALL_ID, _RESPONSE_ID, _STORED_PATH
+    from jaxserve.distributed.frontend import _CALL_ID, _CONVERSATION_PATH, _STORED_ID, _STORED_PATH
     body = ('{"id":"resp_0a1b","object":"response","output":[{"type":"function_call","id":"fc_call_7",'
-            '"call_id":"call_7","name":"f","arguments":"{}"}]}')
-    assert _RESPONSE_ID.findall(body) == ["resp_0a1b"] and _CALL_ID.findall(body) == ["call_7"]
+            '"call_id":"call_7","name":"f","arguments":"{}"}],"conversation":{"id":"conv_9f"}}')
+    assert _STORED_ID.findall(body) == ["resp_0a1b", "conv_9f"] and _CALL_ID.findall(body) == ["call_7"]
+    for path in ("/v1/conversations/conv_9f", "/v1/conversations/conv_9f/items",
+                 "/v1/conversations/conv_9f/items/msg_1"):
+        assert _CONVERSATION_PATH.match(path).group(1) == "conv_9f"
+    assert _CONVERSATION_PATH.match("/v1/conversations") is None
     assert _CALL_ID.findall('{"tool_calls":[{"id":"call_3","type":"function"}]}') == ["call_3"]
     assert _STORED_PATH.match("/v1/responses/resp_0a1b").group(1) == "resp_0a1b"
     assert _STORED_PATH.match("/v1/responses") is None

@@ -219,7 +219,8 @@ def test_client_tool_follow_up_resumes_on_the_parking_replica(cluster, app):
 
 def test_responses_api_follow_up_and_retrieval_reach_the_storing_replica(cluster):
     """``previous_response_id`` and ``GET /v1/responses/{id}`` go to the replica that stored the
-    response (the only store that has it); the follow-up resumes the parked tool context there."""
+    response (the only store that has it); the follow-up resumes the parked tool context there.
+    Conversations likewise: created on one replica, continued and read there."""
     url = cluster["dp"]
     weather = {"type": "function", **WEATHER_TOOL["function"]}
     first = httpx.post(url + "/v1/responses", timeout=120, json={
@@ -241,6 +242,20 @@ def test_responses_api_follow_up_and_retrieval_reach_the_storing_replica(cluster
     assert follow.status_code == 200, follow.text
     assert follow.headers["x-jaxserve-replica"] == replica
     assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+    # A conversation lives on the replica that created it: its routes and the responses that
+    # continue it go there, whatever else is in flight.
+    conversation = httpx.post(url + "/v1/conversations", timeout=60, json={"items": [
+        {"type": "message", "role": "user", "content": "Hello"}]})
+    assert conversation.status_code == 200, conversation.text
+    holder, conv_id = conversation.headers["x-jaxserve-replica"], conversation.json()["id"]
+    for _ in range(3):
+        turn = httpx.post(url + "/v1/responses", timeout=120, json={
+            "model": "demo", "conversation": conv_id, "input": "And then?", "max_output_tokens": 4, "temperature": 0})
+        assert turn.status_code == 200 and turn.headers["x-jaxserve-replica"] == holder, turn.text
+    items = httpx.get(url + f"/v1/conversations/{conv_id}/items", timeout=60)
+    assert items.headers["x-jaxserve-replica"] == holder and len(items.json()["data"]) == 7
+    assert httpx.delete(url + f"/v1/conversations/{conv_id}", timeout=60).json()["deleted"]
 
 
 def _replica_actor(app: str, replica: str):

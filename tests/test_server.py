@@ -679,6 +679,60 @@ def test_responses_api_round_trip_resumes_the_paused_context(servers, tools):
         client.responses.retrieve(first.id)
 
 
+def test_a_conversation_holds_an_agent_turn_and_its_follow_up_resumes_the_paused_context(servers, tools):
+    """The Conversations API through the official client: a response that continues a
+    conversation (``conversation``) adds its input and output items to it; the follow-up
+    sends only the tool's output, and the context rendered from the conversation's items
+    spells what the model wrote, so the paused context is resumed (every token of the first
+    turn cached). Items are listed, read and deleted one by one; metadata is replaced; a
+    deleted conversation is a 404 for its routes and for a response that names it."""
+    import openai
+    client = openai.OpenAI(base_url=servers.tools.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    weather = {"type": "function", **WEATHER_TOOL["function"]}
+    conversation = client.conversations.create(metadata={"topic": "weather"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "weather"}
+    first = client.responses.create(model="tool-model", conversation=conversation.id, input=WEATHER_USER,
+                                    tools=[weather], temperature=0, max_output_tokens=64)
+    [call] = first.output
+    assert call.type == "function_call" and first.conversation.id == conversation.id
+    paused = metrics(tools)
+    second = client.responses.create(model="tool-model", conversation={"id": conversation.id}, tools=[weather],
+                                     temperature=0, max_output_tokens=64, input=[
+                                         {"type": "function_call_output", "call_id": call.call_id,
+                                          "output": WEATHER_RESULT}])
+    assert second.output_text == WEATHER_ANSWER
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens
+    assert wait_idle(tools)["jaxserve:resumed_requests_total"] == paused["jaxserve:resumed_requests_total"] + 1
+
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output", "message"]
+    assert items[0].content[0].text == WEATHER_USER and items[1].call_id == call.call_id
+    assert items[3].role == "assistant" and items[3].content[0].text == WEATHER_ANSWER
+    assert client.conversations.items.retrieve(items[1].id, conversation_id=conversation.id).name == call.name
+    page = client.conversations.items.list(conversation.id, limit=2, after=items[3].id)   # (newest first)
+    assert [i.id for i in page.data] == [items[2].id, items[1].id] and page.has_more
+    added = client.conversations.items.create(conversation.id, items=[{"type": "message", "role": "user",
+                                                                       "content": "Thanks!"}])
+    assert [i.content[0].text for i in added.data] == ["Thanks!"]
+    client.conversations.items.delete(added.data[0].id, conversation_id=conversation.id)
+    assert len(client.conversations.items.list(conversation.id).data) == 4
+    assert client.conversations.update(conversation.id, metadata={"topic": "done"}).metadata == {"topic": "done"}
+    assert client.conversations.retrieve(conversation.id).metadata == {"topic": "done"}
+    with pytest.raises(openai.BadRequestError, match="cannot both be given") as both:
+        client.responses.create(model="tool-model", conversation=conversation.id, previous_response_id=first.id,
+                                input="Hi", max_output_tokens=4)
+    assert both.value.body["param"] == "conversation"
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError, match="conversation"):
+        client.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(model="tool-model", conversation=conversation.id, input="Hi", max_output_tokens=4)
+    assert gone.value.body["param"] == "conversation" and gone.value.body["code"] == "conversation_not_found"
+    assert client.responses.retrieve(second.id).output_text == WEATHER_ANSWER   # (responses outlive it)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(conversation.id)   # (a conversation is no response)
+
+
 def test_follow_up_that_does_not_match_is_computed_fresh_and_stale_context_expires(servers, tools):
     first_request = chat(WEATHER_USER, tools=[WEATHER_TOOL])
     first = tools.post("/v1/chat/completions", json=first_request).json()

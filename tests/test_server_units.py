@@ -1139,6 +1139,58 @@ def test_a_background_response_left_running_in_a_store_file_reads_back_failed(tm
     third.close()
 
 
+def test_conversations_are_kept_per_key_beside_responses_and_across_reopening(tmp_path, caplog):
+    """``server.conversations`` over a ``ResponseStore`` with a file: a conversation and its
+    items read back after reopening; another key's lookups, and the response routes' lookups
+    (a conversation is no response, a response no conversation), find nothing; bad pages are
+    400s naming the parameter; items past the store's size are a 400 and leave it as it
+    was; a response that ends after its conversation was deleted does not bring it back."""
+    from pydantic import TypeAdapter
+
+    from server.conversations import Conversations
+    from server.errors import APIError
+    from server.protocol import ResponseInputItem
+    from server.response_store import ResponseStore, StoredResponse
+    items = TypeAdapter(list[ResponseInputItem]).validate_python
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(path=path, max_bytes=4000)
+    conversations = Conversations(store)
+    conv = conversations.create("o", items([{"role": "user", "content": "Hi"}]), {"k": "v"})
+    conversations.extend(conv["id"], "o", [{"type": "message", "id": "msg_a", "role": "assistant",
+                                            "content": [{"type": "output_text", "text": "Hello!"}]}])
+    store.put("resp_1", StoredResponse("o", None, [], {"id": "resp_1", "object": "response"}))
+    store.close()
+    store = ResponseStore(path=path, max_bytes=4000)
+    conversations = Conversations(store)
+    assert conversations.messages(conv["id"], "o") == [{"role": "user", "content": "Hi"},
+                                                       {"role": "assistant", "content": "Hello!"}]
+    assert conversations.get(conv["id"], "o").response == conv
+    with pytest.raises(APIError) as other:
+        conversations.get(conv["id"], "p")
+    assert other.value.status == 404 and other.value.code == "conversation_not_found"
+    assert store.get(conv["id"], "o") is None and not store.delete(conv["id"], "o")
+    with pytest.raises(APIError) as walk:
+        store.conversation(conv["id"], "o")
+    assert walk.value.status == 404
+    with pytest.raises(APIError):
+        conversations.get("resp_1", "o")
+    page = conversations.items(conv["id"], "o", 1, "asc", None)
+    assert [i["content"][0]["text"] for i in page["data"]] == ["Hi"] and page["has_more"]
+    for args, param in [((0, "asc", None), "limit"), ((5, "up", None), "order"), ((5, "asc", "msg_x"), "after")]:
+        with pytest.raises(APIError) as bad:
+            conversations.items(conv["id"], "o", *args)
+        assert bad.value.status == 400 and bad.value.param == param
+    with pytest.raises(APIError) as big:
+        conversations.add_items(conv["id"], "o", items([{"role": "user", "content": "x" * 5000}]))
+    assert big.value.status == 400 and big.value.param == "items"
+    assert len(conversations.get(conv["id"], "o").input_items) == 2
+    conversations.delete(conv["id"], "o")
+    with caplog.at_level("WARNING", logger="jaxserve.server"):
+        conversations.extend(conv["id"], "o", [{"type": "message", "id": "msg_b", "role": "user", "content": []}])
+    assert "gone before" in caplog.text and store.get(conv["id"], "o", "conversation") is None
+    store.close()
+
+
 def test_reasoning_effort_reaches_the_chat_template():
     """Chat's ``reasoning_effort`` and Responses' ``reasoning.effort`` reach the template as
     ``reasoning_effort``; "none" and "minimal" also turn ``enable_thinking`` off (Qwen3's
@@ -1164,7 +1216,7 @@ def test_reasoning_effort_reaches_the_chat_template():
         assert _error(client.post("/tokenize", json={"model": "m", "messages": messages,
                                                      "reasoning_effort": "extreme"}), 400)["param"] == "reasoning_effort"
     body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
-    assert chat_request(body, [], input_messages(body)).template_options()["enable_thinking"] is False
+    assert chat_request(body, [], input_messages(body.input)).template_options()["enable_thinking"] is False
 
 
 def test_a_response_store_file_is_private_locked_and_never_fails_a_response(tmp_path):

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.distributed.replica import REPLICA_HEADER
-from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints
+from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints, stored_state
 
 log = logging.getLogger("jaxserve.distributed")
 
@@ -30,11 +30,13 @@ ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # GET / DELETE of a stored response, GET of its input items, POST of the cancel of a background one
 _STORED_PATH = re.compile(r"^/v1/responses/([^/]+)(/input_items|/cancel)?$")
 _COUNT_PATH = "/v1/responses/input_tokens"   # counts a Responses request: its previous_response_id's holder
+# any call on a conversation (read, update, delete; its items listed, added, read, deleted)
+_CONVERSATION_PATH = re.compile(r"^/v1/conversations/([^/]+)(/items(/[^/]+)?)?$")
 HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this long counts as down (one being
                                 # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
 _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_calls[].id; Responses call_id
-_RESPONSE_ID = re.compile(r'"id":\s*"(resp_[A-Za-z0-9]+)"')
+_STORED_ID = re.compile(r'"id":\s*"((?:resp|conv)_[A-Za-z0-9]+)"')   # a stored response's, a conversation's
 _DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}
 
 def _error(status: int, message: str, code: str, replica: str | None = None) -> JSONResponse:
@@ -252,6 +254,9 @@ class Frontend:
         return _RelayResponse(relay(), close, status_code=head["status"], headers=out_headers)
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
+        conversation = _CONVERSATION_PATH.match(path)
+        if conversation is not None:
+            return RoutingHints(stored_response=conversation.group(1))
         stored = _STORED_PATH.match(path)
         if stored is not None and path != _COUNT_PATH:
             suffix = stored.group(2)
@@ -266,8 +271,7 @@ class Frontend:
         if not isinstance(parsed, dict):
             return RoutingHints()
         if path == _COUNT_PATH:   # (nothing runs: no prefix or session is placed by it)
-            previous = parsed.get("previous_response_id")
-            return RoutingHints(stored_response=previous if isinstance(previous, str) else None)
+            return RoutingHints(stored_response=stored_state(parsed))
         try:
             return read_hints(parsed, headers, self.tokenize, self.page_size)
         except Exception:  # noqa: BLE001 - text the tokenizer cannot take: route without hints
@@ -275,13 +279,13 @@ class Frontend:
 
     def _note_tool_calls(self, replica: str, content: bytes) -> None:
         """Remember what ``replica``'s answer leaves there: the contexts parked on its client-side
-        tool calls, and Responses API responses it stored."""
+        tool calls, and Responses API responses and conversations it stored."""
         if b'"tool_calls"' in content or b'"function_call"' in content:
             ids = _CALL_ID.findall(content.decode("utf-8", "replace"))
             if ids:
                 self.router.parked(replica, ids)
-        if b'"resp_' in content:
-            self.router.stored(replica, list(dict.fromkeys(_RESPONSE_ID.findall(content.decode("utf-8", "replace")))))
+        if b'"resp_' in content or b'"conv_' in content:
+            self.router.stored(replica, list(dict.fromkeys(_STORED_ID.findall(content.decode("utf-8", "replace")))))
 
 
 class _RelayResponse(StreamingResponse):

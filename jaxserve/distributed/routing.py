@@ -30,7 +30,8 @@ and headers, and tells the router what happened (``routed``, ``finished``,
 
 ``least_loaded`` and ``round_robin`` skip 1-3 (baselines for the benchmark).
 Under every policy, a request that names a stored Responses API response
-(``previous_response_id``; ``GET``/``DELETE /v1/responses/{id}``) goes to
+(``previous_response_id``; ``GET``/``DELETE /v1/responses/{id}``) or a
+conversation (``conversation``; ``/v1/conversations/{id}...``) goes to
 the replica that answered it (``stored``), as only that replica's store
 holds it: this is where the state lives, not a preference.
 A replica marked down (``set_alive``) gets nothing until it is back; the
@@ -133,6 +134,15 @@ def prompt_text(body: dict) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+def stored_state(body: dict) -> str | None:
+    """The stored state a Responses request continues: its ``previous_response_id``, or its
+    ``conversation`` (an id, or ``{"id": ...}``); None when it names neither (or oddly)."""
+    previous, conversation = body.get("previous_response_id"), body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    return next((key for key in (previous, conversation) if isinstance(key, str)), None)
+
+
 def read_hints(body: dict, headers: dict[str, str], tokenize: Callable[[str], list[int]] | None,
                page_size: int) -> RoutingHints:
     """The hints of one request (``body``: its JSON object; ``headers``: lower-case
@@ -144,8 +154,7 @@ def read_hints(body: dict, headers: dict[str, str], tokenize: Callable[[str], li
         if isinstance(key, str) and key:
             hints.session_key = key
             break
-    if isinstance(body.get("previous_response_id"), str):
-        hints.stored_response = body["previous_response_id"]
+    hints.stored_response = stored_state(body)
     for m in _message_list(body) or []:
         if not isinstance(m, dict):
             continue

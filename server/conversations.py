@@ -1,0 +1,117 @@
+"""OpenAI's Conversations API: a conversation is a list of items (messages,
+function calls, their outputs, reasoning) under an id, which a Responses
+request continues (``conversation``): its items are the context before the
+request's input, and when the response ends its input items and output items
+are added at the end (``extend``), so the next request sees the whole exchange.
+
+Conversations are kept per API key in the response store (``ResponseStore``:
+its limits, its LRU, its SQLite file with ``--response-store``), one entry each,
+the conversation object as the entry's ``response`` (``object: "conversation"``)
+and its items as the entry's ``input_items``, listed as the API lists them
+(``responses.input_items``: each with an ``id``). Used from the event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from pydantic import TypeAdapter
+
+from server.errors import APIError
+from server.protocol import ResponseInputItem
+from server.response_store import ResponseStore, StoredResponse
+from server.responses import input_items, input_messages, items_page
+
+log = logging.getLogger("jaxserve.server")
+
+KIND = "conversation"   # the entries' ``object`` in the response store
+_ITEMS = TypeAdapter(list[ResponseInputItem])
+
+
+class Conversations:
+    """The Conversations API over ``store``; every method takes the caller's ``owner`` (API
+    key): another key's conversation is not found (404 ``conversation_not_found``)."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    def create(self, owner: str, items: list[ResponseInputItem], metadata: dict | None) -> dict:
+        """A new conversation holding ``items``; its object."""
+        conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": KIND, "created_at": int(time.time()),
+                        "metadata": metadata or {}}
+        self._put(owner, conversation, input_items(items) if items else [])
+        return conversation
+
+    def get(self, conversation_id: str, owner: str, param: str = "conversation_id") -> StoredResponse:
+        entry = self.store.get(conversation_id, owner, KIND)
+        if entry is None:
+            raise APIError(404, f"conversation {conversation_id!r} not found", param=param,
+                           code="conversation_not_found")
+        return entry
+
+    def update(self, conversation_id: str, owner: str, metadata: dict) -> dict:
+        """Replace the conversation's ``metadata``; its object."""
+        entry = self.get(conversation_id, owner)
+        conversation = {**entry.response, "metadata": metadata}
+        self._put(owner, conversation, entry.input_items)
+        return conversation
+
+    def delete(self, conversation_id: str, owner: str) -> dict:
+        """Delete the conversation (responses that continued it are kept)."""
+        if not self.store.delete(conversation_id, owner, KIND):
+            self.get(conversation_id, owner)   # (the 404)
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    def add_items(self, conversation_id: str, owner: str, items: list[ResponseInputItem]) -> dict:
+        """Add ``items`` at the conversation's end; the list of the items added, with their ids."""
+        entry = self.get(conversation_id, owner)
+        added = input_items(items)
+        self._put(owner, entry.response, entry.input_items + added)
+        return {"object": "list", "data": added, "first_id": added[0]["id"], "last_id": added[-1]["id"],
+                "has_more": False}
+
+    def items(self, conversation_id: str, owner: str, limit: int, order: str, after: str | None) -> dict:
+        """A page of the conversation's items (``responses.items_page``)."""
+        return items_page(self.get(conversation_id, owner).input_items, limit, order, after,
+                          f"conversation {conversation_id!r}")
+
+    def item(self, conversation_id: str, owner: str, item_id: str) -> dict:
+        found = next((i for i in self.get(conversation_id, owner).input_items if i["id"] == item_id), None)
+        if found is None:
+            raise APIError(404, f"item {item_id!r} not found in conversation {conversation_id!r}", param="item_id",
+                           code="item_not_found")
+        return found
+
+    def delete_item(self, conversation_id: str, owner: str, item_id: str) -> dict:
+        """Remove one item; the conversation's object."""
+        entry = self.get(conversation_id, owner)
+        self.item(conversation_id, owner, item_id)   # (the 404)
+        self._put(owner, entry.response, [i for i in entry.input_items if i["id"] != item_id])
+        return entry.response
+
+    def messages(self, conversation_id: str, owner: str) -> list[dict]:
+        """The chat messages of the conversation's items (the context a Responses request
+        that continues it starts from); a 404 naming ``conversation`` when it is not found."""
+        return input_messages(_ITEMS.validate_python(self.get(conversation_id, owner, "conversation").input_items))
+
+    def extend(self, conversation_id: str, owner: str, items: list[dict]) -> None:
+        """Add a response's input and output ``items`` (as the API lists them) at the end of
+        the conversation it continued; one deleted since is not brought back (logged)."""
+        entry = self.store.get(conversation_id, owner, KIND)
+        if entry is None:
+            log.warning("conversation %s: gone before a response that continued it ended; its items are not kept",
+                        conversation_id)
+        elif not self._kept(owner, entry.response, entry.input_items + items):
+            log.warning("conversation %s: a response's items would exceed the store's %d bytes; not added",
+                        conversation_id, self.store.max_bytes)
+
+    def _put(self, owner: str, conversation: dict, items: list[dict]) -> None:
+        if not self._kept(owner, conversation, items):
+            raise APIError(400, f"conversation {conversation['id']!r}: its items would exceed the store's "
+                           f"{self.store.max_bytes} bytes", param="items")
+
+    def _kept(self, owner: str, conversation: dict, items: list[dict]) -> bool:
+        """Store the conversation with ``items``; whether it fit (else it stays as it was)."""
+        return self.store.put(conversation["id"], StoredResponse(owner, None, [], conversation, items))
