@@ -460,8 +460,6 @@ class LLMEngine:
             if request.logit_adjuster is not None:
                 request.logit_adjuster.set_stop_ids(request.stop_token_ids, request.num_generated)
         if calls:
-            if grammar is not None and grammar.optional_calls:
-                grammar.active = False   # (allowed tools, mode auto: the turn's calls end the constraint)
             self._pause_for_tools(request, calls, now)
 
     def _pause_for_tools(self, request: Request, calls: list, now: float) -> None:
@@ -469,8 +467,16 @@ class LLMEngine:
         any names a client-side tool, the caller gets every well-formed call of the turn
         (``pending_tool_calls``) and answers with ``resume``; otherwise the server-side
         tools run at once and their results (a malformed call's error among them) come
-        back together, in call order."""
-        if any(c.name and c.name not in self.tools for c in calls):
+        back together, in call order. An optional-calls grammar (``allowed_tools``) ends
+        with the turn, or starts over for the turn after the server's results."""
+        external = any(c.name and c.name not in self.tools for c in calls)
+        grammar = request.grammar
+        if grammar is not None and grammar.optional_calls:   # (allowed tools, mode auto)
+            if external:
+                grammar.active = False   # the caller's results open a new response: free, as after a forced turn
+            else:
+                grammar.rearm()          # the turn after the server's results is held to the allowed tools too
+        if external:
             self.scheduler.pause(request, now, "external", None)
             request.pending_tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls if c.name]
             self.api.expect_external(request.request_id)

@@ -63,8 +63,9 @@ class RequestGrammar:
     with a reasoning block before the constrained answer (``thinking_first_lark``).
     ``optional_calls``: the turn is text with no call, or (text and then) calls
     (``StructuredOutput.optional``, ``optional_call_lark``); the engine pauses on the
-    calls as the parser finds them, as without a grammar, and the constraint ends there
-    (``active`` False: the text after the results is free).
+    calls as the parser finds them, as without a grammar; after server-side tools' results
+    the grammar starts over (``rearm``: every turn of the request may call the allowed
+    tools only), after a client's it ends (they open a new response).
     """
 
     def __init__(self, matcher, forced_call: bool = False, ends_with_eos: bool = False,
@@ -84,6 +85,11 @@ class RequestGrammar:
         self.forced_token: int | None = None
         self._tokens = 0        # tokens of the turn so far
         self._boundaries = 0    # points after a complete call where the turn could close
+
+    def rearm(self) -> None:
+        """Constrain the next turn as the first (``optional_calls``: after a turn's calls)."""
+        self.matcher.reset()
+        self.active, self.dormant = True, False
 
     def sleep(self) -> None:
         """Constrain nothing until ``wake`` (the turn reasons first: the answer is constrained)."""
@@ -114,7 +120,7 @@ class RequestGrammar:
             return None
         if m.is_stopped():
             self.active = False
-            return None if self.optional_calls else "stop"   # (calls end it: the engine pauses on them)
+            return None if self.optional_calls else "stop"   # (calls end the turn: the engine pauses on them)
         self._tokens += 1
         if self.close_token is not None and tokens_left is not None and self._at_call_boundary():
             self._boundaries += 1

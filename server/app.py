@@ -272,7 +272,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
 
     @app.post("/v1/conversations/{conversation_id}")
     async def update_conversation(conversation_id: str, body: ConversationUpdateRequest, request: Request):
-        return state.conversations.update(conversation_id, _owner(request, None), body.metadata)
+        return state.conversations.update(conversation_id, _owner(request, None), body.metadata or {})
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(conversation_id: str, request: Request):

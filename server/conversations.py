@@ -17,17 +17,15 @@ import logging
 import time
 import uuid
 
-from pydantic import TypeAdapter
-
 from server.errors import APIError
-from server.protocol import ResponseInputItem
+from server.protocol import (ResponseFunctionCallItem, ResponseFunctionCallOutputItem, ResponseInputItem,
+                             ResponseInputText, ResponseMessageItem, ResponseReasoningItem, ResponseReasoningText)
 from server.response_store import ResponseStore, StoredResponse
 from server.responses import input_items, input_messages, items_page
 
 log = logging.getLogger("jaxserve.server")
 
 KIND = "conversation"   # the entries' ``object`` in the response store
-_ITEMS = TypeAdapter(list[ResponseInputItem])
 
 
 class Conversations:
@@ -78,23 +76,19 @@ class Conversations:
                           f"conversation {conversation_id!r}")
 
     def item(self, conversation_id: str, owner: str, item_id: str) -> dict:
-        found = next((i for i in self.get(conversation_id, owner).input_items if i["id"] == item_id), None)
-        if found is None:
-            raise APIError(404, f"item {item_id!r} not found in conversation {conversation_id!r}", param="item_id",
-                           code="item_not_found")
-        return found
+        return _find(self.get(conversation_id, owner), item_id)
 
     def delete_item(self, conversation_id: str, owner: str, item_id: str) -> dict:
         """Remove one item; the conversation's object."""
         entry = self.get(conversation_id, owner)
-        self.item(conversation_id, owner, item_id)   # (the 404)
+        _find(entry, item_id)   # (the 404)
         self._put(owner, entry.response, [i for i in entry.input_items if i["id"] != item_id])
         return entry.response
 
     def messages(self, conversation_id: str, owner: str) -> list[dict]:
         """The chat messages of the conversation's items (the context a Responses request
         that continues it starts from); a 404 naming ``conversation`` when it is not found."""
-        return input_messages(_ITEMS.validate_python(self.get(conversation_id, owner, "conversation").input_items))
+        return input_messages([_input_item(item) for item in self.get(conversation_id, owner, "conversation").input_items])
 
     def extend(self, conversation_id: str, owner: str, items: list[dict]) -> None:
         """Add a response's input and output ``items`` (as the API lists them) at the end of
@@ -115,3 +109,32 @@ class Conversations:
     def _kept(self, owner: str, conversation: dict, items: list[dict]) -> bool:
         """Store the conversation with ``items``; whether it fit (else it stays as it was)."""
         return self.store.put(conversation["id"], StoredResponse(owner, None, [], conversation, items))
+
+
+def _find(entry: StoredResponse, item_id: str) -> dict:
+    """The item ``item_id`` of a conversation; a 404 ``item_not_found`` when it has none."""
+    found = next((i for i in entry.input_items if i["id"] == item_id), None)
+    if found is None:
+        raise APIError(404, f"item {item_id!r} not found in conversation {entry.response['id']!r}", param="item_id",
+                       code="item_not_found")
+    return found
+
+
+def _input_item(stored: dict) -> ResponseInputItem:
+    """A stored item (as listed: ``responses.input_items``, or a response's output item) as
+    the input item ``input_messages`` reads, built without validating it again: the model's
+    own output may hold what a client may not send (a tool name over 64 characters), and
+    it still belongs to the conversation."""
+    kind = stored["type"]
+    if kind == "message":
+        parts = [ResponseInputText.model_construct(type=p["type"], text=p["text"]) for p in stored["content"]]
+        return ResponseMessageItem.model_construct(type=kind, role=stored["role"], content=parts)
+    if kind == "function_call":
+        return ResponseFunctionCallItem.model_construct(type=kind, call_id=stored["call_id"], name=stored["name"],
+                                                        arguments=stored["arguments"])
+    if kind == "function_call_output":
+        return ResponseFunctionCallOutputItem.model_construct(type=kind, call_id=stored["call_id"],
+                                                              output=stored["output"])
+    return ResponseReasoningItem.model_construct(type=kind, id=stored.get("id"), content=[
+        ResponseReasoningText.model_construct(type="reasoning_text", text=p["text"]) for p in stored.get("content") or []])
+

@@ -560,9 +560,9 @@ class ConversationCreateRequest(_Request):
 
 
 class ConversationUpdateRequest(_Request):
-    """``POST /v1/conversations/{id}``: its new ``metadata`` (replaces the old)."""
+    """``POST /v1/conversations/{id}``: its new ``metadata`` (replaces the old; null or left out: none)."""
 
-    metadata: Metadata = Field(max_length=MAX_STORED_METADATA)
+    metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
 
 
 class ConversationItemsRequest(_Request):

@@ -187,20 +187,26 @@ class ResponseStore:
 
     # ------------------------------------------------------------- entries
     def put(self, response_id: str, entry: StoredResponse) -> bool:
-        """Store ``entry`` (one larger than ``max_bytes`` alone is not kept); whether it is."""
-        # ASCII JSON: text the API takes may hold lone surrogates (in metadata keys, schemas),
-        # which UTF-8 (and so SQLite) cannot hold; escaped, they read back the same.
-        text = json.dumps({"parent": entry.parent, "messages": entry.messages, "response": entry.response,
-                           "input_items": entry.input_items})
+        """Store ``entry``; whether it is kept. One that is not (larger than ``max_bytes``
+        alone, or its owner holds the most and it would be the one given up) leaves an
+        entry it replaces as it was (the owner's older entries may have been given up)."""
+        text = _entry_text(entry)
         if len(text) > self.max_bytes:
             return False
         with self._transaction():
+            previous = self._entries.get(response_id)
             self._drop(response_id)
             if not self._keep(response_id, entry, len(text)):
+                if previous is not None:   # (it fit before, with more held than now: it fits again)
+                    self._keep(response_id, previous, previous.size)
+                    self._insert(response_id, previous, _entry_text(previous))
                 return False
-            self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
-                        response_id, entry.owner, self._use(), text)
+            self._insert(response_id, entry, text)
         return True
+
+    def _insert(self, response_id: str, entry: StoredResponse, text: str) -> None:
+        self._write("INSERT OR REPLACE INTO responses (id, owner, used, entry) VALUES (?, ?, ?, ?)",
+                    response_id, entry.owner, self._use(), text)
 
     def _keep(self, response_id: str, entry: StoredResponse, size: int) -> bool:
         """Hold ``entry`` in memory (``size``: its JSON's length), then drop responses
@@ -260,6 +266,14 @@ class ResponseStore:
                 if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
                     break
         return [message for messages in reversed(chain) for message in messages]
+
+
+def _entry_text(entry: StoredResponse) -> str:
+    """An entry as its file row holds it. ASCII JSON: text the API takes may hold lone
+    surrogates (in metadata keys, schemas), which UTF-8 (and so SQLite) cannot hold;
+    escaped, they read back the same."""
+    return json.dumps({"parent": entry.parent, "messages": entry.messages, "response": entry.response,
+                       "input_items": entry.input_items})
 
 
 def stopped_by_restart(response: dict) -> dict:

@@ -335,8 +335,9 @@ class ResponsesWire:
                 answer["tool_calls"] = [{"id": call.id, "type": "function",
                                          "function": {"name": call.name, "arguments": call.arguments}}
                                         for call in c.tool_calls]
-            self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
-                                                            self.added + [answer], response, self.input_items))
+            if not self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
+                                                                   self.added + [answer], response, self.input_items)):
+                self.store.delete(self.response_id, self.owner)   # (not its ``queued`` entry, stale: nothing)
         if self.continues is not None and response["status"] in ("completed", "incomplete"):
             self.continues(self.input_items + response["output"])
 

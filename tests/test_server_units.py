@@ -1191,6 +1191,63 @@ def test_conversations_are_kept_per_key_beside_responses_and_across_reopening(tm
     store.close()
 
 
+def test_responses_allowed_tools_become_chat_allowed_tools_in_either_mode():
+    """The Responses API's flat ``allowed_tools`` is chat's, mode and names kept."""
+    from server.protocol import AllowedToolsChoice, ResponsesRequest
+    from server.responses import chat_request
+    for mode in ("auto", "required"):
+        body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [
+            {"type": "function", "name": "f", "parameters": {"type": "object"}},
+            {"type": "function", "name": "g", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "allowed_tools", "mode": mode, "tools": [{"type": "function", "name": "g"}]}})
+        choice = chat_request(body, [], [{"role": "user", "content": "hi"}]).tool_choice
+        assert isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == mode
+        assert [t.function.name for t in choice.allowed_tools.tools] == ["g"]
+
+
+def test_a_failed_store_of_a_conversation_leaves_it_as_it_was():
+    """A key whose only entry is a conversation that grows past what the store can hold
+    beside another key's: the addition is refused (400 naming ``items``) and the
+    conversation stays as it was, in memory and in what it returns."""
+    from pydantic import TypeAdapter
+
+    from server.conversations import Conversations
+    from server.errors import APIError
+    from server.protocol import ResponseInputItem
+    from server.response_store import ResponseStore, StoredResponse
+    items = TypeAdapter(list[ResponseInputItem]).validate_python
+    store = ResponseStore(max_bytes=1000)
+    store.put("resp_other", StoredResponse("p", None, [], {"id": "resp_other", "pad": "x" * 300}))
+    conversations = Conversations(store)
+    conv = conversations.create("o", items([{"role": "user", "content": "Hi"}]), None)
+    with pytest.raises(APIError) as big:
+        conversations.add_items(conv["id"], "o", items([{"role": "user", "content": "y" * 400}]))
+    assert big.value.status == 400 and big.value.param == "items"
+    assert [i["content"][0]["text"] for i in conversations.get(conv["id"], "o").input_items] == ["Hi"]
+    assert store.get("resp_other", "p") is not None
+
+
+def test_a_conversation_renders_model_output_a_client_could_not_send():
+    """A conversation's items include the model's own output, read back without the limits
+    a client's input has (a tool name over 64 characters): it still renders."""
+    from server.conversations import Conversations
+    from server.response_store import ResponseStore
+    conversations = Conversations(ResponseStore())
+    conv = conversations.create("o", [], None)
+    name = "n" * 80
+    conversations.extend(conv["id"], "o", [
+        {"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "Go"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": name, "arguments": "{}",
+         "status": "completed"},
+        {"type": "function_call_output", "id": "fco_1", "call_id": "call_1", "output": "done"}])
+    assert conversations.messages(conv["id"], "o") == [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": None, "reasoning_content": "Hm.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": name, "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+
+
 def test_reasoning_effort_reaches_the_chat_template():
     """Chat's ``reasoning_effort`` and Responses' ``reasoning.effort`` reach the template as
     ``reasoning_effort``; "none" and "minimal" also turn ``enable_thinking`` off (Qwen3's

@@ -372,8 +372,10 @@ def test_optional_call_grammar_takes_text_or_calls_to_the_allowed_tools_only(llm
     if fmt.call_opener is not None:
         assert feed("Let me check. " + a) is not None and feed("Let me check. " + b) is None
         assert feed(f"I could write {fmt.call_opener} here") is None
-    else:   # Llama 3: a turn that opens with JSON is a call to the parser
+    else:   # Llama 3: a turn that opens with JSON (after any space ``str.isspace`` skips) is a call to the parser
         assert feed('{"a": 1}') is None and feed("Mention <|python_tag|> here") is None
+        for space in ("\x0c", "\u00a0", "\u2028", "\x1e", " \n"):   # (a call itself opens the turn, as forced)
+            assert feed(space + b) is None and feed(space + "Hi") is not None
     if fmt.turn_ends_with_eos(True):   # Hermes: after a block, only another block (or the turn's end)
         assert feed(a + " and more text") is None and feed(a).active
     else:                              # a list or a call object: nothing may follow; the constraint ends
@@ -407,24 +409,27 @@ def test_optional_calls_may_follow_a_reasoning_block_that_mentions_the_markup(ll
 
 
 def test_allowed_tools_auto_calls_only_the_allowed_tool_and_otherwise_writes_text(llm):
-    """Through the engine: with ``<tool_call>`` favoured, the greedy turn calls, and the call
-    (server-side ``add``) runs, and the constraint ends there: the text after its result is free
-    (no second block, though the grammar would allow one). With the markup disfavoured,
-    the turn is text and the request ends as an unconstrained one would (random weights
-    write lone UTF-8 bytes the text rule refuses, so the tokens are not compared)."""
+    """Through the engine: with ``<tool_call>`` favoured, the greedy turn calls, the call
+    (server-side ``add``) runs, and the grammar starts over after its result, so the next
+    turn calls ``add`` again (unconstrained, the favoured tag would open calls it never
+    closes). With ``</tool_call>`` favoured and ``<tool_call>`` disfavoured, the turn is
+    text, and the grammar keeps the tag out of it, where the free turn is full of it."""
     tools = [ADD.openai_schema(), *TOOLS]
-    spec = StructuredOutput.tool_call(tools, parallel=False, optional=True)
-    only_add = StructuredOutput.tool_call([ADD.openai_schema()], optional=True)   # (parallel: another block may follow)
-    opener = llm.tokenizer.convert_tokens_to_ids("<tool_call>")
-    calls, text = llm.generate(["Compute", "Compute"], [
-        SamplingParams(max_tokens=60, temperature=0.0, structured=only_add, logit_bias={opener: 50.0}),
-        SamplingParams(max_tokens=30, temperature=0.0, structured=spec, logit_bias={opener: -100.0})])
-    [call] = calls.api_calls
-    assert call.name == "add" and call.error is None
-    valid(call.arguments, ADD.parameters)
+    spec = StructuredOutput.tool_call(tools, optional=True)
+    only_add = StructuredOutput.tool_call([ADD.openai_schema()], optional=True)
+    opener, closer = (llm.tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
+    away = {opener: -100.0, closer: 20.0}
+    calls, text, free = llm.generate(["Compute", "Compute", "Compute"], [
+        SamplingParams(max_tokens=90, temperature=0.0, structured=only_add, logit_bias={opener: 50.0}),
+        SamplingParams(max_tokens=30, temperature=0.0, structured=spec, logit_bias=away),
+        SamplingParams(max_tokens=30, temperature=0.0, logit_bias=away)])
+    assert len(calls.api_calls) >= 2, calls.text
+    for call in calls.api_calls:
+        assert call.name == "add" and call.error is None
+        valid(call.arguments, ADD.parameters)
     assert calls.text.startswith(f'<tool_call>{{"name": "add", "arguments": ')
-    assert calls.text.split("</tool_call>", 1)[1]     # written after the result, unconstrained
-    assert not text.api_calls and text.text and "<tool_call>" not in text.text
+    assert "</tool_call>" in free.text
+    assert not text.api_calls and text.text and "tool_call>" not in text.text
     assert text.finish_reason in ("stop", "length")
 
 

@@ -282,11 +282,14 @@ def test_allowed_tools_limit_calls_to_a_subset_of_the_listed_tools(client):
     for c in called.choices:
         assert c.finish_reason == "tool_calls"
         check_calls(c.message.tool_calls, {"get_weather"})
-    text = api.chat.completions.create(**{**req, "n": 4, "max_tokens": 24}, tool_choice=auto,
-                                       logit_bias={str(opener): -100})
+    closer = client.post("/tokenize", json={"model": "demo", "prompt": "</tool_call>"}).json()["tokens"][-1]
+    away = {str(opener): -100, str(closer): 20}   # (free, the model would write the closing tag over and over)
+    text = api.chat.completions.create(**{**req, "n": 4, "max_tokens": 24}, tool_choice=auto, logit_bias=away)
+    free_text = api.chat.completions.create(**{**req, "n": 1, "max_tokens": 24}, tool_choice="auto", logit_bias=away)
+    assert "</tool_call>" in free_text.choices[0].message.content
     for c in text.choices:
         assert c.finish_reason in ("stop", "length") and not c.message.tool_calls
-        assert c.message.content and "<tool_call>" not in c.message.content
+        assert c.message.content and "tool_call>" not in c.message.content
 
     response = api.responses.create(model="demo", input="Wake me up", max_output_tokens=80, temperature=0,
                                     tools=[{"type": "function", **t["function"]} for t in TOOLS],

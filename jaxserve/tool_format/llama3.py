@@ -64,7 +64,9 @@ class Llama3Format(ToolFormat):
     name = "llama3_json"
     template_markers = (PYTHON_TAG, "ipython")
     args_key = "parameters"
-    call_starts = (r"(?s:[ \t\r\n]*[\[{].*)", contains(PYTHON_TAG))   # (bare JSON opening the turn, or the tag)
+    # JSON opening the turn (after what ``str.isspace`` skips, as ``json_extent`` does: Unicode's spaces
+    # and the separators \x1c-\x1f), or the tag anywhere
+    call_starts = (r"(?s:[\s\x1c-\x1f]*[\[{].*)", contains(PYTHON_TAG))
 
     def parser(self) -> Llama3Parser:
         return Llama3Parser()
