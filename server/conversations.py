@@ -39,7 +39,7 @@ class Conversations:
         """A new conversation holding ``items``; its object."""
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": KIND, "created_at": int(time.time()),
                         "metadata": metadata or {}}
-        self._put(owner, conversation, input_items(items) if items else [])
+        self._put(owner, conversation, input_items(items))
         return conversation
 
     def get(self, conversation_id: str, owner: str, param: str = "conversation_id") -> StoredResponse:
