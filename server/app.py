@@ -41,7 +41,7 @@ from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Jo
                                wait_or_disconnect)
 from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
-from server.middleware import CatchAllMiddleware, GuardMiddleware
+from server.middleware import CatchAllMiddleware, GuardMiddleware, RequestIdMiddleware
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (AllowedToolsChoice, ChatCompletionRequest, CompletionRequest, ConversationCreateRequest,
                              ConversationItemsRequest, ConversationUpdateRequest, DetokenizeRequest, ModelCard,
@@ -197,6 +197,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     install_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(RequestIdMiddleware)   # (outermost: every response has its id, the guard's errors too)
 
     @app.get("/health")
     async def health():

@@ -1,5 +1,6 @@
-"""ASGI middleware in front of every route: API-key check, request-body size and
-read-time limits, and a last-resort 500 that keeps the connection usable.
+"""ASGI middleware in front of every route: a request id on every response, API-key
+check, request-body size and read-time limits, and a last-resort 500 that keeps the
+connection usable.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so streaming responses and client
 disconnects pass through untouched.
@@ -11,13 +12,48 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
+import uuid
 
 from server.errors import APIError
 
 log = logging.getLogger("jaxserve.server")
 
 UNGUARDED_PATHS = frozenset({"/health", "/metrics"})
+REQUEST_ID_HEADER = b"x-request-id"
+_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")   # an id a client may give for its request
+
+
+def request_id(scope) -> str | None:
+    """The id ``RequestIdMiddleware`` gave the request of ``scope`` (None outside it)."""
+    return (scope.get("state") or {}).get("request_id")
+
+
+class RequestIdMiddleware:
+    """Every HTTP response carries ``x-request-id``, which OpenAI's clients read as a
+    response's ``_request_id``: the id the client sent in that header (1 to 128 of
+    ``A-Za-z0-9._:-``; another value is replaced), else a new ``req_<32 hex>``. The
+    server's logs of the request name it (``request_id(scope)``). Behind the replica
+    front, Ray Serve's proxy's id arrives in the header and is kept."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER)
+        rid = given.decode() if given is not None and _CLIENT_REQUEST_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _send_error(send, error: APIError) -> None:
@@ -112,5 +148,5 @@ class CatchAllMiddleware:
         except Exception as e:  # noqa: BLE001 - the last line of defence
             if started:
                 raise
-            log.exception("unhandled error on %s", scope.get("path"))
+            log.exception("unhandled error on %s (request %s)", scope.get("path"), request_id(scope))
             await _send_error(send, APIError(500, f"internal error: {type(e).__name__}"))

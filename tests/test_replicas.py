@@ -256,6 +256,11 @@ def test_responses_api_follow_up_and_retrieval_reach_the_storing_replica(cluster
     items = httpx.get(url + f"/v1/conversations/{conv_id}/items", timeout=60)
     assert items.headers["x-jaxserve-replica"] == holder and len(items.json()["data"]) == 7
     assert httpx.delete(url + f"/v1/conversations/{conv_id}", timeout=60).json()["deleted"]
+    # The request id (Ray Serve's proxy's: the client's own, or a new one; passed to the replica) is on
+    # every answer, once.
+    assert items.headers["x-request-id"] and "," not in items.headers["x-request-id"]
+    traced = httpx.get(url + f"/v1/responses/{first.json()['id']}", timeout=60, headers={"x-request-id": "trace-9"})
+    assert traced.headers["x-request-id"] == "trace-9" and traced.headers["x-jaxserve-replica"] == replica
 
 
 def _replica_actor(app: str, replica: str):

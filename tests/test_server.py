@@ -691,6 +691,7 @@ def test_a_conversation_holds_an_agent_turn_and_its_follow_up_resumes_the_paused
     weather = {"type": "function", **WEATHER_TOOL["function"]}
     conversation = client.conversations.create(metadata={"topic": "weather"})
     assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "weather"}
+    assert conversation._request_id.startswith("req_")   # (the client reads the server's x-request-id)
     first = client.responses.create(model="tool-model", conversation=conversation.id, input=WEATHER_USER,
                                     tools=[weather], temperature=0, max_output_tokens=64)
     [call] = first.output

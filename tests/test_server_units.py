@@ -208,27 +208,52 @@ def test_fan_out_counts_against_the_concurrency_limit():
     assert limit.in_flight == 0
 
 
-def test_unhandled_exception_is_a_500_that_keeps_the_connection():
+def test_unhandled_exception_is_a_500_that_keeps_the_connection(caplog):
     """Starlette re-raises unhandled exceptions to the server, which drops the keep-alive
     connection; the catch-all answers them itself."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
     from server.errors import install_handlers
-    from server.middleware import CatchAllMiddleware
+    from server.middleware import CatchAllMiddleware, RequestIdMiddleware
 
     app = FastAPI()
     install_handlers(app)
     app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/boom")
     async def boom():
         raise KeyError("secret-detail")
 
-    with TestClient(app, raise_server_exceptions=True) as client:   # a re-raise would surface here
-        r = client.get("/boom")
+    with caplog.at_level("ERROR", logger="jaxserve.server"), \
+            TestClient(app, raise_server_exceptions=True) as client:   # a re-raise would surface here
+        r = client.get("/boom", headers={"x-request-id": "trace-42"})
     assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: KeyError"
     assert "secret-detail" not in r.text
+    assert r.headers["x-request-id"] == "trace-42" and "(request trace-42)" in caplog.text   # the log names it
+
+
+def test_every_response_carries_a_request_id_the_clients_own_or_a_new_one():
+    """``x-request-id`` on every response (OpenAI clients' ``_request_id``): a new ``req_``
+    id per request, the client's own when it is a plain token, a new one in place of any
+    other value; the API key guard's 401 carries one too."""
+    import re
+
+    from fastapi.testclient import TestClient
+
+    from server import create_app
+    client = TestClient(create_app(_ScriptedEngine(), served_model_name="m", api_key="k", max_model_len=64))
+    key = {"authorization": "Bearer k"}
+    first, second = (client.get("/v1/models", headers=key).headers["x-request-id"] for _ in range(2))
+    assert re.fullmatch(r"req_[0-9a-f]{32}", first) and re.fullmatch(r"req_[0-9a-f]{32}", second) and first != second
+    assert client.get("/v1/models", headers={**key, "x-request-id": "job-7.step:3"}).headers["x-request-id"] \
+        == "job-7.step:3"
+    for bad in ("has space", "x" * 129, "quote\"d"):
+        got = client.get("/v1/models", headers={**key, "x-request-id": bad}).headers["x-request-id"]
+        assert got.startswith("req_") and got != bad
+    denied = client.get("/v1/models")
+    assert denied.status_code == 401 and denied.headers["x-request-id"].startswith("req_")
 
 
 def test_cheap_prompt_bound_never_exceeds_the_real_token_count():

@@ -37,7 +37,9 @@ HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
 _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_calls[].id; Responses call_id
 _STORED_ID = re.compile(r'"id":\s*"((?:resp|conv)_[A-Za-z0-9]+)"')   # a stored response's, a conversation's
-_DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection"}
+# (Ray Serve's proxy sets ``x-request-id`` itself: the client's own id, or a new one, which it also passes
+# on in the request, so the replica answers and logs the same id)
+_DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection", "x-request-id"}
 
 def _error(status: int, message: str, code: str, replica: str | None = None) -> JSONResponse:
     headers = {REPLICA_HEADER: replica} if replica else None
