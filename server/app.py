@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -76,15 +76,20 @@ class ConcurrencyLimit:
 
 
 class _Slot:
+    """What one HTTP request holds while it runs; ``release`` (once, by whoever ends it: the
+    handler, its stream's close, its background run) also runs ``on_release``."""
+
     def __init__(self, owner: ConcurrencyLimit, count: int) -> None:
         self.owner = owner
         self.count = count
         self.held = True
+        self.on_release: Callable[[], None] = lambda: None
 
     def release(self) -> None:
         if self.held:
             self.held = False
             self.owner.in_flight -= self.count
+            self.on_release()
 
 
 class _ManagedStream(StreamingResponse):
@@ -315,20 +320,27 @@ def _check_model(state: ServerState, model: str) -> None:
 
 
 async def _serve(state: ServerState, request: Request, body, chat: bool, wire=None,
-                 rendered: tuple[list[int], bool] | None = None):
+                 rendered: tuple[list[int], bool] | None = None, on_end: Callable[[], None] = lambda: None):
     """Run ``body`` (completions, or chat when ``chat``) and answer it in ``wire``'s shape
     (by default ``ChatWire``: chat completions or completions). ``rendered``: chat's
-    ``_render_chat(state, body)``, when the caller has it."""
-    _check_model(state, body.model)
-    if wire is None:
-        wire = ChatWire(state.model_name, state.token_spellings, body, chat)
-    if not state.engine.is_alive:
-        raise APIError(503, "the engine is not running", code="engine_dead")
-    if state.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer; only token-id prompts to /v1/completions work"
-                       if chat else "this model has no tokenizer: send prompt as token ids", param="prompt")
-    start = time.monotonic()
-    slot = state.limit.acquire(_fanout(state, body, chat))
+    ``_render_chat(state, body)``, when the caller has it. ``on_end``: called once when the
+    request has ended, however (its response sent, its stream closed, its background run
+    over), or when it never started."""
+    try:
+        _check_model(state, body.model)
+        if wire is None:
+            wire = ChatWire(state.model_name, state.token_spellings, body, chat)
+        if not state.engine.is_alive:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; only token-id prompts to /v1/completions work"
+                           if chat else "this model has no tokenizer: send prompt as token ids", param="prompt")
+        start = time.monotonic()
+        slot = state.limit.acquire(_fanout(state, body, chat))
+    except BaseException:
+        on_end()
+        raise
+    slot.on_release = on_end
     try:
         owner = _owner(request, body)
         jobs = await (_chat_jobs(state, body, owner, rendered) if chat else _completion_jobs(state, body))
@@ -424,11 +436,14 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
     owner = _owner(request, None)
     try:
         chat, added, rendered = await _responses_chat(state, body, owner)
-        continues = None if body.conversation_id is None else \
-            functools.partial(state.conversations.extend, body.conversation_id, owner)
+        conversation = body.conversation_id
+        continues = None if conversation is None else functools.partial(state.conversations.extend, conversation,
+                                                                        owner)
         wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
                              state.cache_page_size, state.token_spellings, continues)
-        return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered)
+        # (one response at a time on a conversation, as OpenAI's: released when the response ends)
+        on_end = (lambda: None) if conversation is None else state.conversations.lock(conversation)
+        return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered, on_end=on_end)
     except APIError as e:
         raise responses_error(e) from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from typing import Callable
 
 from server.errors import APIError
 from server.protocol import (ResponseFunctionCallItem, ResponseFunctionCallOutputItem, ResponseInputItem,
@@ -34,6 +35,23 @@ class Conversations:
 
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
+        self._busy: set[str] = set()   # conversations a response is running on
+
+    def lock(self, conversation_id: str) -> Callable[[], None]:
+        """Hold the conversation for one response; the function that lets it go (once; later
+        calls do nothing). A conversation held already is a 400 ``conversation_locked``, as
+        OpenAI answers: two responses at once would each read it without the other's turn."""
+        if conversation_id in self._busy:
+            raise APIError(400, "Another response is running on this conversation; retry when it has ended",
+                           param="conversation", code="conversation_locked")
+        self._busy.add(conversation_id)
+        held = [True]
+
+        def release() -> None:
+            if held:   # (once: a second call must not free a later response's hold)
+                held.clear()
+                self._busy.discard(conversation_id)
+        return release
 
     def create(self, owner: str, items: list[ResponseInputItem], metadata: dict | None) -> dict:
         """A new conversation holding ``items``; its object."""

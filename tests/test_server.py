@@ -719,6 +719,24 @@ def test_a_conversation_holds_an_agent_turn_and_its_follow_up_resumes_the_paused
     assert len(client.conversations.items.list(conversation.id).data) == 4
     assert client.conversations.update(conversation.id, metadata={"topic": "done"}).metadata == {"topic": "done"}
     assert client.conversations.retrieve(conversation.id).metadata == {"topic": "done"}
+    # One response at a time on a conversation: while a background one runs (held inside record_note),
+    # a second is a 400 conversation_locked; once it has ended (cancelled here), the next one runs.
+    busy = client.conversations.create()
+    servers.note_gate.unlink()
+    try:
+        running = client.responses.create(model="tool-model", conversation=busy.id, input=NOTE_USER,
+                                          temperature=0, max_output_tokens=64, background=True)
+        _wait_paused(tools, 1)
+        with pytest.raises(openai.BadRequestError) as locked:
+            client.responses.create(model="tool-model", conversation=busy.id, input="Hi", max_output_tokens=4)
+        assert locked.value.body["code"] == "conversation_locked" and locked.value.body["param"] == "conversation"
+        assert client.responses.cancel(running.id).status == "cancelled"
+    finally:
+        servers.note_gate.touch()
+    wait_idle(tools)
+    after = client.responses.create(model="tool-model", conversation=busy.id, input="Hi", max_output_tokens=4)
+    assert after.status in ("completed", "incomplete")
+    assert len(client.conversations.items.list(busy.id).data) == 2   # (the cancelled one added nothing)
     with pytest.raises(openai.BadRequestError, match="cannot both be given") as both:
         client.responses.create(model="tool-model", conversation=conversation.id, previous_response_id=first.id,
                                 input="Hi", max_output_tokens=4)

@@ -1230,6 +1230,30 @@ def test_responses_allowed_tools_become_chat_allowed_tools_in_either_mode():
         assert [t.function.name for t in choice.allowed_tools.tools] == ["g"]
 
 
+def test_a_conversation_is_held_by_one_response_at_a_time():
+    """``Conversations.lock``: a second hold is a 400 ``conversation_locked`` (param
+    ``conversation``); a release frees it once, and a second call of the same release does
+    not free a later response's hold."""
+    from server.conversations import Conversations
+    from server.errors import APIError
+    from server.response_store import ResponseStore
+    conversations = Conversations(ResponseStore())
+    release = conversations.lock("conv_1")
+    other = conversations.lock("conv_2")   # (others are free)
+    with pytest.raises(APIError) as locked:
+        conversations.lock("conv_1")
+    assert locked.value.status == 400 and locked.value.code == "conversation_locked"
+    assert locked.value.param == "conversation"
+    release()
+    later = conversations.lock("conv_1")
+    release()   # (the first response's release, again)
+    with pytest.raises(APIError):
+        conversations.lock("conv_1")
+    later()
+    other()
+    conversations.lock("conv_1")
+
+
 def test_a_failed_store_of_a_conversation_leaves_it_as_it_was():
     """A key whose only entry is a conversation that grows past what the store can hold
     beside another key's: the addition is refused (400 naming ``items``) and the
