@@ -57,6 +57,10 @@ MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_FANOUT = 16                # engine requests one HTTP request may become (prompts x n)
 
 
+def _nothing() -> None:
+    """What ends a request that holds nothing but its slot."""
+
+
 class ConcurrencyLimit:
     """Counts engine requests in flight for HTTP requests (one per choice: prompts x n);
     a request that would take the count over the limit is a 429."""
@@ -83,7 +87,7 @@ class _Slot:
         self.owner = owner
         self.count = count
         self.held = True
-        self.on_release: Callable[[], None] = lambda: None
+        self.on_release: Callable[[], None] = _nothing
 
     def release(self) -> None:
         if self.held:
@@ -320,7 +324,7 @@ def _check_model(state: ServerState, model: str) -> None:
 
 
 async def _serve(state: ServerState, request: Request, body, chat: bool, wire=None,
-                 rendered: tuple[list[int], bool] | None = None, on_end: Callable[[], None] = lambda: None):
+                 rendered: tuple[list[int], bool] | None = None, on_end: Callable[[], None] = _nothing):
     """Run ``body`` (completions, or chat when ``chat``) and answer it in ``wire``'s shape
     (by default ``ChatWire``: chat completions or completions). ``rendered``: chat's
     ``_render_chat(state, body)``, when the caller has it. ``on_end``: called once when the
@@ -434,15 +438,20 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
         raise APIError(400, "reasoning: this server returns no reasoning (serve the model with --reasoning-parser)",
                        param="reasoning")
     owner = _owner(request, None)
+    conversation = body.conversation_id
     try:
-        chat, added, rendered = await _responses_chat(state, body, owner)
-        conversation = body.conversation_id
-        continues = None if conversation is None else functools.partial(state.conversations.extend, conversation,
-                                                                        owner)
-        wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
-                             state.cache_page_size, state.token_spellings, continues)
-        # (one response at a time on a conversation, as OpenAI's: released when the response ends)
-        on_end = (lambda: None) if conversation is None else state.conversations.lock(conversation)
+        # One response at a time on a conversation, as OpenAI's: held from before it is read until the
+        # response ends.
+        on_end = state.conversations.lock(conversation, owner) if conversation is not None else _nothing
+        try:
+            chat, added, rendered = await _responses_chat(state, body, owner)
+            continues = None if conversation is None else \
+                functools.partial(state.conversations.extend, conversation, owner)
+            wire = ResponsesWire(body, state.model_name, state.responses if body.store else None, owner, added,
+                                 state.cache_page_size, state.token_spellings, continues)
+        except BaseException:
+            on_end()
+            raise
         return await _serve(state, request, chat, chat=True, wire=wire, rendered=rendered, on_end=on_end)
     except APIError as e:
         raise responses_error(e) from None

@@ -37,10 +37,12 @@ class Conversations:
         self.store = store
         self._busy: set[str] = set()   # conversations a response is running on
 
-    def lock(self, conversation_id: str) -> Callable[[], None]:
-        """Hold the conversation for one response; the function that lets it go (once; later
-        calls do nothing). A conversation held already is a 400 ``conversation_locked``, as
-        OpenAI answers: two responses at once would each read it without the other's turn."""
+    def lock(self, conversation_id: str, owner: str) -> Callable[[], None]:
+        """Hold ``owner``'s conversation for one response (a 404 naming ``conversation`` when
+        it has none such); the function that lets it go (once; later calls do nothing). A
+        conversation held already is a 400 ``conversation_locked``, as OpenAI answers: two
+        responses at once would each read it without the other's turn."""
+        self.get(conversation_id, owner, "conversation")
         if conversation_id in self._busy:
             raise APIError(400, "Another response is running on this conversation; retry when it has ended",
                            param="conversation", code="conversation_locked")

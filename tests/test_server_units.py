@@ -1238,20 +1238,76 @@ def test_a_conversation_is_held_by_one_response_at_a_time():
     from server.errors import APIError
     from server.response_store import ResponseStore
     conversations = Conversations(ResponseStore())
-    release = conversations.lock("conv_1")
-    other = conversations.lock("conv_2")   # (others are free)
+    one, two = (conversations.create("o", [], None)["id"] for _ in range(2))
+    with pytest.raises(APIError) as theirs:
+        conversations.lock(one, "p")   # (another key's: not found, not "locked")
+    assert theirs.value.status == 404 and theirs.value.param == "conversation"
+    release = conversations.lock(one, "o")
+    other = conversations.lock(two, "o")   # (others are free)
     with pytest.raises(APIError) as locked:
-        conversations.lock("conv_1")
+        conversations.lock(one, "o")
     assert locked.value.status == 400 and locked.value.code == "conversation_locked"
     assert locked.value.param == "conversation"
     release()
-    later = conversations.lock("conv_1")
+    later = conversations.lock(one, "o")
     release()   # (the first response's release, again)
     with pytest.raises(APIError):
-        conversations.lock("conv_1")
+        conversations.lock(one, "o")
     later()
     other()
-    conversations.lock("conv_1")
+    conversations.lock(one, "o")
+
+
+class _GatedAnswerEngine(_OneAnswerEngine):
+    """Answers as ``_OneAnswerEngine`` after ``gate`` is set (each request's prompt ids in ``prompts``)."""
+
+    text = "A-ANSWER"
+
+    def __init__(self):
+        import threading
+        super().__init__()
+        self.gate, self.entered, self.prompts = threading.Event(), threading.Event(), []
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        self.prompts.append(kw["prompt_token_ids"])
+        self.entered.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        async for out in super().generate(prompt, sampling_params, request_id, **kw):
+            yield out
+
+
+def test_a_response_on_a_held_conversation_is_refused_before_it_reads_it(monkeypatch):
+    """While one response runs on a conversation, another (here with ``truncation: "auto"``,
+    whose rendering waits on the tokenizer pool) is a 400 ``conversation_locked`` at once,
+    before it reads the conversation (read after, the first could end meanwhile and the
+    second run without its turn); the next one, after the first ended, sees its turn."""
+    import threading
+
+    from server.conversations import Conversations
+    reads = []
+    read = Conversations.messages
+    monkeypatch.setattr(Conversations, "messages", lambda self, *a: reads.append(a) or read(self, *a))
+    engine = _GatedAnswerEngine()
+    with _client(engine, max_model_len=2048) as client:
+        conversation = client.post("/v1/conversations", json={}).json()["id"]
+        first = {}
+        running = threading.Thread(target=lambda: first.setdefault("r", client.post("/v1/responses", json={
+            "model": "m", "conversation": conversation, "input": "A-TURN"})))
+        running.start()
+        try:
+            assert engine.entered.wait(10)
+            second = client.post("/v1/responses", json={"model": "m", "conversation": conversation,
+                                                        "input": "B-TURN", "truncation": "auto"})
+        finally:
+            engine.gate.set()   # (whatever happened: the first response ends, the client can close)
+            running.join(10)
+        assert _error(second, 400)["code"] == "conversation_locked" and len(engine.prompts) == 1 and len(reads) == 1
+        assert first["r"].status_code == 200
+        third = client.post("/v1/responses", json={"model": "m", "conversation": conversation, "input": "B-TURN",
+                                                   "truncation": "auto"})
+        assert third.status_code == 200, third.text
+        assert "A-ANSWER" in engine.tokenizer.decode(engine.prompts[-1])
 
 
 def test_a_failed_store_of_a_conversation_leaves_it_as_it_was():
