@@ -55,7 +55,8 @@ class StructuredOutput:
     turn may instead be text with no call in it, or text and then the calls
     (OpenAI ``tool_choice: {"type": "allowed_tools", "mode": "auto"}``): the
     model decides whether to call, and calls only ``tools``; the request then
-    pauses on its calls as the parser finds them, as without a constraint.
+    pauses on its calls as the parser finds them, as without a constraint, and
+    after server-side tools' results the next turn is held to ``tools`` again.
     ``regex``: the text matches ``pattern`` (Rust ``regex`` syntax, whole text).
     ``choice``: the text is one of ``choices``. ``grammar``: the text is in the
     language of ``grammar``, a Lark grammar (llguidance's dialect: ``start`` its

@@ -310,19 +310,30 @@ def optional_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable
     the turn's text may not open with (a reasoning start tag written as text: the turn
     then reasons, ``thinking_first_lark``)."""
     opening = () if not_opening is None else (f"(?s:{regex_literal(not_opening)}.*)",)
-    text = "TEXT: /(?s:.+)/" + "".join(f" & ~/{pattern}/" for pattern in (*fmt.call_starts, *opening))
+    text = "TEXT: /(?s:.+)/" + _excluding((*fmt.call_starts, *opening))
     opener = None
     if fmt.call_opener is not None:
         tag = markup(fmt.call_opener)
-        if tag.startswith("<["):
+        if _is_token(tag):
             opener, lead = "lead", f"lead: TEXT? {tag}"
         else:
             literal = regex_literal(fmt.call_opener)
-            opener, lead = "LEAD", f"LEAD: /(?s:.*{literal})/ & ~/(?s:.*{literal}.+)/" + "".join(
-                f" & ~/{pattern}/" for pattern in opening)
+            opener, lead = "LEAD", f"LEAD: /(?s:.*{literal})/" + _excluding((f"(?s:.*{literal}.+)", *opening))
         text += "\n" + lead
     calls = tool_call_lark(spec, fmt, markup, opener).replace("start:", "calls:", 1)
     return "\n".join([f"{rule}: TEXT | calls", text, calls])
+
+
+def _excluding(patterns) -> str:
+    """Lark terminal operators (llguidance's ``&`` and ``~``) that take out of the terminal
+    before them every text matching one of ``patterns`` (Rust regexes, whole text)."""
+    return "".join(f" & ~/{pattern}/" for pattern in patterns)
+
+
+def _is_token(terminal: str) -> bool:
+    """Whether ``terminal`` (what ``StructuredDecoding._markup`` renders) is a special token
+    (``<[id]>``), which no text terminal can hold, rather than text."""
+    return terminal.startswith("<[")
 
 
 def _alternatives(choices: tuple[str, ...]) -> str:
@@ -346,13 +357,13 @@ def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Ca
     elif spec.kind == "choice":
         answer = f"answer: {_alternatives(spec.choices)}"
     elif spec.optional:   # (its text may not open with a start tag written as text: that opens the reasoning)
-        tag = None if markup(fmt.start).startswith("<[") else fmt.start
+        tag = None if _is_token(markup(fmt.start)) else fmt.start
         answer = optional_call_lark(spec, tool_format, markup, "answer", tag)
     else:
         schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
         answer = f"answer: %json {json.dumps({**schema, 'x-guidance': schema.get('x-guidance', _JSON_OPTIONS)})}"
     start, end = markup(fmt.start), markup(fmt.end)
-    if end.startswith("<["):
+    if _is_token(end):
         think = [f"think: {start} /(?s:.*)/ {end} /[ \\n]{{0,4}}/"]
     else:
         think = [f"think: {start} thought /[ \\n]{{0,4}}/", f"thought[stop={end}]: /(?s:.*)/"]

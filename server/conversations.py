@@ -19,10 +19,9 @@ import uuid
 from typing import Callable
 
 from server.errors import APIError
-from server.protocol import (ResponseFunctionCallItem, ResponseFunctionCallOutputItem, ResponseInputItem,
-                             ResponseInputText, ResponseMessageItem, ResponseReasoningItem, ResponseReasoningText)
+from server.protocol import ResponseInputItem
 from server.response_store import ResponseStore, StoredResponse
-from server.responses import input_items, input_messages, items_page
+from server.responses import input_items, item_messages, items_page
 
 log = logging.getLogger("jaxserve.server")
 
@@ -108,7 +107,7 @@ class Conversations:
     def messages(self, conversation_id: str, owner: str) -> list[dict]:
         """The chat messages of the conversation's items (the context a Responses request
         that continues it starts from); a 404 naming ``conversation`` when it is not found."""
-        return input_messages([_input_item(item) for item in self.get(conversation_id, owner, "conversation").input_items])
+        return item_messages(self.get(conversation_id, owner, "conversation").input_items)
 
     def extend(self, conversation_id: str, owner: str, items: list[dict]) -> None:
         """Add a response's input and output ``items`` (as the API lists them) at the end of
@@ -138,23 +137,3 @@ def _find(entry: StoredResponse, item_id: str) -> dict:
         raise APIError(404, f"item {item_id!r} not found in conversation {entry.response['id']!r}", param="item_id",
                        code="item_not_found")
     return found
-
-
-def _input_item(stored: dict) -> ResponseInputItem:
-    """A stored item (as listed: ``responses.input_items``, or a response's output item) as
-    the input item ``input_messages`` reads, built without validating it again: the model's
-    own output may hold what a client may not send (a tool name over 64 characters), and
-    it still belongs to the conversation."""
-    kind = stored["type"]
-    if kind == "message":
-        parts = [ResponseInputText.model_construct(type=p["type"], text=p["text"]) for p in stored["content"]]
-        return ResponseMessageItem.model_construct(type=kind, role=stored["role"], content=parts)
-    if kind == "function_call":
-        return ResponseFunctionCallItem.model_construct(type=kind, call_id=stored["call_id"], name=stored["name"],
-                                                        arguments=stored["arguments"])
-    if kind == "function_call_output":
-        return ResponseFunctionCallOutputItem.model_construct(type=kind, call_id=stored["call_id"],
-                                                              output=stored["output"])
-    return ResponseReasoningItem.model_construct(type=kind, id=stored.get("id"), content=[
-        ResponseReasoningText.model_construct(type="reasoning_text", text=p["text"]) for p in stored.get("content") or []])
-

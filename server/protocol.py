@@ -451,10 +451,6 @@ class ResponseMessageItem(_Request):
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[ResponseInputText]
 
-    @property
-    def text(self) -> str:
-        return joined_text(self.content)
-
 
 class ResponseFunctionCallItem(_Request):
     """A tool call the model made in an earlier turn (as a response's ``output`` lists it)."""

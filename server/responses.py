@@ -44,31 +44,39 @@ _RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_t
 
 
 def input_messages(given: str | list[ResponseInputItem]) -> list[dict]:
-    """Input items (a request's ``input``, a conversation's items) as chat messages: a string is a user message; consecutive
+    """A request's ``input`` as chat messages (``item_messages`` of its ``input_items``)."""
+    return item_messages(input_items(given))
+
+
+def item_messages(items: list[dict]) -> list[dict]:
+    """Items as the API lists them (``input_items``; a response's output items; a
+    conversation's) as chat messages: a message's text parts joined; consecutive
     ``function_call`` items join the assistant message before them (or start one);
     a ``reasoning`` item's text is the ``reasoning_content`` of the assistant message
-    (or call) that comes right after it (elsewhere it belongs to no message: dropped)."""
-    if isinstance(given, str):
-        return [{"role": "user", "content": given}]
+    (or call) that comes right after it (elsewhere it belongs to no message: dropped).
+    Read as they are, not validated again: a model's own output may hold what a client
+    may not send (a tool name over 64 characters)."""
     out: list[dict] = []
     reasoning: str | None = None   # a reasoning item's, for the next assistant message
-    for item in given:
-        if item.type == "reasoning":
-            reasoning = item.text if reasoning is None else f"{reasoning}\n\n{item.text}"
+    for item in items:
+        kind = item["type"]
+        if kind == "reasoning":
+            text = "".join(part["text"] for part in item.get("content") or [])
+            reasoning = text if reasoning is None else f"{reasoning}\n\n{text}"
             continue
-        if not (item.type == "function_call" or (item.type == "message" and item.role == "assistant")):
+        if not (kind == "function_call" or (kind == "message" and item["role"] == "assistant")):
             reasoning = None
-        if item.type == "message":
-            out.append({"role": item.role, "content": item.text})
-        elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+        if kind == "message":
+            out.append({"role": item["role"], "content": "".join(part["text"] for part in item["content"])})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant" and reasoning is None:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         if reasoning is not None and out[-1]["role"] == "assistant":
             out[-1]["reasoning_content"], reasoning = reasoning, None
     return out
@@ -335,11 +343,15 @@ class ResponsesWire:
                 answer["tool_calls"] = [{"id": call.id, "type": "function",
                                          "function": {"name": call.name, "arguments": call.arguments}}
                                         for call in c.tool_calls]
-            if not self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id,
-                                                                   self.added + [answer], response, self.input_items)):
+            if not self._store(self.added + [answer], response):
                 self.store.delete(self.response_id, self.owner)   # (not its ``queued`` entry, stale: nothing)
         if self.continues is not None and response["status"] in ("completed", "incomplete"):
             self.continues(self.input_items + response["output"])
+
+    def _store(self, messages: list[dict], response: dict) -> bool:
+        """Store ``response`` with the chat ``messages`` it adds to its conversation; whether it fit."""
+        return self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id, messages,
+                                                               response, self.input_items))
 
     # ----------------------------------------------------------------- stream
     def _event(self, kind: str, **fields) -> str:
@@ -354,8 +366,7 @@ class ResponsesWire:
         it back as failed (``ResponseStore``); its end stores it again."""
         pending = self._object("queued", [])
         if self.store is not None:
-            self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id, self.added,
-                                                            pending, self.input_items))
+            self._store(self.added, pending)
         return pending, [self._event("response.created", response=pending),
                          self._event("response.queued", response=pending)]
 
@@ -472,7 +483,6 @@ class ResponsesWire:
         failed["error"] = {"code": error.code or error.type, "message": error.message}
         self.final = failed
         if self.background and self.store is not None:   # (polled: the failure must be there to read)
-            self.store.put(self.response_id, StoredResponse(self.owner, self.body.previous_response_id, self.added,
-                                                            failed, self.input_items))
+            self._store(self.added, failed)
         return [self._event("error", code=error.code or error.type, message=error.message, param=error.param),
                 self._event("response.failed", response=failed)]
