@@ -214,7 +214,8 @@ def run_probe_cost(model_dir: str, prompts: list[list[int]], args, load_format: 
         probe_dir = random_probe_checkpoint(model_dir, args, load_format)
     common = dict(dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(len(prompts), 1),
-                  max_model_len=args.prompt_len + args.max_tokens + args.page_size, load_format=load_format)
+                  max_model_len=args.prompt_len + args.max_tokens + args.page_size, load_format=load_format,
+                  gpu_memory_utilization=args.gpu_memory_utilization / 2)   # two engines share the device
     engines = {"without": LLM(model_dir, **common),
                "with": LLM(model_dir, predictor=f"learned:{probe_dir}", **common)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

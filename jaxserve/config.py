@@ -105,6 +105,11 @@ class EngineConfig:
     page_size: int = field(default=16, metadata=_flag("tokens per KV page (a power of two)"))
     num_pages: int | None = field(default=None, metadata=_flag(
         "device KV pages (default: what the model and max_model_len need, within free device memory)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
+        "share of each accelerator's memory (as JAX reports its limit) this engine may hold: its weights "
+        "and, sized to fill the rest, its KV pool (when num_pages is unset); a per-engine limit, so two "
+        "engines on one device take 0.45 each; the remainder is left for the step's buffers. Ignored on "
+        "CPU, which reports no memory"))
     num_host_pages: int | None = field(default=None, metadata=_flag(
         "host KV pages for Swap and the prefix cache's host tier (cached pages evicted from the device; "
         "Swap's pages come first); 0: no Swap to host, device-only cache (default: as many as device pages)"))
@@ -214,6 +219,10 @@ class EngineConfig:
                                                 or not isinstance(self.num_host_pages, int)
                                                 or self.num_host_pages < 0):
             raise ValueError(f"num_host_pages must be an integer >= 0, got {self.num_host_pages!r}")
+        if isinstance(self.gpu_memory_utilization, bool) \
+                or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         positive("max_model_len", self.max_model_len)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("max_num_seqs", self.max_num_seqs, allow_none=False)

@@ -26,8 +26,8 @@ from jaxserve.config import EngineConfig, read_chat_template
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logit_adjust import LogitAdjuster
-from jaxserve.executor.model import (ModelExecutor, ModelExecutorConfig, cuda_graphs_for, kv_pool_pages,
-                                     min_token_bucket_for)
+from jaxserve.executor.model import (ModelExecutor, ModelExecutorConfig, claim_memory_share, cuda_graphs_for,
+                                     kv_pool_pages, min_token_bucket_for)
 from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
 from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
@@ -76,6 +76,8 @@ class LLMEngine:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"
         dt = parse_dtype(config.dtype)
         self.mesh = tensor_parallel_mesh(config, self.model_dir)
+        # This engine's share of the accelerator's memory, checked free before its weights take any.
+        in_use_before = None if config.num_pages else claim_memory_share(config.gpu_memory_utilization, self.mesh)
         model_obj, self.model_config = load_model(self.model_dir, config.dtype, attention_impl,
                                                   config.load_format, config.seed, mesh=self.mesh)
         cfg = self.model_config
@@ -87,7 +89,8 @@ class LLMEngine:
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, self.max_model_len,
-                                                       config.max_num_seqs, mesh=self.mesh)
+                                                       config.max_num_seqs, config.gpu_memory_utilization,
+                                                       in_use_before, mesh=self.mesh)
         batched = config.batched_tokens
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),

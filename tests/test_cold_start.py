@@ -1,17 +1,21 @@
 """Cold start and CPU decode: page tables sized by the batch's longest context, lazy
-step compilation, a CPU KV pool sized from the engine's limits, one-sequence decode
-in 2-token steps on CPU, and the greedy sampler's fast path."""
+step compilation, a KV pool sized from the engine's limits (CPU) or its memory share
+(accelerators), one-sequence decode in 2-token steps on CPU, and the greedy sampler's
+fast path."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import ModelConfig
-from jaxserve.executor.model import CPU_KV_BUDGET_BYTES, ModelExecutorConfig, kv_pool_pages, min_token_bucket_for
+from jaxserve.executor.model import (CPU_KV_BUDGET_BYTES, GIB, ModelExecutorConfig, check_memory_share, kv_budget_bytes,
+                                     kv_pool_pages, min_token_bucket_for)
 from jaxserve.sampling import SamplingArrays, sample
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -68,6 +72,53 @@ def test_cpu_kv_pool_is_sized_by_the_engine_limits():
     assert kv_pool_pages(cfg, 16, jnp.float32, max_model_len=8192, max_num_seqs=256) == CPU_KV_BUDGET_BYTES // per_page
     deep = ModelConfig.from_hf({**shape, "num_hidden_layers": 4096})   # one sequence alone exceeds the cap
     assert kv_pool_pages(deep, 16, jnp.float32, max_model_len=8192, max_num_seqs=256) == 8192 // 16
+
+
+def test_an_engine_takes_its_share_of_accelerator_memory_and_a_second_one_its_own():
+    """The accounting of ``gpu_memory_utilization`` on a device that reports its memory
+    (numbers as JAX reports an H200's: this machine's CPU reports none). Found on an H200:
+    a second engine in one process was sized from what the first left, one KV page, and
+    failed at its first request."""
+    limit, weights, page = 100 * GIB, 3 * GIB, 2 * 1024**2
+    # One engine at the default: its share less its weights, the old sizing exactly.
+    check_memory_share(limit, 0, 0.9, "gpu:0")
+    assert kv_budget_bytes(limit, 0, weights, 0.9, page, "gpu:0") == int(0.9 * limit) - weights
+    # Two engines at 0.45 each: the second's pool is as large as the first's.
+    first = kv_budget_bytes(limit, 0, weights, 0.45, page, "gpu:0")
+    held = weights + first
+    check_memory_share(limit, held, 0.45, "gpu:0")
+    assert kv_budget_bytes(limit, held, held + weights, 0.45, page, "gpu:0") == first
+    # A second engine asking for the default share is refused before it loads anything.
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.9 .* 90.0 GiB, but only 55.0 GiB is free"):
+        check_memory_share(limit, held, 0.9, "gpu:0")
+    # Weights that leave less than one page of the share: a clear error, not a one-page pool.
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.03 .* nothing is left for the KV cache"):
+        kv_budget_bytes(limit, 0, weights, 0.03, page, "gpu:0")
+
+
+def test_engine_sizes_its_pool_from_its_memory_share_and_refuses_a_share_that_is_taken(monkeypatch):
+    """The engine's path through that accounting, with the device's memory report (the one
+    thing this CPU cannot give) standing in: 64 MiB of limit, of which ``held`` bytes are
+    another engine's. The pool is this engine's half less its weights; asking for more
+    than is free fails before any weights load, naming the setting."""
+    import jaxserve.executor.model as model_module
+    from jaxserve import LLMEngine
+    limit, held = 64 * 1024**2, 8 * 1024**2
+    monkeypatch.setattr(model_module, "_memory_stats",
+                        lambda devices: [(limit, held + sum(a.nbytes for a in jax.live_arrays()) - baseline)])
+    baseline = sum(a.nbytes for a in jax.live_arrays())
+    engine = LLMEngine("demo", max_num_batched_tokens=16, max_num_seqs=2, max_model_len=128, warmup=False,
+                       gpu_memory_utilization=0.5)
+    try:
+        weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.executor.params))
+        per_page = engine.config.page_size * engine.executor.kv_bytes_per_token
+        assert engine.scheduler.device_pool.num_pages == (limit // 2 - weights) // per_page
+        held = limit // 2 + 1
+        with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.5 .* is held already"):
+            LLMEngine("demo", gpu_memory_utilization=0.5, warmup=False)
+        LLMEngine("demo", gpu_memory_utilization=0.5, num_pages=4, warmup=False).shutdown()   # a set pool: no check
+    finally:
+        engine.shutdown()
 
 
 def test_greedy_rows_skip_random_sampling_but_mixed_batches_still_sample():

@@ -16,7 +16,8 @@ BAD_SETTINGS = [
     ("policy", "lifo"), ("predictor", "psychic"), ("tool_call_parser", "xml"), ("max_num_seqs", True),
     ("compilation_cache_max_gb", 0), ("compilation_cache_max_gb", float("inf")), ("compilation_cache_max_gb", "4"),
     ("chat_template", "/no/such/template.jinja"), ("chat_template", "{% for m in messages %}unclosed"),
-    ("chat_template", ""),
+    ("chat_template", ""), ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
+    ("gpu_memory_utilization", True), ("gpu_memory_utilization", "0.5"),
 ]
 
 ENGINE_SUBCOMMANDS = ("serve", "generate", "replay", "profile", "bench")   # the ones that build an engine

@@ -676,38 +676,95 @@ def _scatter_pages(kv: list, chunk: jax.Array, rows: jax.Array, page_ids: jax.Ar
 CPU_KV_BUDGET_BYTES = 512 * 1024**2
 
 
+GIB = 1024**3
+
+
+def pool_devices(mesh: Mesh | None = None) -> list:
+    """This process's devices that hold the KV pool: those of ``mesh`` (default: the first device)."""
+    return jax.devices()[:1] if mesh is None else \
+        [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def _memory_stats(devices: list) -> list[tuple[int, int]] | None:
+    """``(bytes_limit, bytes_in_use)`` of each device; None where a device reports none (CPU)."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if not all("bytes_limit" in s for s in stats):
+        return None
+    return [(s["bytes_limit"], s.get("bytes_in_use", 0)) for s in stats]
+
+
+def claim_memory_share(fraction: float, mesh: Mesh | None = None) -> list[int] | None:
+    """Check, before an engine loads its weights, that its share of each pool device is
+    free (``check_memory_share``). Returns the bytes in use per device then (what
+    ``kv_pool_pages`` counts as not this engine's), or None on a backend that reports
+    no memory (CPU)."""
+    devices = pool_devices(mesh)
+    stats = _memory_stats(devices)
+    if stats is None:
+        return None
+    for device, (limit, in_use) in zip(devices, stats):
+        check_memory_share(limit, in_use, fraction, str(device))
+    return [in_use for _, in_use in stats]
+
+
+def check_memory_share(limit: int, in_use: int, fraction: float, device: str) -> None:
+    """``ValueError`` naming ``gpu_memory_utilization`` if ``fraction`` of a device's
+    ``limit`` (bytes) is more than the ``limit - in_use`` bytes free on it (arrays of
+    another engine in this process are in use)."""
+    if fraction * limit > limit - in_use:
+        raise ValueError(
+            f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.1f} GiB is {fraction * limit / GIB:.1f} "
+            f"GiB, but only {(limit - in_use) / GIB:.1f} GiB is free ({in_use / GIB:.1f} GiB is held already, by "
+            f"another engine in this process?); give each engine on a device its share (0.45 each for two) "
+            f"or set num_pages")
+
+
+def kv_budget_bytes(limit: int, in_use_before: int, in_use_now: int, fraction: float, per_page: int,
+                    device: str) -> int:
+    """Bytes of a device left for this engine's KV pool: its share, ``fraction`` of the
+    device's ``limit``, less what loading it took (``in_use_now - in_use_before``: its
+    weights). ``ValueError`` naming ``gpu_memory_utilization`` if not even one page of
+    ``per_page`` bytes is left."""
+    own = in_use_now - in_use_before
+    budget = int(fraction * limit) - own
+    if budget < per_page:
+        raise ValueError(
+            f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.1f} GiB is "
+            f"{fraction * limit / GIB:.2f} GiB, and the weights take {own / GIB:.2f} GiB of it: nothing is "
+            f"left for the KV cache; raise gpu_memory_utilization, use a smaller dtype or more "
+            f"tensor-parallel devices, or set num_pages")
+    return budget
+
+
 def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, max_model_len: int, max_num_seqs: int,
-                  fraction: float = 0.9, max_pages: int | None = None, mesh: Mesh | None = None) -> int:
+                  fraction: float = 0.9, in_use_before: list[int] | None = None, max_pages: int | None = None,
+                  mesh: Mesh | None = None) -> int:
     """Device KV pages for an engine with these limits.
 
-    On backends that report their memory (GPU, TPU): what fits in ``fraction`` of
-    the free memory (after weights) of the fullest device of ``mesh`` (default:
-    the first device). Each device holds ``1 / mesh.size`` of every page's KV
-    heads (``model_config`` as the shards see it); with several processes the
-    least free device of any process decides, so every process sizes the same
-    pool. On CPU, which reports none and shares RAM with everything else: what
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped at
-    ``CPU_KV_BUDGET_BYTES`` but never less than one full-length sequence.
+    On backends that report their memory (GPU, TPU): what fits in this engine's share
+    of the fullest device of ``mesh`` (default: the first device), ``fraction`` of its
+    memory limit less what loading the engine took (``in_use_before``: bytes in use per
+    pool device before, from ``claim_memory_share``; None: none). Each device holds
+    ``1 / mesh.size`` of every page's KV heads (``model_config`` as the shards see it);
+    with several processes the least free device of any process decides, so every
+    process sizes the same pool. On CPU, which reports none and shares RAM with
+    everything else: what ``max_num_seqs`` sequences of ``max_model_len`` tokens need,
+    capped at ``CPU_KV_BUDGET_BYTES`` but never less than one full-length sequence.
     """
     tp = 1 if mesh is None else mesh.size
     per_page = page_size * 2 * model_config.num_hidden_layers * model_config.num_key_value_heads \
         * model_config.head_dim * jnp.dtype(kv_dtype).itemsize // tp
-    devices = jax.devices()[:1] if mesh is None else \
-        [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    if all("bytes_limit" in (d.memory_stats() or {}) for d in devices):
-        free = min(_free_bytes(d, fraction) for d in devices)
+    devices = pool_devices(mesh)
+    stats = _memory_stats(devices)
+    if stats is not None:
+        before = in_use_before or [0] * len(devices)
+        free = min(kv_budget_bytes(limit, was, in_use, fraction, per_page, str(device))
+                   for device, (limit, in_use), was in zip(devices, stats, before))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
-            free = float(np.min(multihost_utils.process_allgather(np.array([free], np.float64))))
-        pages = int(free // per_page)
+            free = int(np.min(multihost_utils.process_allgather(np.array([free], np.int64))))
+        pages = free // per_page
     else:
         per_seq = -(-max_model_len // page_size)
         pages = min(max_num_seqs * per_seq, max(per_seq, CPU_KV_BUDGET_BYTES // per_page))
-    pages = max(1, pages)
     return min(pages, max_pages) if max_pages else pages
-
-
-def _free_bytes(device, fraction: float) -> float:
-    """``fraction`` of ``device``'s reported memory limit minus what is in use."""
-    stats = device.memory_stats()
-    return stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)
