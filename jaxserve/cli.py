@@ -1,4 +1,4 @@
-"""The ``jaxserve`` command: ``serve``, ``replay``, ``profile``, ``bench``, ``generate``, ``predictor``.
+"""The ``jaxserve`` command: ``serve``, ``run-batch``, ``replay``, ``profile``, ``bench``, ``generate``, ``predictor``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``; this file only wires them. Every ``--some-flag`` can
@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("jaxserve.generate_cli", "generate text from prompts (the main job: smollm2-135m, see README)"),
     "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
+    "run-batch": ("server.batch", "run an OpenAI batch file (JSONL of chat, completions and responses "
+                  "requests) offline"),
     "replay": ("jaxserve.replay.cli", "replay a workload trace and compare scheduling policies"),
     "profile": ("jaxserve.profiling", "measure the cost model (T_fwd, host<->device bandwidth) of this device"),
     "bench": ("jaxserve.bench", "benchmark jaxserve against transformers generate"),

@@ -33,6 +33,12 @@ def load_tools(spec: str | None) -> dict:
     return tools
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model id clients send: ``--served-model-name``, else ``demo`` (a built-in
+    name as given) or the checkpoint's file or directory name."""
+    return args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
+
+
 def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str = "responses.sqlite3",
               **config_overrides):
     """The engine and the app for ``args`` (the caller shuts the engine down).
@@ -64,8 +70,7 @@ def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str
         log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
                     pool_tokens, max_model_len, pool_tokens)
         max_model_len = pool_tokens
-    name = args.served_model_name or (args.model if args.model in BUILTIN_MODELS else Path(args.model).name)
-    app = create_app(async_engine, served_model_name=name, api_key=args.api_key,
+    app = create_app(async_engine, served_model_name=served_model_name(args), api_key=args.api_key,
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
                      max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,

@@ -20,7 +20,7 @@ BAD_SETTINGS = [
     ("gpu_memory_utilization", True), ("gpu_memory_utilization", "0.5"),
 ]
 
-ENGINE_SUBCOMMANDS = ("serve", "generate", "replay", "profile", "bench")   # the ones that build an engine
+ENGINE_SUBCOMMANDS = ("serve", "run-batch", "generate", "replay", "profile", "bench")   # the ones that build an engine
 # Settings whose default a subcommand changes on purpose (documented in its --help).
 SUBCOMMAND_DEFAULTS = {("profile", "num_pages"): 512}
 

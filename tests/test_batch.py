@@ -1,0 +1,127 @@
+"""``jaxserve run-batch``: an OpenAI batch file served offline by the server's own app
+(real subprocesses, the tool-calling checkpoint of ``conftest_server``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest_server import (CALC_ANSWER, CALC_USER, REPO, WEATHER_CALL, WEATHER_TOOL, WEATHER_USER)
+from server.batch import parse_batch
+
+# As the tool server of test_server runs it: the model was trained with record_note advertised.
+SIZES = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "640", "--max-num-seqs", "32",
+         "--policy", "fcfs", "--tools", "record_note=tests.conftest_server:record_note"]
+
+
+def line(custom_id: str, url: str, body: dict, **entry) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "tool-model", **body}, **entry}
+
+
+def chat(content: str, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 64, **kw}
+
+
+def run_batch(model, input_path, output_path, *extra, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli", "run-batch", str(model), "-i", str(input_path),
+                           "-o", str(output_path), "--served-model-name", "tool-model", *SIZES, *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def answers(output_line: dict) -> list:
+    """What a chat or completions output line's choices say, without their generated ids."""
+    return [(c["finish_reason"], c.get("text"), c.get("message", {}).get("content"),
+             [t["function"] for t in c.get("message", {}).get("tool_calls", [])])
+            for c in output_line["response"]["body"].get("choices", [])]
+
+
+def test_a_batch_file_is_checked_whole_and_every_bad_line_is_named(tmp_path):
+    rows = [json.dumps(line("ok", "/v1/completions", {"prompt": "hi"})), "", "{not json", "[1, 2]",
+            json.dumps(line("ok", "/v1/completions", {"prompt": "again"})),
+            json.dumps({**line("get", "/v1/completions", {"prompt": "hi"}), "method": "GET"}),
+            json.dumps(line("emb", "/v1/embeddings", {"input": "hi"})),
+            json.dumps({"custom_id": "nobody", "method": "POST", "url": "/v1/completions", "body": "hi"}),
+            json.dumps(line("other", "/v1/completions", {"prompt": "hi", "model": "gpt-4o"})),
+            json.dumps(line("live", "/v1/chat/completions", chat("hi", stream=True))),
+            json.dumps(line("later", "/v1/responses", {"input": "hi", "background": True})),
+            json.dumps({**line("", "/v1/completions", {"prompt": "hi"})})]
+    requests, errors = parse_batch("\n".join(rows), "tool-model")
+    assert [r.custom_id for r in requests] == ["ok"] and requests[0].line == 1
+    assert [e.split(":")[0] for e in errors] == [f"line {n}" for n in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12)]
+    for fragment, n in [("not JSON", 3), ("expected a JSON object", 4), ("repeats line 1", 5), ("method", 6),
+                        ("url must be one of", 7), ("body must be a JSON object", 8),
+                        ("served as 'tool-model' (--served-model-name", 9), ("body.stream", 10),
+                        ("body.background", 11), ("custom_id must be a non-empty string", 12)]:
+        assert fragment in errors[n - 3], errors[n - 3]
+    # The command says so before loading any model, and writes nothing.
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    result = run_batch("/no/such/checkpoint", path, tmp_path / "out.jsonl", timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "10 invalid line(s), nothing was run" in result.stderr and "line 9: body.model" in result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_run_batch_serves_each_line_with_server_side_tools_and_resumes_after_a_kill(tmp_path, tool_checkpoint):
+    ckpt, _ = tool_checkpoint
+    rows = [line(f"calc-{i}", "/v1/chat/completions", chat(CALC_USER)) for i in range(6)]
+    # Third of three in flight (--max-concurrent-requests 3), it needs two engine requests
+    # while two others hold one each: the app's 429, which the batch retries until served.
+    rows.insert(2, line("two", "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0, "n": 2}))
+    rows += [line("weather", "/v1/chat/completions", chat(WEATHER_USER, tools=[WEATHER_TOOL])),
+             line("text", "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0}),
+             line("resp", "/v1/responses", {"input": CALC_USER, "temperature": 0, "max_output_tokens": 64}),
+             line("bad-temperature", "/v1/chat/completions", chat(CALC_USER, temperature=-1))]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(source, rows)
+    result = run_batch(ckpt, source, out, "--max-concurrent-requests", "3")
+    assert result.returncode == 0, result.stderr
+    assert "10 of 11 requests succeeded (1 x 400 did not)" in result.stderr
+    lines = read_jsonl(out)
+    by_id = {x["custom_id"]: x for x in lines}
+    assert len(lines) == len(by_id) == len(rows)
+    for x in lines:
+        assert x["id"].startswith("batch_req_") and x["response"]["request_id"].startswith("req_")
+    # The built-in calculator ran inside each of the six answers, all in flight together.
+    for i in range(6):
+        response = by_id[f"calc-{i}"]["response"]
+        assert response["status_code"] == 200 and by_id[f"calc-{i}"]["error"] is None
+        assert response["body"]["choices"][0]["message"] == {"role": "assistant", "content": CALC_ANSWER}
+    # A client-side call ends its request with the call, as the server answers it.
+    weather = by_id["weather"]["response"]["body"]["choices"][0]
+    assert weather["finish_reason"] == "tool_calls"
+    call = weather["message"]["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == (WEATHER_CALL["name"], WEATHER_CALL["arguments"])
+    assert by_id["text"]["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert by_id["two"]["response"]["status_code"] == 200 and len(by_id["two"]["response"]["body"]["choices"]) == 2
+    response = by_id["resp"]["response"]["body"]
+    assert response["object"] == "response" and response["status"] == "completed"
+    assert response["output"][-1]["content"][0]["text"] == CALC_ANSWER
+    refused = by_id["bad-temperature"]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+
+    # An existing output is never overwritten unasked.
+    again = run_batch(ckpt, source, out, timeout=120)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    assert read_jsonl(out) == lines
+    # A run killed while writing its fourth line: --resume keeps the three whole lines and
+    # serves only the requests they do not hold.
+    kept = lines[:3]
+    out.write_text("".join(json.dumps(x) + "\n" for x in kept) + json.dumps(lines[3])[:40])
+    resumed = run_batch(ckpt, source, out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 3 of 11 requests are already in" in resumed.stderr
+    refused_left = "bad-temperature" not in {x["custom_id"] for x in kept}   # (lines are written as they end)
+    assert f"{8 - refused_left} of 8 requests succeeded" in resumed.stderr
+    after = read_jsonl(out)
+    assert after[:3] == kept and sorted(x["custom_id"] for x in after) == sorted(r["custom_id"] for r in rows)
+    assert {x["custom_id"]: answers(x) for x in after[3:]} == {x["custom_id"]: answers(x) for x in lines[3:]}
