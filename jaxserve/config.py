@@ -106,10 +106,10 @@ class EngineConfig:
     num_pages: int | None = field(default=None, metadata=_flag(
         "device KV pages (default: what the model and max_model_len need, within free device memory)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
-        "share of each accelerator's memory (as JAX reports its limit) this engine may hold: its weights "
-        "and, sized to fill the rest, its KV pool (when num_pages is unset); a per-engine limit, so two "
-        "engines on one device take 0.45 each; the remainder is left for the step's buffers. Ignored on "
-        "CPU, which reports no memory"))
+        "share of each accelerator's memory limit (as this process's JAX reports it) this engine may hold: "
+        "its weights and, sized to fill the rest, its KV pool (when num_pages is unset); per engine, so two "
+        "engines in one process take 0.45 each; the remainder is left for the step's buffers (none at 1). "
+        "Ignored on CPU, which reports no memory"))
     num_host_pages: int | None = field(default=None, metadata=_flag(
         "host KV pages for Swap and the prefix cache's host tier (cached pages evicted from the device; "
         "Swap's pages come first); 0: no Swap to host, device-only cache (default: as many as device pages)"))

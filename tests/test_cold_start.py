@@ -6,6 +6,7 @@ fast path."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import ModelConfig
-from jaxserve.executor.model import (CPU_KV_BUDGET_BYTES, GIB, ModelExecutorConfig, check_memory_share, kv_budget_bytes,
-                                     kv_pool_pages, min_token_bucket_for)
+from jaxserve.executor.model import (CPU_KV_BUDGET_BYTES, GIB, ModelExecutorConfig, kv_budget_bytes, kv_pool_pages,
+                                     memory_share_problem, min_token_bucket_for)
 from jaxserve.sampling import SamplingArrays, sample
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -79,21 +80,20 @@ def test_an_engine_takes_its_share_of_accelerator_memory_and_a_second_one_its_ow
     (numbers as JAX reports an H200's: this machine's CPU reports none). Found on an H200:
     a second engine in one process was sized from what the first left, one KV page, and
     failed at its first request."""
-    limit, weights, page = 100 * GIB, 3 * GIB, 2 * 1024**2
+    limit, weights = 100 * GIB, 3 * GIB
     # One engine at the default: its share less its weights, the old sizing exactly.
-    check_memory_share(limit, 0, 0.9, "gpu:0")
-    assert kv_budget_bytes(limit, 0, weights, 0.9, page, "gpu:0") == int(0.9 * limit) - weights
+    assert memory_share_problem(limit, 0, 0.9, "gpu:0") is None
+    assert kv_budget_bytes(limit, 0, weights, 0.9) == int(0.9 * limit) - weights
     # Two engines at 0.45 each: the second's pool is as large as the first's.
-    first = kv_budget_bytes(limit, 0, weights, 0.45, page, "gpu:0")
+    first = kv_budget_bytes(limit, 0, weights, 0.45)
     held = weights + first
-    check_memory_share(limit, held, 0.45, "gpu:0")
-    assert kv_budget_bytes(limit, held, held + weights, 0.45, page, "gpu:0") == first
+    assert memory_share_problem(limit, held, 0.45, "gpu:0") is None
+    assert kv_budget_bytes(limit, held, held + weights, 0.45) == first
     # A second engine asking for the default share is refused before it loads anything.
-    with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.9 .* 90.0 GiB, but only 55.0 GiB is free"):
-        check_memory_share(limit, held, 0.9, "gpu:0")
-    # Weights that leave less than one page of the share: a clear error, not a one-page pool.
-    with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.03 .* nothing is left for the KV cache"):
-        kv_budget_bytes(limit, 0, weights, 0.03, page, "gpu:0")
+    assert re.match(r"gpu_memory_utilization=0.9 .* 90.00 GiB, but only 55.00 GiB is free",
+                    memory_share_problem(limit, held, 0.9, "gpu:0"))
+    # Weights larger than the share leave a negative budget (kv_pool_pages: the error).
+    assert kv_budget_bytes(limit, 0, weights, 0.02) < 0
 
 
 def test_engine_sizes_its_pool_from_its_memory_share_and_refuses_a_share_that_is_taken(monkeypatch):
@@ -117,6 +117,9 @@ def test_engine_sizes_its_pool_from_its_memory_share_and_refuses_a_share_that_is
         with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.5 .* is held already"):
             LLMEngine("demo", gpu_memory_utilization=0.5, warmup=False)
         LLMEngine("demo", gpu_memory_utilization=0.5, num_pages=4, warmup=False).shutdown()   # a set pool: no check
+        held = 0   # a share the weights fill: a clear error once they are loaded, not a one-page pool
+        with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.001 .* the weights take .* less than one KV"):
+            LLMEngine("demo", gpu_memory_utilization=0.001, warmup=False)
     finally:
         engine.shutdown()
 

@@ -71,10 +71,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from jaxserve import LLM
+    from jaxserve.config import EngineConfig
     lens = [int(x) for x in args.lens.split(",")]
     prompt = [5 + i % 100 for i in range(args.prompt_len)]
     engines = {n: LLM(args.model, max_model_len=n, max_num_seqs=1, max_num_batched_tokens=256,
-                      gpu_memory_utilization=0.9 / len(lens)).engine for n in lens}   # all alive on one device
+                      gpu_memory_utilization=EngineConfig.gpu_memory_utilization / len(lens)).engine
+               for n in lens}   # all alive on one device: each its part of one engine's share
     modes = ["bucketed"] + ([] if args.no_baseline else ["padded", "8-row"])
     configs = {}
     for n, engine in engines.items():

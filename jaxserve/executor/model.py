@@ -18,6 +18,7 @@ same token.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -695,45 +696,55 @@ def _memory_stats(devices: list) -> list[tuple[int, int]] | None:
 
 def claim_memory_share(fraction: float, mesh: Mesh | None = None) -> list[int] | None:
     """Check, before an engine loads its weights, that its share of each pool device is
-    free (``check_memory_share``). Returns the bytes in use per device then (what
+    free (``memory_share_problem``; arrays no longer referenced are collected first, so a
+    shut-down engine's do not count). Returns the bytes in use per device then (what
     ``kv_pool_pages`` counts as not this engine's), or None on a backend that reports
-    no memory (CPU)."""
+    no memory (CPU). ``ValueError`` naming ``gpu_memory_utilization`` otherwise, raised by
+    every process of a multi-process engine alike."""
     devices = pool_devices(mesh)
-    stats = _memory_stats(devices)
-    if stats is None:
+    if _memory_stats(devices) is None:
         return None
-    for device, (limit, in_use) in zip(devices, stats):
-        check_memory_share(limit, in_use, fraction, str(device))
+    gc.collect()
+    stats = _memory_stats(devices)
+    problems = (memory_share_problem(limit, in_use, fraction, str(d)) for d, (limit, in_use) in zip(devices, stats))
+    _raise_on_every_process(next(filter(None, problems), None))
     return [in_use for _, in_use in stats]
 
 
-def check_memory_share(limit: int, in_use: int, fraction: float, device: str) -> None:
-    """``ValueError`` naming ``gpu_memory_utilization`` if ``fraction`` of a device's
-    ``limit`` (bytes) is more than the ``limit - in_use`` bytes free on it (arrays of
-    another engine in this process are in use)."""
-    if fraction * limit > limit - in_use:
-        raise ValueError(
-            f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.1f} GiB is {fraction * limit / GIB:.1f} "
-            f"GiB, but only {(limit - in_use) / GIB:.1f} GiB is free ({in_use / GIB:.1f} GiB is held already, by "
-            f"another engine in this process?); give each engine on a device its share (0.45 each for two) "
-            f"or set num_pages")
+def memory_share_problem(limit: int, in_use: int, fraction: float, device: str) -> str | None:
+    """Why an engine cannot take ``fraction`` of a device's ``limit`` (bytes) when
+    ``in_use`` bytes of it are held (by another engine of this process, say); None if
+    it can."""
+    if fraction * limit <= limit - in_use:
+        return None
+    return _share_text(fraction, limit, device,
+                       f"but only {(limit - in_use) / GIB:.2f} GiB is free ({in_use / GIB:.2f} GiB is held already, by "
+                       f"another engine in this process?); give each engine on a device its share (0.45 each "
+                       f"for two) or set num_pages")
 
 
-def kv_budget_bytes(limit: int, in_use_before: int, in_use_now: int, fraction: float, per_page: int,
-                    device: str) -> int:
+def kv_budget_bytes(limit: int, in_use_before: int, in_use_now: int, fraction: float) -> int:
     """Bytes of a device left for this engine's KV pool: its share, ``fraction`` of the
     device's ``limit``, less what loading it took (``in_use_now - in_use_before``: its
-    weights). ``ValueError`` naming ``gpu_memory_utilization`` if not even one page of
-    ``per_page`` bytes is left."""
-    own = in_use_now - in_use_before
-    budget = int(fraction * limit) - own
-    if budget < per_page:
-        raise ValueError(
-            f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.1f} GiB is "
-            f"{fraction * limit / GIB:.2f} GiB, and the weights take {own / GIB:.2f} GiB of it: nothing is "
-            f"left for the KV cache; raise gpu_memory_utilization, use a smaller dtype or more "
-            f"tensor-parallel devices, or set num_pages")
-    return budget
+    weights). Negative when the weights take more than the share."""
+    return int(fraction * limit) - (in_use_now - in_use_before)
+
+
+def _share_text(fraction: float, limit: int, device: str, rest: str) -> str:
+    return f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.2f} GiB is {fraction * limit / GIB:.2f} GiB, {rest}"
+
+
+def _raise_on_every_process(problem: str | None) -> None:
+    """``ValueError(problem)`` if there is one, on every process of a multi-process engine
+    when any of them has one: none is left waiting in a collective for one that stopped."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        anywhere = multihost_utils.process_allgather(np.array([problem is not None], np.int32))
+        if problem is None and anywhere.any():
+            problem = ("gpu_memory_utilization: another process of this engine found its share of a device "
+                       "short (its error says how)")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, max_model_len: int, max_num_seqs: int,
@@ -758,11 +769,16 @@ def kv_pool_pages(model_config: ModelConfig, page_size: int, kv_dtype, max_model
     stats = _memory_stats(devices)
     if stats is not None:
         before = in_use_before or [0] * len(devices)
-        free = min(kv_budget_bytes(limit, was, in_use, fraction, per_page, str(device))
-                   for device, (limit, in_use), was in zip(devices, stats, before))
+        free, device, limit, own = min((kv_budget_bytes(limit, was, in_use, fraction), str(device), limit, in_use - was)
+                                       for device, (limit, in_use), was in zip(devices, stats, before))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             free = int(np.min(multihost_utils.process_allgather(np.array([free], np.int64))))
+        if free < per_page:   # (every process sees the same least budget: all raise alike)
+            raise ValueError(_share_text(fraction, limit, device, f"and the weights take {own / GIB:.2f} GiB of it: "
+                                         f"less than one KV page ({per_page} bytes) is left; raise "
+                                         f"gpu_memory_utilization, use a smaller dtype or more tensor-parallel "
+                                         f"devices, or set num_pages"))
         pages = free // per_page
     else:
         per_seq = -(-max_model_len // page_size)
