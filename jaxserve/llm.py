@@ -1,4 +1,4 @@
-"""``LLM``: the offline Python API (batch generate, runs the engine to completion)."""
+"""``LLM``: the offline Python API (batch generate and chat, runs the engine to completion)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tool_format import function_tools, prepare_chat
 
 
 class LLM:
@@ -27,17 +28,64 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None, use_tqdm: bool = False,
+             parse_reasoning: bool | None = None) -> list[RequestOutput]:
+        """Reply to each conversation: ``messages`` is one conversation (OpenAI-style message
+        dicts: ``role``, ``content``, an assistant's ``tool_calls``, a tool's
+        ``tool_call_id``) or a list of them; returns final outputs in input order.
+
+        Each is rendered with the model's chat template as ``/v1/chat/completions``
+        renders it: with a generation prompt, the given ``tools`` (OpenAI tool dicts)
+        and then the engine's registered tools they do not shadow, through the
+        template's own tool support or, for a template without it, the tool-call
+        format's system prompt (``tool_format.prepare_chat``). Whenever tools are
+        advertised, calls are parsed in the model's format: a registered tool runs
+        inside the engine and the reply goes on; a call to one of ``tools`` ends its
+        request with ``finish_reason == "tool_calls"`` and the calls in ``tool_calls``.
+        ``chat_template_kwargs``: more template variables (``enable_thinking``, say).
+        A conversation the template rejects is a ``ValueError`` naming ``messages``, and
+        nothing is queued.
+        """
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template to render them with")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations or not all(isinstance(c, list) and c and all(isinstance(m, dict) and
+                                                                          isinstance(m.get("role"), str) for m in c)
+                                        for c in conversations):
+            raise ValueError("messages: one conversation (a non-empty list of message dicts with a 'role') "
+                             "or a list of them")
+        declared = function_tools(tools or [])
+        names = {t["function"]["name"] for t in declared}
+        advertised = declared + [t.openai_schema() for name, t in self.engine.tools.items() if name not in names]
+        options = {**(chat_template_kwargs or {}), "add_generation_prompt": True}
+        prompts = []
+        for conversation in conversations:
+            rendered, tool_defs = prepare_chat(conversation, advertised or None, self.engine.tool_format,
+                                               tok.chat_template)
+            try:
+                text = tok.apply_chat_template(rendered, tools=tool_defs, tokenize=False, **options)
+            except Exception as e:   # noqa: BLE001 - jinja's errors (a role order the template refuses)
+                raise ValueError(f"messages: the chat template rejected them: {e}") from None
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm,
+                             parse_reasoning=parse_reasoning, parse_tool_calls=bool(advertised))
+
     def generate(self, prompts: list[str] | str | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None,
                  api_calls: list[list[ApiCall]] | None = None, use_tqdm: bool = False,
-                 parse_reasoning: bool | None = None) -> list[RequestOutput]:
+                 parse_reasoning: bool | None = None, parse_tool_calls: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns final outputs in input order.
 
         A request whose model calls a tool that is not registered ends with
         ``finish_reason == "tool_calls"`` and the calls in ``tool_calls``.
         ``parse_reasoning`` (None: when the engine has a ``reasoning_parser``):
         each output's ``reasoning`` apart from its ``text`` (False: ``text`` whole).
+        ``parse_tool_calls`` (None: when the engine has tools): find calls in the model's
+        format in what it writes.
 
         All inputs are validated before any request is queued, so a bad one
         raises ``ValueError`` and leaves the engine as it was.
@@ -61,7 +109,8 @@ class LLM:
             for i in range(n):
                 kwargs = {"prompt": items[i]} if prompts is not None else {"prompt_token_ids": items[i]}
                 ids.append(self.engine.add_request(sampling_params=params[i], api_calls=calls[i],
-                                                   parse_reasoning=parse_reasoning, **kwargs))
+                                                   parse_reasoning=parse_reasoning, parse_tool_calls=parse_tool_calls,
+                                                   **kwargs))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from jaxserve.sampling_params import (INT32_MAX, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_CHARS,
                                       REPETITION_RANGE)
+from jaxserve.tool_format import function_tool
 
 MAX_N = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -284,11 +285,7 @@ class ToolDef(_Request):
     function: FunctionDef
 
     def schema_dict(self) -> dict:
-        fn = {"name": self.function.name}
-        if self.function.description is not None:
-            fn["description"] = self.function.description
-        fn["parameters"] = self.function.parameters or {"type": "object", "properties": {}}
-        return {"type": "function", "function": fn}
+        return function_tool(self.function.name, self.function.description, self.function.parameters)
 
 
 class _ChatTemplateFields(_Request):

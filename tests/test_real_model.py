@@ -103,6 +103,16 @@ def test_answers_in_english(llm):
     assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
 
 
+def test_chat_renders_as_the_server_does_and_answers(llm):
+    """``LLM.chat``: the conversation rendered as ``/v1/chat/completions`` renders it (the
+    calculator advertised through the system prompt: SmolLM2's template has no tool
+    support), and the answer the server gives (``test_openai_client_chat_answer_is_english``)."""
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(max_tokens=24, temperature=0.0))
+    assert "calculator" in llm.tokenizer.decode(out.prompt_token_ids)
+    assert out.text.strip() == "The capital of France is Paris." and out.finish_reason == "stop"
+
+
 def test_prompt_logprobs_rank_the_right_answer_first(llm):
     """Multiple choice as lm-eval scores it (loglikelihood): the summed log-probability of each
     answer's tokens after the question, from ``prompt_logprobs``. The real model prefers Paris,

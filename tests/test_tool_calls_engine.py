@@ -4,6 +4,7 @@ calls to tools nobody registered."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -20,6 +21,37 @@ def conversation(convs, tool_name):
 
 def expected_generated(conv) -> list[int]:
     return [t for t, m in zip(conv.full_ids, conv.generated_mask) if m]
+
+
+def test_chat_renders_each_conversation_as_the_server_does(tool_checkpoint, tmp_path, monkeypatch):
+    """``LLM.chat`` on the model trained on the server's renderings: every first turn is the
+    very ids the server renders (the request's tools, then the engine's, calculator first),
+    the registered tools run inside the reply, and a call to a tool given to ``chat`` ends
+    its request with the call. Bad conversations and tools are ``ValueError``s naming them."""
+    from conftest_server import NOTE_LOG_ENV, WEATHER_TOOL, record_note
+
+    path, convs = tool_checkpoint
+    monkeypatch.setenv(NOTE_LOG_ENV, str(tmp_path / "notes.txt"))
+    llm = LLM(str(path), tools={"record_note": record_note}, **SIZES)
+    served = [c for c in convs if not c.client_tools]
+    outs = llm.chat([[{"role": "user", "content": c.user}] for c in served], GREEDY)
+    for conv, out in zip(served, outs):
+        assert out.prompt_token_ids == conv.prompt_ids
+        assert out.token_ids == expected_generated(conv) and out.finish_reason == "stop"
+    assert (tmp_path / "notes.txt").read_text() == "the sky is blue\n"
+    weather = conversation(convs, "get_weather")
+    [out] = llm.chat([{"role": "user", "content": weather.user}], GREEDY,
+                     tools=[{**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "strict": True}}])
+    assert out.prompt_token_ids == weather.prompt_ids   # (a field templates are not given is left out)
+    assert out.finish_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
+    with pytest.raises(ValueError, match="^messages"):
+        llm.chat([])
+    with pytest.raises(ValueError, match="^messages"):
+        llm.chat([{"content": "no role"}])
+    with pytest.raises(ValueError, match=r"^tools\[1\]"):
+        llm.chat([{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL, {"type": "function"}])
+    assert not llm.engine.scheduler.requests   # nothing was queued by the refused calls
 
 
 @pytest.mark.parametrize("handling", ["preserve", "discard", "swap"])
