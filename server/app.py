@@ -26,7 +26,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.async_engine import EngineDeadError
@@ -35,6 +35,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tool_format import get_format, prepare_chat
 from jaxserve.tools import Tool, normalize_tools
 from server.background import BackgroundRun, BackgroundRuns
+from server.batches import FILE_PURPOSES, Batches, FileStore
 from server.conversations import Conversations
 from server.errors import APIError, from_value_error, install_handlers
 from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Job, new_timer, sampling_key,
@@ -43,8 +44,8 @@ from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware, RequestIdMiddleware
 from server.parked import ParkedContexts, Spelling
-from server.protocol import (AllowedToolsChoice, ChatCompletionRequest, CompletionRequest, ConversationCreateRequest,
-                             ConversationItemsRequest, ConversationUpdateRequest, DetokenizeRequest, ModelCard,
+from server.protocol import (AllowedToolsChoice, BatchCreateRequest, ChatCompletionRequest, CompletionRequest,
+                             ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest, DetokenizeRequest, ModelCard,
                              ModelList, ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
 from server.responses import ResponsesWire, chat_request, input_messages, items_page, responses_error
@@ -54,6 +55,7 @@ from server.wire import ChatWire
 log = logging.getLogger("jaxserve.server")
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
+MAX_UPLOAD_BYTES = 200 * 1024 * 1024   # a file for /v1/files (OpenAI's batch input limit)
 MAX_FANOUT = 16                # engine requests one HTTP request may become (prompts x n)
 
 
@@ -119,7 +121,8 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None) -> None:
+                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None,
+                 batch_concurrency: int | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -142,6 +145,9 @@ class ServerState:
         # stored /v1/responses results (``previous_response_id``); in memory unless given one with a file
         self.responses = response_store if response_store is not None else ResponseStore()
         self.conversations = Conversations(self.responses)   # the Conversations API, kept in the same store
+        # The Files and Batch APIs; a batch's requests take at most half the concurrency limit by default.
+        self.files = FileStore()
+        self.batches = Batches(self.files, served_model_name, batch_concurrency or max(1, max_concurrent_requests // 2))
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -165,7 +171,8 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0,
-               response_store: ResponseStore | None = None) -> FastAPI:
+               response_store: ResponseStore | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES,
+               batch_concurrency: int | None = None) -> FastAPI:
     """Build the app.
 
     ``tools``: the server-side tools to advertise; each must already be
@@ -175,7 +182,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     one HTTP request may become (prompts x ``n``). ``body_timeout_s``: seconds
     allowed to receive a request body (408 after). ``response_store``: where stored
     responses are kept (``ResponseStore(path=...)`` keeps them across restarts; None:
-    a store in memory); the app closes it at shutdown.
+    a store in memory); the app closes it at shutdown. ``max_upload_bytes``: the largest
+    file ``POST /v1/files`` takes; ``batch_concurrency``: requests of one batch in flight at
+    once (default: half of ``max_concurrent_requests``).
     """
     if max_model_len is None or max_model_len < 2:
         raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")
@@ -190,12 +199,14 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                 raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
                                  f"AsyncEngine(..., tools=...) so the engine can run them")
     state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
-                        paused_context_ttl_s, max_fanout, response_store=response_store)
+                        paused_context_ttl_s, max_fanout, response_store=response_store,
+                        batch_concurrency=batch_concurrency)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.parked.start()
         yield
+        await state.batches.close()
         await state.background.close()
         await state.parked.close()
         state.responses.close()
@@ -203,8 +214,10 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     # /openapi.json is served (fuzzers and client generators read it) behind the API key like every route.
     app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
+    state.batches.app = app   # (a batch's requests are served by this app)
     install_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       upload_paths=frozenset({"/v1/files"}), max_upload_bytes=max_upload_bytes)
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(RequestIdMiddleware)   # (outermost: every response has its id, the guard's errors too)
 
@@ -271,6 +284,48 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         if not state.responses.delete(response_id, owner) and run is None:
             raise _response_not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request, file: UploadFile = File(), purpose: str = Form()):
+        if purpose not in FILE_PURPOSES:
+            raise APIError(400, f"purpose: this server takes files for {', '.join(FILE_PURPOSES)}, got {purpose!r}",
+                           param="purpose")
+        data = await file.read()
+        return state.files.add(_owner(request, None), file.filename or "upload.jsonl", purpose, data).object()
+
+    @app.get("/v1/files")
+    async def list_files(request: Request, purpose: str | None = None, limit: int = 100, order: str = "desc",
+                         after: str | None = None):
+        return state.files.page(_owner(request, None), purpose, limit, order, after)
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(file_id: str, request: Request):
+        return state.files.get(file_id, _owner(request, None)).object()
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str, request: Request):
+        return Response(state.files.get(file_id, _owner(request, None)).data, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, request: Request):
+        return state.files.delete(file_id, _owner(request, None))
+
+    @app.post("/v1/batches")
+    async def create_batch(body: BatchCreateRequest, request: Request):
+        return state.batches.create(_owner(request, None), request.headers.get("authorization"), body.input_file_id,
+                                    body.endpoint, body.completion_window, body.metadata).object()
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None):
+        return state.batches.page(_owner(request, None), limit, after)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, request: Request):
+        return state.batches.get(batch_id, _owner(request, None)).object()
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, request: Request):
+        return (await state.batches.cancel(batch_id, _owner(request, None))).object()
 
     @app.post("/v1/conversations")
     async def create_conversation(body: ConversationCreateRequest, request: Request):

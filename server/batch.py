@@ -70,10 +70,11 @@ class BatchRequest:
     body: dict
 
 
-def parse_batch(text: str, model_name: str) -> tuple[list[BatchRequest], list[str]]:
+def parse_batch(text: str, model_name: str, endpoint: str | None = None) -> tuple[list[BatchRequest], list[str]]:
     """The requests of a batch input file's ``text`` and, for every line that is not a
     valid one, ``"line N: why"``. Blank lines are skipped. ``model_name``: the name
-    requests must ask for (the served model's)."""
+    requests must ask for (the served model's); ``endpoint``: the one ``url`` every line
+    must have (a batch of the Batch API's is for one endpoint), None: any of ``BATCH_URLS``."""
     requests, errors, seen = [], [], {}
     # Lines end at "\n" alone: JSON strings may hold U+2028 and the like, which splitlines() splits at.
     for number, raw in enumerate(text.split("\n"), start=1):
@@ -97,6 +98,8 @@ def parse_batch(text: str, model_name: str) -> tuple[list[BatchRequest], list[st
             problem = f"method must be \"POST\", got {method!r}"
         elif url not in BATCH_URLS:
             problem = f"url must be one of {', '.join(BATCH_URLS)}, got {url!r}"
+        elif endpoint is not None and url != endpoint:
+            problem = f"url is {url!r}, but the batch is for {endpoint!r}"
         elif not isinstance(body, dict):
             problem = "body must be a JSON object"
         elif body.get("model") != model_name:
@@ -150,18 +153,21 @@ def keep_finished(output: Path) -> set[str]:
     return done
 
 
-async def serve_request(app, request: BatchRequest, on_retry: Callable[[], None] = lambda: None) -> dict:
+async def serve_request(app, request: BatchRequest, on_retry: Callable[[], None] = lambda: None,
+                        headers: list[tuple[str, str]] = ()) -> dict:
     """``request`` served by ``app``, as a batch output line. A 429 (the app's concurrency
     limit, full of other requests of the batch: this one fans out to more engine requests
     than are free) is asked again, after a wait that doubles up to ``MAX_RETRY_WAIT_S``,
-    until served; ``on_retry`` is called at the first."""
+    until served; ``on_retry`` is called at the first. ``headers``: more request headers
+    (the batch creator's ``Authorization`` for a server's batch)."""
     from jaxserve.distributed.asgi_bridge import call_app
 
     body = json.dumps(request.body).encode()
     wait = 0.01
     while True:
         head, chunks = None, []
-        async for part in call_app(app, "POST", request.url, b"", [("content-type", "application/json")], body):
+        async for part in call_app(app, "POST", request.url, b"", [("content-type", "application/json"), *headers],
+                                   body):
             if head is None:
                 head = part
             else:
@@ -192,9 +198,10 @@ def _failed(request: BatchRequest, error: BaseException) -> dict:
 
 
 async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], None],
-                    concurrency: int = 256) -> Counter:
+                    concurrency: int = 256, headers: list[tuple[str, str]] = ()) -> Counter:
     """Serve ``requests`` with ``app`` (started: its lifespan running), ``concurrency`` at a
-    time in input order, calling ``write`` with each one's output line as it ends. Returns
+    time in input order (``headers``: as ``serve_request``'s), calling ``write`` with each
+    one's output line as it ends. Returns
     the count of lines by status code (``"error"`` for lines that are no HTTP answer) and,
     under ``"retried"``, of requests that were refused for a while (429)."""
     statuses: Counter = Counter()
@@ -206,7 +213,7 @@ async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], N
     async def worker() -> None:
         for request in pending:   # (one iterator shared by the workers: each request is taken once)
             try:
-                line = await serve_request(app, request, retried)
+                line = await serve_request(app, request, retried, headers)
             except Exception as e:   # noqa: BLE001 - one request's failure is its line, not the batch's end
                 log.exception("batch request %s (line %d) failed", request.custom_id, request.line)
                 line = _failed(request, e)
@@ -228,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     # What build_app reads of a server's flags, fixed for a batch: no key, no store, no follow-ups.
     parser.set_defaults(api_key=None, response_store=None, paused_context_ttl=0.0, max_body_bytes=2**62,
-                        body_timeout=3600.0)
+                        body_timeout=3600.0, max_upload_bytes=0)
     EngineConfig.add_cli_arguments(parser)
 
 

@@ -91,5 +91,5 @@ def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,
                      max_fanout=args.max_fanout, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                     response_store=store)
+                     response_store=store, max_upload_bytes=args.max_upload_bytes)
     return async_engine, app

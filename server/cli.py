@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "/health and /metrics")
     net.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                      help="largest request body accepted (bytes); more is a 413")
+    net.add_argument("--max-upload-bytes", type=int, default=200 * 1024 * 1024,
+                     help="largest file POST /v1/files accepts (bytes); more is a 413")
     net.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a connection may take to send a request's headers before it is closed")
     net.add_argument("--body-timeout", type=float, default=30.0,

@@ -69,11 +69,14 @@ class GuardMiddleware:
     bodies over ``max_body_bytes`` (413). The body is read here, bounded, and
     replayed to the app; later ``receive`` calls (disconnect) pass through."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0,
+                 upload_paths: frozenset[str] = frozenset(), max_upload_bytes: int = 0) -> None:
+        """``upload_paths``: routes that take files, whose bodies may reach ``max_upload_bytes``."""
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.upload_paths, self.max_upload_bytes = upload_paths, max_upload_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -85,10 +88,10 @@ class GuardMiddleware:
                 return await _send_error(send, APIError(
                     401, "missing or invalid API key: send 'Authorization: Bearer <key>'", param="authorization",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-        too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", param="body",
-                             code="request_too_large")
+        limit = self.max_upload_bytes if scope.get("path") in self.upload_paths else self.max_body_bytes
+        too_large = APIError(413, f"request body exceeds {limit} bytes", param="body", code="request_too_large")
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             return await _send_error(send, too_large)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
@@ -105,7 +108,7 @@ class GuardMiddleware:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
+            if size > limit:
                 return await _send_error(send, too_large)
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -552,6 +552,16 @@ class ConversationCreateRequest(_Request):
     metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
 
 
+class BatchCreateRequest(_Request):
+    """``POST /v1/batches``: a batch of the requests in a file uploaded for ``"batch"``, all to
+    ``endpoint``, with OpenAI's ``completion_window`` ("24h") and ``metadata``."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
+
+
 class ConversationUpdateRequest(_Request):
     """``POST /v1/conversations/{id}``: its new ``metadata`` (replaces the old; null or left out: none)."""
 

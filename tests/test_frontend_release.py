@@ -171,6 +171,24 @@ def test_a_stored_or_background_response_is_read_and_cancelled_on_the_replica_th
 
 
 
+def test_files_and_batches_are_used_on_the_replica_that_holds_them():
+    """A file lives on the replica it was uploaded to, a batch and its output files on its
+    input file's: the front learns their ids from the replicas' answers and routes by them."""
+    front = Frontend({name: ReplicaHandle(ReplicaStream([])) for name in ("r0", "r1")},
+                     {"model": "smollm2-135m", "page_size": 16})
+    front._note_tool_calls("r1", json.dumps({"id": "file-1a2b", "object": "file", "purpose": "batch"}).encode())
+    create = front._hints("/v1/batches", "POST", {}, json.dumps({"input_file_id": "file-1a2b"}).encode())
+    assert front.router.choose(create)[0] == "r1"
+    front._note_tool_calls("r1", json.dumps({"id": "batch_9f", "input_file_id": "file-1a2b", "output_file_id": "file-77",
+                                             "error_file_id": None}).encode())
+    for method, path in [("GET", "/v1/batches/batch_9f"), ("POST", "/v1/batches/batch_9f/cancel"),
+                         ("GET", "/v1/files/file-77/content"), ("GET", "/v1/files/file-1a2b"),
+                         ("DELETE", "/v1/files/file-1a2b")]:
+        hints = front._hints(path, method, {}, b"")
+        assert front.router.choose(hints)[0] == "r1", path
+    assert front._hints("/v1/files", "GET", {}, b"").stored_response is None
+
+
 def test_counting_a_follow_up_goes_to_the_replica_that_holds_its_conversation():
     front = Frontend({name: ReplicaHandle(ReplicaStream([])) for name in ("r0", "r1")},
                      {"model": "smollm2-135m", "page_size": 16})

@@ -679,6 +679,80 @@ def test_responses_api_round_trip_resumes_the_paused_context(servers, tools):
         client.responses.retrieve(first.id)
 
 
+def test_the_batch_api_runs_an_uploaded_file_on_the_server(servers, tools):
+    """OpenAI's Files and Batch APIs through the official client: a file uploaded for
+    "batch", a batch on it run by the server (the calculator inside each answer), its
+    output and error files; a file with bad lines makes a failed batch naming them; a
+    running batch is cancelled; bad arguments are 400s and unknown ids 404s."""
+    import openai
+    client = openai.OpenAI(base_url=servers.tools.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    def jsonl(rows) -> bytes:
+        return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+    def line(custom_id, body, url="/v1/chat/completions"):
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+    def settle(batch):
+        deadline = time.monotonic() + 120
+        while batch.status in ("validating", "in_progress", "finalizing", "cancelling") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch.id)
+        return batch
+
+    rows = [line(f"calc-{i}", chat(CALC_USER)) for i in range(4)] + [line("cold", chat(CALC_USER, temperature=-1))]
+    upload = client.files.create(file=("agents.jsonl", jsonl(rows)), purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes == len(jsonl(rows)) and upload.filename == "agents.jsonl"
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"run": "nightly"})
+    assert batch.status == "in_progress" and batch.metadata == {"run": "nightly"}
+    batch = settle(batch)
+    assert batch.status == "completed" and batch.completed_at is not None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
+    done = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in done) == [f"calc-{i}" for i in range(4)]
+    for x in done:
+        assert x["response"]["status_code"] == 200
+        assert x["response"]["body"]["choices"][0]["message"]["content"] == CALC_ANSWER   # the tool ran inside
+    [refused] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert refused["custom_id"] == "cold" and refused["response"]["status_code"] == 400
+    assert client.batches.list().data[0].id == batch.id
+    assert upload.id in {f.id for f in client.files.list(purpose="batch").data}
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+
+    # A file the batch cannot run: failed at once, each bad line named, nothing run.
+    bad = client.files.create(file=("bad.jsonl", jsonl([line("a", chat(CALC_USER)),
+                                                        line("b", {"prompt": "hi"}, url="/v1/completions")])
+                                    + b"{not json\n"), purpose="batch")
+    failed = client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert failed.status == "failed" and failed.output_file_id is None
+    assert [(e.line, e.code) for e in failed.errors.data] == [(2, "invalid_request"), (3, "invalid_request")]
+    assert "the batch is for '/v1/chat/completions'" in failed.errors.data[0].message
+
+    # Cancelled while it runs: it ends cancelled, with what had ended.
+    many = client.files.create(file=("many.jsonl", jsonl([line(f"m{i}", chat(CALC_USER)) for i in range(24)])),
+                               purpose="batch")
+    running = client.batches.create(input_file_id=many.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cancelled = settle(client.batches.cancel(running.id))
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+    assert cancelled.request_counts.completed < 24
+    wait_idle(tools)
+
+    with pytest.raises(openai.BadRequestError) as wrong:
+        client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert wrong.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError) as purpose:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert purpose.value.body["param"] == "purpose"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    assert client.files.delete(upload.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(upload.id)
+
+
 def test_a_conversation_holds_an_agent_turn_and_its_follow_up_resumes_the_paused_context(servers, tools):
     """The Conversations API through the official client: a response that continues a
     conversation (``conversation``) adds its input and output items to it; the follow-up

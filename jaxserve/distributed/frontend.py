@@ -29,6 +29,7 @@ log = logging.getLogger("jaxserve.distributed")
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # GET / DELETE of a stored response, GET of its input items, POST of the cancel of a background one
 _STORED_PATH = re.compile(r"^/v1/responses/([^/]+)(/input_items|/cancel)?$")
+_BATCHES_PATH = "/v1/batches"
 _COUNT_PATH = "/v1/responses/input_tokens"   # counts a Responses request: its previous_response_id's holder
 # any call on a conversation (read, update, delete; its items listed, added, read, deleted)
 _CONVERSATION_PATH = re.compile(r"^/v1/conversations/([^/]+)(/items(/[^/]+)?)?$")
@@ -36,7 +37,9 @@ HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this
                                 # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
 _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_calls[].id; Responses call_id
-_STORED_ID = re.compile(r'"id":\s*"((?:resp|conv)_[A-Za-z0-9]+)"')   # a stored response's, a conversation's
+# a stored response's, a conversation's, a file's (a batch's output files' too), a batch's
+_STORED_ID = re.compile(r'"(?:id|output_file_id|error_file_id)":\s*"((?:resp|conv|batch)_[A-Za-z0-9]+|file-[A-Za-z0-9]+)"')
+_HELD_PATH = re.compile(r"^/v1/(?:files|batches)/([^/]+)(/content|/cancel)?$")   # a file's or a batch's routes
 # (Ray Serve's proxy sets ``x-request-id`` itself: the client's own id, or a new one, which it also passes
 # on in the request, so the replica answers and logs the same id)
 _DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection", "x-request-id"}
@@ -259,12 +262,15 @@ class Frontend:
         conversation = _CONVERSATION_PATH.match(path)
         if conversation is not None:
             return RoutingHints(stored_response=conversation.group(1))
+        held = _HELD_PATH.match(path)
+        if held is not None:
+            return RoutingHints(stored_response=held.group(1))
         stored = _STORED_PATH.match(path)
         if stored is not None and path != _COUNT_PATH:
             suffix = stored.group(2)
             if method in (("POST",) if suffix == "/cancel" else ("GET",) if suffix else ("GET", "DELETE")):
                 return RoutingHints(stored_response=stored.group(1))
-        if method != "POST" or path not in (*ROUTED_PATHS, _COUNT_PATH):
+        if method != "POST" or path not in (*ROUTED_PATHS, _COUNT_PATH, _BATCHES_PATH):
             return RoutingHints()
         try:
             parsed = json.loads(body)
@@ -272,6 +278,9 @@ class Frontend:
             return RoutingHints()
         if not isinstance(parsed, dict):
             return RoutingHints()
+        if path == _BATCHES_PATH:   # a batch runs where its input file is
+            file_id = parsed.get("input_file_id")
+            return RoutingHints(stored_response=file_id if isinstance(file_id, str) else None)
         if path == _COUNT_PATH:   # (nothing runs: no prefix or session is placed by it)
             return RoutingHints(stored_response=stored_state(parsed))
         try:
@@ -281,12 +290,12 @@ class Frontend:
 
     def _note_tool_calls(self, replica: str, content: bytes) -> None:
         """Remember what ``replica``'s answer leaves there: the contexts parked on its client-side
-        tool calls, and Responses API responses and conversations it stored."""
+        tool calls, and Responses API responses, conversations, files and batches it stored."""
         if b'"tool_calls"' in content or b'"function_call"' in content:
             ids = _CALL_ID.findall(content.decode("utf-8", "replace"))
             if ids:
                 self.router.parked(replica, ids)
-        if b'"resp_' in content or b'"conv_' in content:
+        if any(prefix in content for prefix in (b'"resp_', b'"conv_', b'"file-', b'"batch_')):
             self.router.stored(replica, list(dict.fromkeys(_STORED_ID.findall(content.decode("utf-8", "replace")))))
 
 

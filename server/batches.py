@@ -1,0 +1,251 @@
+"""OpenAI's Files and Batch APIs on the server: ``/v1/files`` and ``/v1/batches``.
+
+A client uploads a batch input file (``POST /v1/files``, ``purpose: "batch"``; the
+JSONL of ``jaxserve run-batch``), creates a batch on it (``POST /v1/batches``),
+polls it (``GET /v1/batches/{id}``) and downloads its output and error files
+(``GET /v1/files/{id}/content``), as with OpenAI's (the official ``openai``
+client's ``files`` and ``batches``).
+
+- A batch's file is checked whole when the batch is created (``server.batch.parse_batch``:
+  every line a request to the batch's ``endpoint`` for the served model): a bad
+  file makes a ``failed`` batch whose ``errors`` name each bad line, and nothing runs.
+- Its requests are served by this same app, in-process (``asgi_bridge.call_app``,
+  with the creator's ``Authorization``), at most ``concurrency`` at a time, so a
+  batch leaves room for interactive requests under ``--max-concurrent-requests``.
+  They are scheduled by the engine's policy like any request (no lower priority).
+- Output lines (``server.batch.serve_request``'s, OpenAI's format) go to the batch's
+  output file when their status is below 400, to its error file otherwise; each file
+  exists once it has a line. ``request_counts`` follows the run.
+- ``POST /v1/batches/{id}/cancel`` stops it: ``cancelling``, then ``cancelled`` with
+  the files of what had ended.
+
+Files and batches are kept in memory, per API key (a key sees only its own), within
+``max_bytes`` of file content; a restart loses them (their requests' results too),
+and batches running at shutdown end ``cancelled``. Used from the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
+from server.errors import APIError
+from server.responses import items_page
+
+log = logging.getLogger("jaxserve.server")
+
+FILE_PURPOSES = ("batch",)              # what may be uploaded (outputs are "batch_output")
+COMPLETION_WINDOWS = ("24h",)           # OpenAI's only window; not enforced: a batch runs until it ends
+MAX_FILE_STORE_BYTES = 1 << 30          # all files' content together
+MAX_LISTED_BATCH_ERRORS = 100           # a failed batch's ``errors`` name at most this many lines
+
+
+@dataclass
+class StoredFile:
+    """One file: its ``data`` and what the API says of it."""
+    id: str
+    owner: str
+    filename: str
+    purpose: str
+    data: bytes
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def object(self) -> dict:
+        return {"id": self.id, "object": "file", "bytes": len(self.data), "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
+                "status_details": None}
+
+
+class FileStore:
+    """Files by id, per owner, within ``max_bytes`` of content (an upload past it is a 413;
+    deleting files makes room)."""
+
+    def __init__(self, max_bytes: int = MAX_FILE_STORE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._files: OrderedDict[str, StoredFile] = OrderedDict()
+
+    def add(self, owner: str, filename: str, purpose: str, data: bytes) -> StoredFile:
+        if self.num_bytes + len(data) > self.max_bytes:
+            raise APIError(413, f"file: the server keeps at most {self.max_bytes} bytes of files and holds "
+                           f"{self.num_bytes}; delete files to make room", param="file", code="file_store_full")
+        stored = StoredFile(f"file-{uuid.uuid4().hex}", owner, filename, purpose, data)
+        self._files[stored.id] = stored
+        self.num_bytes += len(data)
+        return stored
+
+    def get(self, file_id: str, owner: str) -> StoredFile:
+        """The file, or a 404 (also for another key's)."""
+        stored = self._files.get(file_id)
+        if stored is None or stored.owner != owner:
+            raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+        return stored
+
+    def delete(self, file_id: str, owner: str) -> dict:
+        stored = self.get(file_id, owner)
+        del self._files[file_id]
+        self.num_bytes -= len(stored.data)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def page(self, owner: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
+        files = [f.object() for f in self._files.values()
+                 if f.owner == owner and (purpose is None or f.purpose == purpose)]
+        return items_page(files, limit, order, after, "your files")
+
+
+@dataclass
+class BatchJob:
+    """One batch: its OpenAI ``Batch`` fields and, while it runs, its task."""
+    id: str
+    owner: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    metadata: dict | None
+    status: str = "validating"
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    times: dict[str, int] = field(default_factory=dict)   # in_progress_at, completed_at, ... as they happen
+    total: int = 0
+    completed: int = 0
+    failed_count: int = 0
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict] | None = None
+    task: asyncio.Task | None = None
+
+    def become(self, status: str) -> None:
+        self.status = status
+        self.times[f"{status}_at"] = int(time.time())
+
+    def object(self) -> dict:
+        times = {f"{s}_at": self.times.get(f"{s}_at") for s in
+                 ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")}
+        return {"id": self.id, "object": "batch", "endpoint": self.endpoint, "model": None,
+                "errors": None if self.errors is None else {"object": "list", "data": self.errors},
+                "input_file_id": self.input_file_id, "completion_window": self.completion_window,
+                "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
+                "created_at": self.created_at, "expires_at": self.created_at + 24 * 3600, **times,
+                "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed_count},
+                "usage": None, "metadata": self.metadata}
+
+
+class Batches:
+    """The server's batches: created on a stored file, run by ``app`` in-process."""
+
+    def __init__(self, files: FileStore, model_name: str, concurrency: int) -> None:
+        self.files, self.model_name, self.concurrency = files, model_name, concurrency
+        self.app = None   # set once the app exists (``create_app``): the batches' requests go through it
+        self._jobs: OrderedDict[str, BatchJob] = OrderedDict()
+
+    def create(self, owner: str, authorization: str | None, input_file_id: str, endpoint: str,
+               completion_window: str, metadata: dict | None) -> BatchJob:
+        """A batch on ``input_file_id``: ``failed`` at once if the file has bad lines, else
+        running. Bad arguments are 400s naming them; an unknown file a 404."""
+        if endpoint not in BATCH_URLS:
+            raise APIError(400, f"endpoint: must be one of {', '.join(BATCH_URLS)}, got {endpoint!r}",
+                           param="endpoint")
+        if completion_window not in COMPLETION_WINDOWS:
+            raise APIError(400, f"completion_window: must be one of {', '.join(COMPLETION_WINDOWS)}, got "
+                           f"{completion_window!r}", param="completion_window")
+        source = self.files.get(input_file_id, owner)
+        if source.purpose != "batch":
+            raise APIError(400, f"input_file_id: {input_file_id} was uploaded for {source.purpose!r}, not 'batch'",
+                           param="input_file_id")
+        job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, endpoint, input_file_id, completion_window, metadata)
+        self._jobs[job.id] = job
+        try:
+            text = source.data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            requests, problems = [], [f"line 1: the file is not UTF-8 ({e.reason})"]
+        else:
+            requests, problems = parse_batch(text, self.model_name, endpoint)
+        if problems or not requests:
+            job.errors = [_line_error(p) for p in problems[:MAX_LISTED_BATCH_ERRORS]] or \
+                [{"code": "empty_file", "message": "the file holds no request", "param": None, "line": None}]
+            job.become("failed")
+            return job
+        job.total = len(requests)
+        job.become("in_progress")
+        job.task = asyncio.get_running_loop().create_task(self._run(job, requests, authorization))
+        return job
+
+    def get(self, batch_id: str, owner: str) -> BatchJob:
+        job = self._jobs.get(batch_id)
+        if job is None or job.owner != owner:
+            raise APIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
+        return job
+
+    def page(self, owner: str, limit: int, after: str | None) -> dict:
+        """Newest first, as OpenAI lists batches."""
+        jobs = [j.object() for j in self._jobs.values() if j.owner == owner]
+        return items_page(jobs, limit, "desc", after, "your batches")
+
+    async def cancel(self, batch_id: str, owner: str) -> BatchJob:
+        """Stop a running batch (its files keep what had ended); an ended one is left as it is."""
+        job = self.get(batch_id, owner)
+        if job.task is not None and not job.task.done():
+            job.become("cancelling")
+            job.task.cancel()
+            await asyncio.wait({job.task})
+        return job
+
+    async def close(self) -> None:
+        """Cancel every running batch (server shutdown)."""
+        running = [j.task for j in self._jobs.values() if j.task is not None and not j.task.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+
+    async def _run(self, job: BatchJob, requests: list[BatchRequest], authorization: str | None) -> None:
+        outputs: list[bytes] = []
+        errors: list[bytes] = []
+
+        def write(line: dict) -> None:
+            bad = failed(line) or line["response"]["status_code"] >= 400
+            (errors if bad else outputs).append(json.dumps(line).encode() + b"\n")
+            if bad:
+                job.failed_count += 1
+            else:
+                job.completed += 1
+
+        headers = [("authorization", authorization)] if authorization else []
+        try:
+            await run_batch(self.app, requests, write, self.concurrency, headers=headers)
+        except asyncio.CancelledError:
+            self._finish(job, outputs, errors, "cancelled")
+            raise
+        except Exception as e:   # noqa: BLE001 - a broken run fails its batch, not the server
+            log.exception("batch %s failed", job.id)
+            job.errors = [{"code": "server_error", "message": f"{type(e).__name__}: {e}", "param": None,
+                           "line": None}]
+            self._finish(job, outputs, errors, "failed")
+        else:
+            job.become("finalizing")
+            self._finish(job, outputs, errors, "completed")
+
+    def _finish(self, job: BatchJob, outputs: list[bytes], errors: list[bytes], status: str) -> None:
+        """Store the run's output and error files (those with lines) and end ``job`` as ``status``."""
+        for lines, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
+            if lines:
+                try:
+                    stored = self.files.add(job.owner, f"{job.id}_{attr[:-8]}.jsonl", "batch_output", b"".join(lines))
+                except APIError as e:   # the store is full: the batch fails rather than drop lines unsaid
+                    job.errors = [{"code": "file_store_full", "message": e.message, "param": None, "line": None}]
+                    status = "failed"
+                    continue
+                setattr(job, attr, stored.id)
+        job.become(status)
+
+
+def _line_error(problem: str) -> dict:
+    """``"line N: why"`` (``parse_batch``) as an entry of a failed batch's ``errors``."""
+    head, _, message = problem.partition(": ")
+    line = int(head.split()[1]) if head.startswith("line ") and head.split()[1].isdigit() else None
+    return {"code": "invalid_request", "message": message or problem, "param": None, "line": line}
