@@ -16,7 +16,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("jaxserve.generate_cli", "generate text from prompts (the main job: smollm2-135m, see README)"),
     "serve": ("server.cli", "run the OpenAI-compatible HTTP server"),
-    "run-batch": ("server.batch", "run an OpenAI batch file (JSONL of chat, completions and responses "
+    "run-batch": ("server.batch_cli", "run an OpenAI batch file (JSONL of chat, completions and responses "
                   "requests) offline"),
     "replay": ("jaxserve.replay.cli", "replay a workload trace and compare scheduling policies"),
     "profile": ("jaxserve.profiling", "measure the cost model (T_fwd, host<->device bandwidth) of this device"),

@@ -9,7 +9,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tool_format import function_tools, prepare_chat
+from jaxserve.chat import RESERVED_TEMPLATE_KWARGS, function_tools, render_chat, template_message
 
 
 class LLM:
@@ -30,46 +30,63 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None, use_tqdm: bool = False,
+             tools: list[dict] | None = None, tool_choice: str = "auto", chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, use_tqdm: bool = False,
              parse_reasoning: bool | None = None) -> list[RequestOutput]:
         """Reply to each conversation: ``messages`` is one conversation (OpenAI-style message
-        dicts: ``role``, ``content``, an assistant's ``tool_calls``, a tool's
-        ``tool_call_id``) or a list of them; returns final outputs in input order.
+        dicts: ``role``, ``content`` as a string or text parts, an assistant's ``tool_calls``
+        and ``reasoning_content``, a tool's ``tool_call_id``) or a list of them; returns
+        final outputs in input order.
 
         Each is rendered with the model's chat template as ``/v1/chat/completions``
-        renders it: with a generation prompt, the given ``tools`` (OpenAI tool dicts)
-        and then the engine's registered tools they do not shadow, through the
-        template's own tool support or, for a template without it, the tool-call
-        format's system prompt (``tool_format.prepare_chat``). Whenever tools are
-        advertised, calls are parsed in the model's format: a registered tool runs
-        inside the engine and the reply goes on; a call to one of ``tools`` ends its
-        request with ``finish_reason == "tool_calls"`` and the calls in ``tool_calls``.
-        ``chat_template_kwargs``: more template variables (``enable_thinking``, say).
-        A conversation the template rejects is a ``ValueError`` naming ``messages``, and
-        nothing is queued.
+        renders it (``jaxserve.chat``: the same checks, normalization and rendering): the
+        given ``tools`` (OpenAI tool dicts) and then the engine's registered tools they do
+        not shadow, through the template's own tool support or, for a template without
+        it, the tool-call format's system prompt. ``tool_choice`` ``"none"`` advertises no
+        tools and parses no calls. Otherwise calls are parsed in the model's format: a
+        registered tool runs inside the engine and the reply goes on; a call to one of
+        ``tools`` ends its request with ``finish_reason == "tool_calls"`` and the calls in
+        ``tool_calls`` (``text`` keeps the call's markup as the model wrote it, which the
+        server hides). ``add_generation_prompt`` opens the assistant's turn;
+        ``continue_final_message`` instead leaves the last message open for the model to
+        continue (an assistant prefill). ``chat_template_kwargs``: more template variables
+        (``enable_thinking``, say). ``parse_reasoning``: as ``generate``'s.
+
+        Bad input is a ``ValueError`` naming the argument (``messages[i].content``,
+        ``tools[0]``...), and nothing is queued.
         """
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("messages: this model has no chat template to render them with")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not conversations or not all(isinstance(c, list) and c and all(isinstance(m, dict) and
-                                                                          isinstance(m.get("role"), str) for m in c)
-                                        for c in conversations):
-            raise ValueError("messages: one conversation (a non-empty list of message dicts with a 'role') "
-                             "or a list of them")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: one conversation (a list of message dicts) or a list of them")
+        many = not isinstance(messages[0], dict)
+        conversations = messages if many else [messages]
+        if tool_choice not in ("auto", "none"):
+            raise ValueError(f"tool_choice: 'auto' or 'none' (a forced call: SamplingParams(structured="
+                             f"StructuredOutput.tool_call(...))), got {tool_choice!r}")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or ()))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are chat()'s to set")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message: the last message cannot be continued under a new "
+                             "generation prompt; set add_generation_prompt=False")
         declared = function_tools(tools or [])
         names = {t["function"]["name"] for t in declared}
-        advertised = declared + [t.openai_schema() for name, t in self.engine.tools.items() if name not in names]
-        options = {**(chat_template_kwargs or {}), "add_generation_prompt": True}
+        advertised = [] if tool_choice == "none" else \
+            declared + [t.openai_schema() for name, t in self.engine.tools.items() if name not in names]
+        options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message}
         prompts = []
-        for conversation in conversations:
-            rendered, tool_defs = prepare_chat(conversation, advertised or None, self.engine.tool_format,
-                                               tok.chat_template)
+        for i, conversation in enumerate(conversations):
+            where = f"messages[{i}]" if many else "messages"
+            if not isinstance(conversation, list) or not conversation:
+                raise ValueError(f"{where}: a conversation is a non-empty list of message dicts")
+            rendered = [template_message(m, f"{where}[{j}]") for j, m in enumerate(conversation)]
             try:
-                text = tok.apply_chat_template(rendered, tools=tool_defs, tokenize=False, **options)
+                prompts.append(render_chat(tok, rendered, advertised, self.engine.tool_format, options))
             except Exception as e:   # noqa: BLE001 - jinja's errors (a role order the template refuses)
-                raise ValueError(f"messages: the chat template rejected them: {e}") from None
-            prompts.append(tok.encode(text, add_special_tokens=False))
+                raise ValueError(f"{where}: the chat template rejected them: {e}") from None
         return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm,
                              parse_reasoning=parse_reasoning, parse_tool_calls=bool(advertised))
 

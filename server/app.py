@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.constraints import StructuredOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tool_format import get_format, prepare_chat
+from jaxserve.chat import render_chat
+from jaxserve.tool_format import get_format
 from jaxserve.tools import Tool, normalize_tools
 from server.background import BackgroundRun, BackgroundRuns
 from server.batches import FILE_PURPOSES, Batches, FileStore
@@ -805,9 +806,7 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
                              "messages")
 
     def render(tok):
-        msgs, tool_defs = prepare_chat(messages, tools or None, state.tool_format, tok.chat_template)
-        text = tok.apply_chat_template(msgs, tools=tool_defs, tokenize=False, **body.template_options())
-        return tok.encode(text, add_special_tokens=False)
+        return render_chat(tok, messages, tools, state.tool_format, body.template_options())
 
     try:
         ids = await state.tokenize(render)

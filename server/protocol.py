@@ -22,16 +22,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from jaxserve.sampling_params import (INT32_MAX, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_CHARS,
                                       REPETITION_RANGE)
-from jaxserve.tool_format import function_tool
+from jaxserve.chat import RESERVED_TEMPLATE_KWARGS, function_tool, template_message
 
 MAX_N = 16
 MAX_STOP_TOKEN_IDS = 64
-# ``apply_chat_template``'s own arguments: ``chat_template_kwargs`` may not set them (the
-# template, the tools and the rendering mode are the server's to choose from the request).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _valid_unicode(v: str) -> str:
@@ -257,21 +251,8 @@ class ChatMessage(_Request):
     reasoning: Text | None = None
 
     def template_dict(self) -> dict:
-        """The message as the chat template sees it (text parts joined)."""
-        content = joined_text(self.content) if self.content is not None else None
-        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        if reasoning is not None and self.role == "assistant":
-            out["reasoning_content"] = reasoning
-        if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+        """The message as the chat template sees it (``jaxserve.chat.template_message``)."""
+        return template_message(self.model_dump(exclude_none=True))
 
 
 class FunctionDef(_Request):

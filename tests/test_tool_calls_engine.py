@@ -45,13 +45,39 @@ def test_chat_renders_each_conversation_as_the_server_does(tool_checkpoint, tmp_
     assert out.prompt_token_ids == weather.prompt_ids   # (a field templates are not given is left out)
     assert out.finish_reason == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
-    with pytest.raises(ValueError, match="^messages"):
-        llm.chat([])
-    with pytest.raises(ValueError, match="^messages"):
-        llm.chat([{"content": "no role"}])
-    with pytest.raises(ValueError, match=r"^tools\[1\]"):
-        llm.chat([{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL, {"type": "function"}])
+    # The follow-up turn, its call and result given back as a client sends them (text parts,
+    # dict arguments): the very ids the server renders, and the trained answer after them.
+    answer_len = len(weather.full_ids) - max(i for i, m in enumerate(weather.generated_mask) if not m) - 1
+    follow = [{"role": "user", "content": [{"type": "text", "text": "weather in "}, {"type": "text", "text": "Paris?"}]},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+              {"role": "tool", "tool_call_id": "call_0", "content": weather.result}]
+    [out] = llm.chat(follow, GREEDY, tools=[WEATHER_TOOL])
+    assert out.prompt_token_ids == weather.full_ids[:-answer_len]
+    assert out.token_ids == weather.full_ids[-answer_len:] and out.finish_reason == "stop"
+    user = {"role": "user", "content": "hi"}
+    for bad, match in [([], r"^messages"), ([{"content": "no role"}], r"^messages\[0\]\.role"),
+                       ([user, {"role": "robot", "content": "x"}], r"^messages\[1\]\.role"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                        r"^messages\[0\]\.content"),
+                       ([{"role": "assistant", "tool_calls": "oops"}], r"^messages\[0\]\.tool_calls"),
+                       ([[user], [{"role": "user", "content": 7}]], r"^messages\[1\]\[0\]\.content"),
+                       ({"role": "user", "content": "a dict"}, r"^messages")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(bad)
+    for kwargs, match in [(dict(tools=[WEATHER_TOOL, {"type": "function"}]), r"^tools\[1\]"),
+                          (dict(tools=[WEATHER_TOOL, WEATHER_TOOL]), r"^tools\[1\]: a second tool"),
+                          (dict(tools=WEATHER_TOOL), r"^tools: a list"),
+                          (dict(chat_template_kwargs={"tools": []}), r"^chat_template_kwargs: tools"),
+                          (dict(tool_choice="required"), r"^tool_choice"),
+                          (dict(continue_final_message=True), r"^continue_final_message")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat([user], **kwargs)
     assert not llm.engine.scheduler.requests   # nothing was queued by the refused calls
+    # tool_choice "none": no tool advertised, no call parsed (the prompt is the bare chat's).
+    [bare] = llm.chat([user], SamplingParams(max_tokens=2, temperature=0.0), tool_choice="none")
+    assert bare.prompt_token_ids == llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [user], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
 
 
 @pytest.mark.parametrize("handling", ["preserve", "discard", "swap"])

@@ -47,32 +47,6 @@ def select_format(name: str | None, chat_template: str | None) -> ToolFormat:
     return get_format(name) if name else detect_format(chat_template)
 
 
-def function_tool(name: str, description: str | None = None, parameters: dict | None = None) -> dict:
-    """An OpenAI function tool as a chat template is handed it: ``description`` only when
-    given, ``parameters`` an empty object schema when not."""
-    fn = {"name": name}
-    if description is not None:
-        fn["description"] = description
-    fn["parameters"] = parameters or {"type": "object", "properties": {}}
-    return {"type": "function", "function": fn}
-
-
-def function_tools(tools: list[dict], field: str = "tools") -> list[dict]:
-    """OpenAI tool dicts (``{"type": "function", "function": {"name", "description"?,
-    "parameters"?}}``) as ``function_tool`` writes them; ``ValueError`` naming ``field``
-    for one that is not such a dict."""
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"] \
-                or not isinstance(fn.get("description", ""), (str, type(None))) \
-                or not isinstance(fn.get("parameters", {}), (dict, type(None))):
-            raise ValueError(f"{field}[{i}]: expected {{'type': 'function', 'function': {{'name': str, "
-                             f"'description'?: str, 'parameters'?: JSON Schema}}}}, got {tool!r}"[:300])
-        out.append(function_tool(fn["name"], fn.get("description"), fn.get("parameters")))
-    return out
-
-
 def template_supports_tools(chat_template: str | None) -> bool:
     """Whether the chat template renders a ``tools`` argument at all."""
     return "tools" in (chat_template or "")
@@ -117,5 +91,5 @@ def _args_text(arguments) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "ParsedToolCall", "ToolFormat", "detect_format", "function_tool",
-           "function_tools", "get_format", "prepare_chat", "select_format", "template_supports_tools"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "ParsedToolCall", "ToolFormat", "detect_format", "get_format",
+           "prepare_chat", "select_format", "template_supports_tools"]
