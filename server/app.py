@@ -292,6 +292,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
             raise APIError(400, f"purpose: this server takes files for {', '.join(FILE_PURPOSES)}, got {purpose!r}",
                            param="purpose")
         data = await file.read()
+        if len(data) > max_upload_bytes:
+            raise APIError(413, f"file: {len(data)} bytes; this server takes files of at most {max_upload_bytes} "
+                           f"bytes (--max-upload-bytes)", param="file", code="request_too_large")
         return state.files.add(_owner(request, None), file.filename or "upload.jsonl", purpose, data).object()
 
     @app.get("/v1/files")

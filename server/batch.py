@@ -43,6 +43,7 @@ import logging
 import os
 import uuid
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -80,6 +81,9 @@ def parse_batch(text: str, model_name: str, endpoint: str | None = None) -> tupl
             entry = json.loads(raw)
         except json.JSONDecodeError as e:
             errors.append(f"line {number}: not JSON ({e.msg} at column {e.colno})")
+            continue
+        except RecursionError:
+            errors.append(f"line {number}: not JSON this server reads (nested too deeply)")
             continue
         if not isinstance(entry, dict):
             errors.append(f"line {number}: expected a JSON object, got {type(entry).__name__}")
@@ -193,12 +197,14 @@ def _failed(request: BatchRequest, error: BaseException) -> dict:
 
 
 async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], None],
-                    concurrency: int = 256, headers: list[tuple[str, str]] = ()) -> Counter:
+                    concurrency: int = 256, headers: list[tuple[str, str]] = (),
+                    gate: asyncio.Semaphore | None = None) -> Counter:
     """Serve ``requests`` with ``app`` (started: its lifespan running), ``concurrency`` at a
-    time in input order (``headers``: as ``serve_request``'s), calling ``write`` with each
-    one's output line as it ends. Returns
-    the count of lines by status code (``"error"`` for lines that are no HTTP answer) and,
-    under ``"retried"``, of requests that were refused for a while (429)."""
+    time in input order (``headers``: as ``serve_request``'s; ``gate``: a semaphore each
+    request also holds while it is served, shared with other batches), calling ``write``
+    with each one's output line as it ends. Returns the count of lines by status code
+    (``"error"`` for lines that are no HTTP answer) and, under ``"retried"``, of requests
+    that were refused for a while (429). A ``write`` that raises stops every worker."""
     statuses: Counter = Counter()
     pending = iter(requests)
 
@@ -208,14 +214,20 @@ async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], N
     async def worker() -> None:
         for request in pending:   # (one iterator shared by the workers: each request is taken once)
             try:
-                line = await serve_request(app, request, retried, headers)
+                async with gate or nullcontext():
+                    line = await serve_request(app, request, retried, headers)
             except Exception as e:   # noqa: BLE001 - one request's failure is its line, not the batch's end
                 log.exception("batch request %s (line %d) failed", request.custom_id, request.line)
                 line = _failed(request, e)
             statuses[line["response"]["status_code"] if line["response"] else "error"] += 1
             write(line)
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+    try:
+        async with asyncio.TaskGroup() as workers:
+            for _ in range(min(concurrency, len(requests))):
+                workers.create_task(worker())
+    except* Exception as group:   # (the first failure, as itself: the others were the workers stopped for it)
+        raise group.exceptions[0] from None
     return statuses
 
 

@@ -44,6 +44,8 @@ FILE_PURPOSES = ("batch",)              # what may be uploaded (outputs are "bat
 COMPLETION_WINDOWS = ("24h",)           # OpenAI's only window; not enforced: a batch runs until it ends
 MAX_FILE_STORE_BYTES = 1 << 30          # all files' content together
 MAX_LISTED_BATCH_ERRORS = 100           # a failed batch's ``errors`` name at most this many lines
+MAX_ENDED_BATCHES = 1000                # ended batches kept (their files stay until deleted); older ones forgotten
+ENDED = ("completed", "failed", "cancelled", "expired")
 
 
 @dataclass
@@ -71,8 +73,10 @@ class FileStore:
         self.num_bytes = 0
         self._files: OrderedDict[str, StoredFile] = OrderedDict()
 
-    def add(self, owner: str, filename: str, purpose: str, data: bytes) -> StoredFile:
-        if self.num_bytes + len(data) > self.max_bytes:
+    def add(self, owner: str, filename: str, purpose: str, data: bytes, force: bool = False) -> StoredFile:
+        """Store ``data``; past ``max_bytes`` a 413, unless ``force`` (a batch's results, which
+        are never dropped: the uploads after them are refused until files are deleted)."""
+        if not force and self.num_bytes + len(data) > self.max_bytes:
             raise APIError(413, f"file: the server keeps at most {self.max_bytes} bytes of files and holds "
                            f"{self.num_bytes}; delete files to make room", param="file", code="file_store_full")
         stored = StoredFile(f"file-{uuid.uuid4().hex}", owner, filename, purpose, data)
@@ -82,10 +86,7 @@ class FileStore:
 
     def get(self, file_id: str, owner: str) -> StoredFile:
         """The file, or a 404 (also for another key's)."""
-        stored = self._files.get(file_id)
-        if stored is None or stored.owner != owner:
-            raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-        return stored
+        return _owned(self._files, file_id, owner, "file")
 
     def delete(self, file_id: str, owner: str) -> dict:
         stored = self.get(file_id, owner)
@@ -104,6 +105,7 @@ class BatchJob:
     """One batch: its OpenAI ``Batch`` fields and, while it runs, its task."""
     id: str
     owner: str
+    model: str
     endpoint: str
     input_file_id: str
     completion_window: str
@@ -119,6 +121,10 @@ class BatchJob:
     errors: list[dict] | None = None
     task: asyncio.Task | None = None
 
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
     def become(self, status: str) -> None:
         self.status = status
         self.times[f"{status}_at"] = int(time.time())
@@ -126,7 +132,7 @@ class BatchJob:
     def object(self) -> dict:
         times = {f"{s}_at": self.times.get(f"{s}_at") for s in
                  ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")}
-        return {"id": self.id, "object": "batch", "endpoint": self.endpoint, "model": None,
+        return {"id": self.id, "object": "batch", "endpoint": self.endpoint, "model": self.model,
                 "errors": None if self.errors is None else {"object": "list", "data": self.errors},
                 "input_file_id": self.input_file_id, "completion_window": self.completion_window,
                 "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
@@ -139,14 +145,17 @@ class Batches:
     """The server's batches: created on a stored file, run by ``app`` in-process."""
 
     def __init__(self, files: FileStore, model_name: str, concurrency: int) -> None:
+        """``concurrency``: requests of all batches together in flight at once."""
         self.files, self.model_name, self.concurrency = files, model_name, concurrency
         self.app = None   # set once the app exists (``create_app``): the batches' requests go through it
+        self._gate = asyncio.Semaphore(concurrency)
         self._jobs: OrderedDict[str, BatchJob] = OrderedDict()
 
     def create(self, owner: str, authorization: str | None, input_file_id: str, endpoint: str,
                completion_window: str, metadata: dict | None) -> BatchJob:
-        """A batch on ``input_file_id``: ``failed`` at once if the file has bad lines, else
-        running. Bad arguments are 400s naming them; an unknown file a 404."""
+        """A batch on ``input_file_id``, ``validating`` its file (off the event loop), then
+        ``failed`` if it has bad lines, else ``in_progress``. Bad arguments are 400s naming
+        them; an unknown file a 404."""
         if endpoint not in BATCH_URLS:
             raise APIError(400, f"endpoint: must be one of {', '.join(BATCH_URLS)}, got {endpoint!r}",
                            param="endpoint")
@@ -157,29 +166,17 @@ class Batches:
         if source.purpose != "batch":
             raise APIError(400, f"input_file_id: {input_file_id} was uploaded for {source.purpose!r}, not 'batch'",
                            param="input_file_id")
-        job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, endpoint, input_file_id, completion_window, metadata)
+        job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, self.model_name, endpoint, input_file_id, completion_window,
+                       metadata)
+        self._forget_old()
         self._jobs[job.id] = job
-        try:
-            text = source.data.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            requests, problems = [], [f"line 1: the file is not UTF-8 ({e.reason})"]
-        else:
-            requests, problems = parse_batch(text, self.model_name, endpoint)
-        if problems or not requests:
-            job.errors = [_line_error(p) for p in problems[:MAX_LISTED_BATCH_ERRORS]] or \
-                [{"code": "empty_file", "message": "the file holds no request", "param": None, "line": None}]
-            job.become("failed")
-            return job
-        job.total = len(requests)
-        job.become("in_progress")
-        job.task = asyncio.get_running_loop().create_task(self._run(job, requests, authorization))
+        job.task = asyncio.get_running_loop().create_task(self._run(job, source.data, authorization))
+        job.task.add_done_callback(lambda task: self._settle(job, task))
         return job
 
     def get(self, batch_id: str, owner: str) -> BatchJob:
-        job = self._jobs.get(batch_id)
-        if job is None or job.owner != owner:
-            raise APIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        return job
+        """The batch, or a 404 (also for another key's)."""
+        return _owned(self._jobs, batch_id, owner, "batch")
 
     def page(self, owner: str, limit: int, after: str | None) -> dict:
         """Newest first, as OpenAI lists batches."""
@@ -190,8 +187,9 @@ class Batches:
         """Stop a running batch (its files keep what had ended); an ended one is left as it is."""
         job = self.get(batch_id, owner)
         if job.task is not None and not job.task.done():
-            job.become("cancelling")
-            job.task.cancel()
+            if job.status != "cancelling":   # (a second cancel waits for the first)
+                job.become("cancelling")
+                job.task.cancel()
             await asyncio.wait({job.task})
         return job
 
@@ -203,7 +201,7 @@ class Batches:
         if running:
             await asyncio.wait(running)
 
-    async def _run(self, job: BatchJob, requests: list[BatchRequest], authorization: str | None) -> None:
+    async def _run(self, job: BatchJob, data: bytes, authorization: str | None) -> None:
         outputs: list[bytes] = []
         errors: list[bytes] = []
 
@@ -217,7 +215,15 @@ class Batches:
 
         headers = [("authorization", authorization)] if authorization else []
         try:
-            await run_batch(self.app, requests, write, self.concurrency, headers=headers)
+            requests, problems = await asyncio.to_thread(_parse, data, self.model_name, job.endpoint)
+            if problems or not requests:
+                job.errors = [_line_error(p) for p in problems[:MAX_LISTED_BATCH_ERRORS]] or \
+                    [{"code": "empty_file", "message": "the file holds no request", "param": None, "line": None}]
+                job.become("failed")
+                return
+            job.total = len(requests)
+            job.become("in_progress")
+            await run_batch(self.app, requests, write, self.concurrency, headers, gate=self._gate)
         except asyncio.CancelledError:
             self._finish(job, outputs, errors, "cancelled")
             raise
@@ -230,18 +236,42 @@ class Batches:
             job.become("finalizing")
             self._finish(job, outputs, errors, "completed")
 
+    @staticmethod
+    def _settle(job: BatchJob, task: asyncio.Task) -> None:
+        """A batch whose task ended without ending it (cancelled before its first step) ends now."""
+        if not job.ended:
+            job.become("cancelled" if task.cancelled() else "failed")
+
+    def _forget_old(self) -> None:
+        """Drop the oldest ended batches past ``MAX_ENDED_BATCHES`` (their files stay)."""
+        ended = [j.id for j in self._jobs.values() if j.ended]
+        for batch_id in ended[:max(0, len(ended) - MAX_ENDED_BATCHES + 1)]:
+            del self._jobs[batch_id]
+
     def _finish(self, job: BatchJob, outputs: list[bytes], errors: list[bytes], status: str) -> None:
         """Store the run's output and error files (those with lines) and end ``job`` as ``status``."""
         for lines, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
             if lines:
-                try:
-                    stored = self.files.add(job.owner, f"{job.id}_{attr[:-8]}.jsonl", "batch_output", b"".join(lines))
-                except APIError as e:   # the store is full: the batch fails rather than drop lines unsaid
-                    job.errors = [{"code": "file_store_full", "message": e.message, "param": None, "line": None}]
-                    status = "failed"
-                    continue
-                setattr(job, attr, stored.id)
+                name = f"{job.id}_{attr.removesuffix('_file_id')}.jsonl"
+                setattr(job, attr, self.files.add(job.owner, name, "batch_output", b"".join(lines), force=True).id)
         job.become(status)
+
+
+def _owned(items: dict, item_id: str, owner: str, kind: str):
+    """``items[item_id]`` if ``owner``'s, else a 404 naming ``kind`` (another key's ids are unknown ones)."""
+    item = items.get(item_id)
+    if item is None or item.owner != owner:
+        raise APIError(404, f"no {kind} {item_id!r}", param=f"{kind}_id", code=f"{kind}_not_found")
+    return item
+
+
+def _parse(data: bytes, model_name: str, endpoint: str) -> tuple[list[BatchRequest], list[str]]:
+    """``parse_batch`` of a stored file's bytes (UTF-8, a byte-order mark allowed)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        return [], [f"line 1: the file is not UTF-8 ({e.reason})"]
+    return parse_batch(text, model_name, endpoint)
 
 
 def _line_error(problem: str) -> dict:

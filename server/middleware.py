@@ -64,6 +64,10 @@ async def _send_error(send, error: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+MULTIPART_SLACK_BYTES = 1 << 20   # a form's boundaries and headers around an uploaded file
+UPLOAD_TIMEOUT_S = 600.0          # the least time an upload may take to arrive (200 MiB at ~3 Mbit/s)
+
+
 class GuardMiddleware:
     """Rejects requests without the API key (401; constant-time compare) and
     bodies over ``max_body_bytes`` (413). The body is read here, bounded, and
@@ -71,7 +75,8 @@ class GuardMiddleware:
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0,
                  upload_paths: frozenset[str] = frozenset(), max_upload_bytes: int = 0) -> None:
-        """``upload_paths``: routes that take files, whose bodies may reach ``max_upload_bytes``."""
+        """``upload_paths``: routes that take files, whose bodies may reach ``max_upload_bytes``
+        and ``MULTIPART_SLACK_BYTES`` of form around it, in at least ``UPLOAD_TIMEOUT_S``."""
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -88,7 +93,9 @@ class GuardMiddleware:
                 return await _send_error(send, APIError(
                     401, "missing or invalid API key: send 'Authorization: Bearer <key>'", param="authorization",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-        limit = self.max_upload_bytes if scope.get("path") in self.upload_paths else self.max_body_bytes
+        upload = scope.get("path") in self.upload_paths
+        limit = self.max_upload_bytes + MULTIPART_SLACK_BYTES if upload else self.max_body_bytes
+        timeout_s = max(self.body_timeout_s, UPLOAD_TIMEOUT_S) if upload else self.body_timeout_s
         too_large = APIError(413, f"request body exceeds {limit} bytes", param="body", code="request_too_large")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -96,13 +103,13 @@ class GuardMiddleware:
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
-        deadline = time.monotonic() + self.body_timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 return await _send_error(send, APIError(
-                    408, f"request body not received within {self.body_timeout_s:g} s", param="body",
+                    408, f"request body not received within {timeout_s:g} s", param="body",
                     code="request_timeout", headers={"Connection": "close"}))
             if message["type"] == "http.disconnect":
                 return None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -11,6 +12,7 @@ from collections import Counter
 
 from conftest_server import (CALC_ANSWER, CALC_USER, REPO, WEATHER_CALL, WEATHER_TOOL, WEATHER_USER)
 from server.batch import failed, parse_batch, summary
+from server.batches import Batches, FileStore
 
 # As the tool server of test_server runs it: the model was trained with record_note advertised.
 SIZES = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "640", "--max-num-seqs", "32",
@@ -148,3 +150,46 @@ def test_the_servers_failures_are_run_again_and_make_the_exit_status():
     line = summary(Counter({200: 7, 400: 1, 503: 2, "retried": 3}), 10, 1.25, None)
     assert line == ("jaxserve run-batch: 7 of 10 requests succeeded (1 x 400, 2 x 503 did not) in 1.2 s; 3 waited "
                     "for room (429) and were retried; 2 failed on the server's side: --resume runs them again")
+
+
+def test_batches_on_the_server_share_one_concurrency_limit_and_always_end():
+    """``server.batches`` against a stand-in app that counts the requests in flight: three
+    batches at once never hold more than the shared limit, each completes; a batch
+    cancelled before its first step still ends ``cancelled``; a line nested too deeply
+    fails its batch, naming the line."""
+    from fastapi import FastAPI
+
+    async def main():
+        app, seen = FastAPI(), {"now": 0, "most": 0}
+
+        @app.post("/v1/completions")
+        async def completions():
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+            await asyncio.sleep(0.01)
+            seen["now"] -= 1
+            return {"choices": []}
+
+        files = FileStore()
+        batches = Batches(files, "m", concurrency=3)
+        batches.app = app
+        rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
+                for i in range(10)]
+        source = files.add("me", "in.jsonl", "batch", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        jobs = [batches.create("me", None, source.id, "/v1/completions", "24h", None) for _ in range(3)]
+        await asyncio.wait({j.task for j in jobs})
+        assert [(j.status, j.completed, j.failed_count) for j in jobs] == [("completed", 10, 0)] * 3
+        assert seen["most"] == 3   # all three batches together, not three each
+        out = files.get(jobs[0].output_file_id, "me")
+        assert out.purpose == "batch_output" and len(out.data.splitlines()) == 10
+        early = batches.create("me", None, source.id, "/v1/completions", "24h", None)
+        early.task.cancel()
+        await asyncio.wait({early.task})
+        assert early.status == "cancelled" and early.object()["cancelled_at"] is not None
+        deep = files.add("me", "deep.jsonl", "batch", b"[" * 100_000 + b"\n")
+        nested = batches.create("me", None, deep.id, "/v1/completions", "24h", None)
+        await asyncio.wait({nested.task})
+        assert nested.status == "failed" and nested.errors[0]["line"] == 1
+        assert "nested too deeply" in nested.errors[0]["message"]
+
+    asyncio.run(main())

@@ -227,7 +227,8 @@ class Frontend:
             finally:
                 release()
             content = b"".join(chunks)
-            self._note_tool_calls(replica, content)
+            if not path.endswith("/content"):   # (a file's content is the client's data, not this replica's state)
+                self._note_tool_calls(replica, content)
             return Response(content, status_code=head["status"], headers=out_headers)
 
         finished = False
