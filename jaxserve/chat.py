@@ -10,7 +10,7 @@ import re
 from jaxserve.tool_format import ToolFormat, prepare_chat
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # OpenAI's function names
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # OpenAI's function names (the server's FunctionDef too)
 # ``apply_chat_template``'s own arguments: ``chat_template_kwargs`` may not set them (the
 # template, the tools and the rendering mode are the caller's to choose).
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -99,6 +99,13 @@ def function_tools(tools, field: str = "tools") -> list[dict]:
         seen.add(fn["name"])
         out.append(function_tool(fn["name"], fn.get("description"), fn.get("parameters")))
     return out
+
+
+def advertised_tools(declared: list[dict], registered: dict) -> list[dict]:
+    """The tools a chat is rendered with: ``declared`` (the request's, as ``function_tool``
+    writes them), then the ``registered`` ones (``jaxserve.Tool``s by name) they do not shadow."""
+    names = {t["function"]["name"] for t in declared}
+    return declared + [t.openai_schema() for name, t in registered.items() if name not in names]
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, tool_format: ToolFormat,

@@ -9,7 +9,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import ApiCall, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.chat import RESERVED_TEMPLATE_KWARGS, function_tools, render_chat, template_message
+from jaxserve.chat import (RESERVED_TEMPLATE_KWARGS, advertised_tools, function_tools, render_chat,
+                           template_message)
 
 
 class LLM:
@@ -72,9 +73,7 @@ class LLM:
             raise ValueError("continue_final_message: the last message cannot be continued under a new "
                              "generation prompt; set add_generation_prompt=False")
         declared = function_tools(tools or [])
-        names = {t["function"]["name"] for t in declared}
-        advertised = [] if tool_choice == "none" else \
-            declared + [t.openai_schema() for name, t in self.engine.tools.items() if name not in names]
+        advertised = [] if tool_choice == "none" else advertised_tools(declared, self.engine.tools)
         options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message}
         prompts = []

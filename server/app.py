@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.constraints import StructuredOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.chat import render_chat
+from jaxserve.chat import advertised_tools, render_chat
 from jaxserve.tool_format import get_format
 from jaxserve.tools import Tool, normalize_tools
 from server.background import BackgroundRun, BackgroundRuns
@@ -46,8 +46,9 @@ from server.metrics import ServerMetrics
 from server.middleware import CatchAllMiddleware, GuardMiddleware, RequestIdMiddleware
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (AllowedToolsChoice, BatchCreateRequest, ChatCompletionRequest, CompletionRequest,
-                             ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest, DetokenizeRequest, ModelCard,
-                             ModelList, ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
+                             ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest,
+                             DetokenizeRequest, ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest,
+                             TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
 from server.responses import ResponsesWire, chat_request, input_messages, items_page, responses_error
 from server.tokenizers import TokenizerPool
@@ -122,8 +123,7 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None,
-                 batch_concurrency: int | None = None) -> None:
+                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -146,9 +146,9 @@ class ServerState:
         # stored /v1/responses results (``previous_response_id``); in memory unless given one with a file
         self.responses = response_store if response_store is not None else ResponseStore()
         self.conversations = Conversations(self.responses)   # the Conversations API, kept in the same store
-        # The Files and Batch APIs; a batch's requests take at most half the concurrency limit by default.
+        # The Files and Batch APIs; all batches' requests together take at most half the concurrency limit.
         self.files = FileStore()
-        self.batches = Batches(self.files, served_model_name, batch_concurrency or max(1, max_concurrent_requests // 2))
+        self.batches = Batches(self.files, served_model_name, max(1, max_concurrent_requests // 2))
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -172,8 +172,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                tools: dict | list | None = None, paused_context_ttl_s: float = 60.0,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                max_fanout: int = MAX_FANOUT, body_timeout_s: float = 30.0,
-               response_store: ResponseStore | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES,
-               batch_concurrency: int | None = None) -> FastAPI:
+               response_store: ResponseStore | None = None, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
     """Build the app.
 
     ``tools``: the server-side tools to advertise; each must already be
@@ -184,8 +183,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     allowed to receive a request body (408 after). ``response_store``: where stored
     responses are kept (``ResponseStore(path=...)`` keeps them across restarts; None:
     a store in memory); the app closes it at shutdown. ``max_upload_bytes``: the largest
-    file ``POST /v1/files`` takes; ``batch_concurrency``: requests of one batch in flight at
-    once (default: half of ``max_concurrent_requests``).
+    file ``POST /v1/files`` takes.
     """
     if max_model_len is None or max_model_len < 2:
         raise ValueError("create_app needs max_model_len (the engine's context window, in tokens)")
@@ -200,8 +198,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                 raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
                                  f"AsyncEngine(..., tools=...) so the engine can run them")
     state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
-                        paused_context_ttl_s, max_fanout, response_store=response_store,
-                        batch_concurrency=batch_concurrency)
+                        paused_context_ttl_s, max_fanout, response_store=response_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -707,9 +704,7 @@ def _input_items_page(state: ServerState, response_id: str, owner: str, limit: i
 
 def _advertised_tools(state: ServerState, body: ChatCompletionRequest) -> list[dict]:
     """The request's tools, then the server's that it does not shadow (OpenAI tool dicts)."""
-    declared = [t.schema_dict() for t in body.tools or []]
-    names = {t["function"]["name"] for t in declared}
-    return declared + [t.openai_schema() for name, t in state.tools.items() if name not in names]
+    return advertised_tools([t.schema_dict() for t in body.tools or []], state.tools)
 
 
 def _structured(state: ServerState, body) -> StructuredOutput | None:

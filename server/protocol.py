@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from jaxserve.sampling_params import (INT32_MAX, MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_CHARS,
                                       REPETITION_RANGE)
-from jaxserve.chat import RESERVED_TEMPLATE_KWARGS, function_tool, template_message
+from jaxserve.chat import RESERVED_TEMPLATE_KWARGS, TOOL_NAME, function_tool, template_message
 
 MAX_N = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -256,7 +256,7 @@ class ChatMessage(_Request):
 
 
 class FunctionDef(_Request):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=TOOL_NAME.pattern)
     description: Text | None = None
     parameters: dict | None = None
 
@@ -560,7 +560,7 @@ class ResponseFunctionTool(_Request):
     API's flat form of a chat completions tool)."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=TOOL_NAME.pattern)
     description: Text | None = None
     parameters: dict | None = None
     strict: bool | None = None

@@ -173,8 +173,8 @@ def test_batches_on_the_server_share_one_concurrency_limit_and_always_end():
         files = FileStore()
         batches = Batches(files, "m", concurrency=3)
         batches.app = app
-        rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
-                for i in range(10)]
+        rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                 "body": {"model": "m", "prompt": "x"}} for i in range(10)]
         source = files.add("me", "in.jsonl", "batch", "".join(json.dumps(r) + "\n" for r in rows).encode())
         jobs = [batches.create("me", None, source.id, "/v1/completions", "24h", None) for _ in range(3)]
         await asyncio.wait({j.task for j in jobs})

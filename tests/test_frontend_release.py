@@ -179,8 +179,8 @@ def test_files_and_batches_are_used_on_the_replica_that_holds_them():
     front._note_tool_calls("r1", json.dumps({"id": "file-1a2b", "object": "file", "purpose": "batch"}).encode())
     create = front._hints("/v1/batches", "POST", {}, json.dumps({"input_file_id": "file-1a2b"}).encode())
     assert front.router.choose(create)[0] == "r1"
-    front._note_tool_calls("r1", json.dumps({"id": "batch_9f", "input_file_id": "file-1a2b", "output_file_id": "file-77",
-                                             "error_file_id": None}).encode())
+    front._note_tool_calls("r1", json.dumps({"id": "batch_9f", "input_file_id": "file-1a2b",
+                                             "output_file_id": "file-77", "error_file_id": None}).encode())
     for method, path in [("GET", "/v1/batches/batch_9f"), ("POST", "/v1/batches/batch_9f/cancel"),
                          ("GET", "/v1/files/file-77/content"), ("GET", "/v1/files/file-1a2b"),
                          ("DELETE", "/v1/files/file-1a2b")]:

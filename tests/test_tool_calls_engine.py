@@ -48,9 +48,9 @@ def test_chat_renders_each_conversation_as_the_server_does(tool_checkpoint, tmp_
     # The follow-up turn, its call and result given back as a client sends them (text parts,
     # dict arguments): the very ids the server renders, and the trained answer after them.
     answer_len = len(weather.full_ids) - max(i for i, m in enumerate(weather.generated_mask) if not m) - 1
-    follow = [{"role": "user", "content": [{"type": "text", "text": "weather in "}, {"type": "text", "text": "Paris?"}]},
-              {"role": "assistant", "content": None, "tool_calls": [
-                  {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    parts = [{"type": "text", "text": "weather in "}, {"type": "text", "text": "Paris?"}]
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    follow = [{"role": "user", "content": parts}, {"role": "assistant", "content": None, "tool_calls": [call]},
               {"role": "tool", "tool_call_id": "call_0", "content": weather.result}]
     [out] = llm.chat(follow, GREEDY, tools=[WEATHER_TOOL])
     assert out.prompt_token_ids == weather.full_ids[:-answer_len]

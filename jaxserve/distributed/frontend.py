@@ -38,7 +38,8 @@ HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
 _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_calls[].id; Responses call_id
 # a stored response's, a conversation's, a file's (a batch's output files' too), a batch's
-_STORED_ID = re.compile(r'"(?:id|output_file_id|error_file_id)":\s*"((?:resp|conv|batch)_[A-Za-z0-9]+|file-[A-Za-z0-9]+)"')
+_STORED_ID = re.compile(r'"(?:id|output_file_id|error_file_id)":\s*'
+                        r'"((?:resp|conv|batch)_[A-Za-z0-9]+|file-[A-Za-z0-9]+)"')
 _HELD_PATH = re.compile(r"^/v1/(?:files|batches)/([^/]+)(/content|/cancel)?$")   # a file's or a batch's routes
 # (Ray Serve's proxy sets ``x-request-id`` itself: the client's own id, or a new one, which it also passes
 # on in the request, so the replica answers and logs the same id)

@@ -731,7 +731,9 @@ def kv_budget_bytes(limit: int, in_use_before: int, in_use_now: int, fraction: f
 
 
 def _share_text(fraction: float, limit: int, device: str, rest: str) -> str:
-    return f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.2f} GiB is {fraction * limit / GIB:.2f} GiB, {rest}"
+    """A ``gpu_memory_utilization`` error: the share asked for, then ``rest`` (why it cannot be had)."""
+    return (f"gpu_memory_utilization={fraction:g} of {device}'s {limit / GIB:.2f} GiB is "
+            f"{fraction * limit / GIB:.2f} GiB, {rest}")
 
 
 def _raise_on_every_process(problem: str | None) -> None:
