@@ -99,6 +99,9 @@ class Request:
     max_tokens: int
     segments: list[Segment] = field(default_factory=list)
     ignore_eos: bool = False
+    # Priority class: a lower value is admitted first and preempted last; the policy ranks
+    # requests within a class (``Scheduler._rank_key``). 0 unless the caller sets one.
+    priority: int = 0
     # Predictions used by ranking policies (keys such as "output_len", "api_duration_s").
     predictions: dict = field(default_factory=dict)
     # Token ids: the whole context (prompt + generated + API-returned); empty in the simulator.

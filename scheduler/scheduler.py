@@ -73,7 +73,7 @@ class Scheduler:
         self.swapping_in: list[Request] = []
         self.iteration = 0
         self.num_preemptions = 0
-        self._ranked = RankedQueue()            # ``waiting`` in admission order, keyed by ``policy.priority``
+        self._ranked = RankedQueue()            # ``waiting`` in admission order (``_rank_key``)
         # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
         # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
         self._resume_pending: dict[str, Request] = {}
@@ -128,7 +128,8 @@ class Scheduler:
         return self._ranked.ordered()
 
     def admission_key(self, request: Request) -> tuple | None:
-        """The key ``request`` is filed under in the waiting queue (None: not waiting)."""
+        """The key ``request`` is filed under in the waiting queue, ``(priority class,
+        *policy key)`` (None: not waiting)."""
         return self._ranked.key(request)
 
     def has_unfinished(self) -> bool:
@@ -203,7 +204,12 @@ class Scheduler:
         self.waiting.append(request)
         self.kv.hold_waiting(request)
         self.policy.on_enqueue(request, now, self.iteration)
-        self._ranked.add(request, self.policy.priority(request, now, None))
+        self._ranked.add(request, self._rank_key(request, now))
+
+    def _rank_key(self, request: Request, now: float) -> tuple:
+        """The waiting queue's key of ``request``: its priority class first (lower is
+        admitted first), then the policy's ``priority`` within the class."""
+        return (request.priority, *self.policy.priority(request, now, None))
 
     def _dequeue(self, request: Request) -> None:
         self.waiting.remove(request)
@@ -370,10 +376,10 @@ class Scheduler:
             policy.on_rescore(requests, now, self.view())
             ranked.clear()
             for r in requests:
-                ranked.add(r, policy.priority(r, now, None))
+                ranked.add(r, self._rank_key(r, now))
         for r in policy.on_step(now, self.iteration):
             if r in ranked:
-                ranked.add(r, policy.priority(r, now, None))
+                ranked.add(r, self._rank_key(r, now))
         if self.kv.paused_holders:   # (most steps hold no call under Preserve)
             self._redecide_paused(now)
 
@@ -657,12 +663,13 @@ class Scheduler:
             request.api_calls[-1].resume_time = now
 
     def _pick_victim(self, plan: StepPlan, now: float, view: MemoryView) -> Request | None:
-        """The lowest-priority running request not yet given tokens this step."""
+        """The running request not yet given tokens this step in the lowest priority
+        class, the policy's lowest-ranked within it."""
         scheduled = {c.request.request_id for c in plan.chunks}
         candidates = [r for r in self.running if r.request_id not in scheduled]
         if not candidates:
             return None
-        return max(candidates, key=lambda r: self.policy.priority(r, now, view))
+        return max(candidates, key=lambda r: (r.priority, self.policy.priority(r, now, view)))
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Preempt by recompute: free its pages and put it back in the waiting queue."""
@@ -697,7 +704,7 @@ class Scheduler:
             victim.api_calls[-1].handling = Handling.DISCARD
             victim.handling = Handling.DISCARD
         if victim in self._ranked:
-            self._ranked.add(victim, self.policy.priority(victim, now, None))
+            self._ranked.add(victim, self._rank_key(victim, now))
         return True
 
     # ------------------------------------------------------------ decode runs

@@ -227,7 +227,7 @@ def test_continuum_pins_kv_for_the_ttl_then_drops_it():
     sched.api_return(long, 2, 3.0)
     assert long.num_computed_tokens == 0            # recomputed on return
     # program-level FCFS: keyed by its first arrival, ahead of later programs
-    assert sched.admission_key(long) == (0.0,) and sched.policy.priority(late, 3.0, None) == (0.05,)
+    assert sched.admission_key(long) == (0, 0.0) and sched.policy.priority(late, 3.0, None) == (0.05,)
     sched.check_invariants()
 
 

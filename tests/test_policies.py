@@ -478,3 +478,47 @@ def test_running_means_keep_a_bounded_number_of_api_types():
     assert len(learned._len_sum) == len(learned._len_count) == MAX_MEAN_KEYS
     assert pred.mean("search") == 2.0 and pred.mean(f"tool-{3 * MAX_MEAN_KEYS - 1}") == 1.0
     assert pred.mean("tool-0") == pred.default_s   # dropped: seen once, long ago
+
+
+# ------------------------------------------------------------ priority classes
+@pytest.mark.parametrize("name", ["fcfs", "lamps", "sjf", "prophet"])
+def test_a_priority_class_is_admitted_before_the_policys_order(name):
+    """Lower ``priority`` is admitted first whatever the policy ranks; within a class the
+    policy's order stands (each policy here would admit ``early`` before ``urgent``)."""
+    sched = make_scheduler(name, seqs=1)
+    blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=3)
+    sched.add_request(blocker, 0.0)
+    step(sched, 0.0)
+    early = Request("early", 0.01, prompt_len=4, max_tokens=4)
+    flex = Request("flex", 0.02, prompt_len=4, max_tokens=2, priority=1)
+    later = Request("later", 0.03, prompt_len=4, max_tokens=8)
+    urgent = Request("urgent", 0.04, prompt_len=4, max_tokens=16, priority=-1)
+    for r in (early, flex, later, urgent):
+        sched.add_request(r, r.arrival_time)
+    assert [r.request_id for r in sched.admission_order()] == ["urgent", "early", "later", "flex"]
+    assert sched.admission_key(urgent)[0] == -1
+    admitted, now = [], 0.05
+    while sched.has_unfinished():
+        plan = step(sched, now)
+        admitted += [c.request.request_id for c in plan.chunks
+                     if c.request.request_id not in admitted and c.request is not blocker]
+        now += 0.01
+    assert admitted == ["urgent", "early", "later", "flex"]
+
+
+def test_preemption_takes_the_lowest_priority_class_first():
+    """Out of pages, the victim is the running request in the lowest class (``low``,
+    ranked ahead of ``late`` by fcfs), not fcfs's own choice (the latest arrival)."""
+    sched = make_scheduler("fcfs", num_pages=5, page_size=4, budget=64, seqs=8)
+    first = Request("first", 0.0, prompt_len=4, max_tokens=12)
+    low = Request("low", 0.0, prompt_len=4, max_tokens=12, priority=1)
+    sched.add_request(first, 0.0)
+    sched.add_request(low, 0.0)
+    step(sched, 0.0)
+    late = Request("late", 0.01, prompt_len=1, max_tokens=12)   # its pages come due after the others'
+    sched.add_request(late, 0.01)
+    preempted, now = [], 0.01
+    while not preempted and sched.has_unfinished():
+        preempted = [r.request_id for r in step(sched, now).preempted]
+        now += 0.01
+    assert preempted == ["low"]
