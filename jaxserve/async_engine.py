@@ -71,17 +71,17 @@ class AsyncEngine:
                        request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
                        api_calls: list[ApiCall] | None = None,
                        parse_tool_calls: bool | None = None,
-                       parse_reasoning: bool | None = None) -> AsyncIterator[RequestOutput]:
+                       parse_reasoning: bool | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream outputs until the request finishes (or pauses on a client-side
         tool call: ``finish_reason == "tool_calls"``; continue it with ``resume``).
-        Closing the iterator early aborts the request. ``parse_tool_calls`` and
-        ``parse_reasoning``: as ``LLMEngine.add_request``."""
+        Closing the iterator early aborts the request. ``parse_tool_calls``,
+        ``parse_reasoning`` and ``priority``: as ``LLMEngine.add_request``."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = self._open_stream(request_id)
         try:
             await self._call(lambda: self._entered(request_id, self.engine.add_request(
                 request_id, prompt, sampling_params, prompt_token_ids, api_calls, parse_tool_calls,
-                parse_reasoning=parse_reasoning)))
+                parse_reasoning=parse_reasoning, priority=priority)))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):  # the command may have run: never leave it orphaned

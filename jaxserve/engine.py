@@ -190,12 +190,14 @@ class LLMEngine:
                     sampling_params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                     api_calls: list[ApiCall] | None = None, parse_tool_calls: bool | None = None,
                     arrival_time: float | None = None, predictions: dict | None = None,
-                    parse_reasoning: bool | None = None) -> str:
+                    parse_reasoning: bool | None = None, priority: int = 0) -> str:
         """Queue a request; returns its id. Bad input is a ``ValueError`` naming
         the field, and nothing is queued. ``parse_reasoning`` (None: whenever the
-        engine has a ``reasoning_parser``): split its reasoning from its answer."""
+        engine has a ``reasoning_parser``): split its reasoning from its answer.
+        ``priority``: its class, lower first (admitted before any higher class,
+        preempted after; the policy ranks requests within a class)."""
         request = self.make_request(request_id, prompt, sampling_params, prompt_token_ids, api_calls,
-                                    parse_tool_calls, arrival_time, predictions, parse_reasoning)
+                                    parse_tool_calls, arrival_time, predictions, parse_reasoning, priority)
         self.core.add(request)
         return request.request_id
 
@@ -203,11 +205,13 @@ class LLMEngine:
                      sampling_params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                      api_calls: list[ApiCall] | None = None, parse_tool_calls: bool | None = None,
                      arrival_time: float | None = None, predictions: dict | None = None,
-                     parse_reasoning: bool | None = None) -> Request:
+                     parse_reasoning: bool | None = None, priority: int = 0) -> Request:
         """The validated ``Request`` record for these inputs, not yet queued
         (``add_request`` queues it; a replay hands records to ``core.run``)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a jaxserve.SamplingParams, got {type(sampling_params).__name__}")
+        if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
         params = sampling_params or SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt, prompt_token_ids)
@@ -268,7 +272,8 @@ class LLMEngine:
         request = Request(
             request_id, arrival_time if arrival_time is not None else now, prompt_len=len(ids),
             max_tokens=params.max_tokens, segments=segments, ignore_eos=params.ignore_eos,
-            predictions=dict(predictions or {}), token_ids=list(ids), stop_token_ids=frozenset(stop_ids),
+            priority=int(priority), predictions=dict(predictions or {}), token_ids=list(ids),
+            stop_token_ids=frozenset(stop_ids),
             sampling_params=params, seed=seed, logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,

@@ -33,7 +33,7 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              tools: list[dict] | None = None, tool_choice: str = "auto", chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, use_tqdm: bool = False,
-             parse_reasoning: bool | None = None) -> list[RequestOutput]:
+             parse_reasoning: bool | None = None, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Reply to each conversation: ``messages`` is one conversation (OpenAI-style message
         dicts: ``role``, ``content`` as a string or text parts, an assistant's ``tool_calls``
         and ``reasoning_content``, a tool's ``tool_call_id``) or a list of them; returns
@@ -51,7 +51,7 @@ class LLM:
         server hides). ``add_generation_prompt`` opens the assistant's turn;
         ``continue_final_message`` instead leaves the last message open for the model to
         continue (an assistant prefill). ``chat_template_kwargs``: more template variables
-        (``enable_thinking``, say). ``parse_reasoning``: as ``generate``'s.
+        (``enable_thinking``, say). ``parse_reasoning`` and ``priority``: as ``generate``'s.
 
         Bad input is a ``ValueError`` naming the argument (``messages[i].content``,
         ``tools[0]``...), and nothing is queued.
@@ -87,13 +87,14 @@ class LLM:
             except Exception as e:   # noqa: BLE001 - jinja's errors (a role order the template refuses)
                 raise ValueError(f"{where}: the chat template rejected them: {e}") from None
         return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm,
-                             parse_reasoning=parse_reasoning, parse_tool_calls=bool(advertised))
+                             parse_reasoning=parse_reasoning, parse_tool_calls=bool(advertised), priority=priority)
 
     def generate(self, prompts: list[str] | str | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None,
                  api_calls: list[list[ApiCall]] | None = None, use_tqdm: bool = False,
-                 parse_reasoning: bool | None = None, parse_tool_calls: bool | None = None) -> list[RequestOutput]:
+                 parse_reasoning: bool | None = None, parse_tool_calls: bool | None = None,
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns final outputs in input order.
 
         A request whose model calls a tool that is not registered ends with
@@ -101,7 +102,8 @@ class LLM:
         ``parse_reasoning`` (None: when the engine has a ``reasoning_parser``):
         each output's ``reasoning`` apart from its ``text`` (False: ``text`` whole).
         ``parse_tool_calls`` (None: when the engine has tools): find calls in the model's
-        format in what it writes.
+        format in what it writes. ``priority`` (one for all prompts, or one per prompt;
+        None: 0): each request's class, lower first (``LLMEngine.add_request``).
 
         All inputs are validated before any request is queued, so a bad one
         raises ``ValueError`` and leaves the engine as it was.
@@ -118,15 +120,16 @@ class LLM:
         n = len(items)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
         calls = api_calls if api_calls is not None else [None] * n
-        if len(params) != n or len(calls) != n:
-            raise ValueError("sampling_params and api_calls lists must match the number of prompts")
+        priorities = priority if isinstance(priority, list) else [0 if priority is None else priority] * n
+        if len(params) != n or len(calls) != n or len(priorities) != n:
+            raise ValueError("sampling_params, api_calls and priority lists must match the number of prompts")
         ids = []
         try:
             for i in range(n):
                 kwargs = {"prompt": items[i]} if prompts is not None else {"prompt_token_ids": items[i]}
                 ids.append(self.engine.add_request(sampling_params=params[i], api_calls=calls[i],
                                                    parse_reasoning=parse_reasoning, parse_tool_calls=parse_tool_calls,
-                                                   **kwargs))
+                                                   priority=priorities[i], **kwargs))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)

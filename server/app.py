@@ -854,7 +854,7 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str
     jobs = []
     for i in range(body.n):
         params = _sampling(state, body, len(ids), None, seed_offset=i, prompt_param="messages", structured=structured)
-        job = Job(f"{base}-{i}", ids, params, parse, parse_reasoning=True)
+        job = Job(f"{base}-{i}", ids, params, parse, parse_reasoning=True, priority=body.priority_class)
         if body.n == 1 and parse and structured is None:   # a paused request cannot take a new grammar
             room = state.max_model_len - len(ids)
             taken = await state.parked.take(ids, sampling_key(params), owner, state.spelling, room)
@@ -892,7 +892,7 @@ async def _completion_jobs(state: ServerState, body: CompletionRequest) -> list[
         echo = await _echo_text(state, body, p, ids) if body.echo else None
         for i in range(body.n):
             jobs.append(Job(f"{base}-{len(jobs)}", ids, params[i], parse_tool_calls=False, echo=echo,
-                            scores_only=body.max_tokens == 0))
+                            scores_only=body.max_tokens == 0, priority=body.priority_class))
     return jobs
 
 

@@ -12,7 +12,9 @@ client's ``files`` and ``batches``).
 - Its requests are served by this same app, in-process (``asgi_bridge.call_app``,
   with the creator's ``Authorization``), at most ``concurrency`` at a time, so a
   batch leaves room for interactive requests under ``--max-concurrent-requests``.
-  They are scheduled by the engine's policy like any request (no lower priority).
+  A line that sets neither ``priority`` nor ``service_tier`` (or sets it "auto") runs
+  in priority class ``BATCH_PRIORITY``, after interactive requests (class 0), as
+  OpenAI's batches do; within it the engine's policy ranks them like any request.
 - Output lines (``server.batch.serve_request``'s, OpenAI's format) go to the batch's
   output file when their status is below 400, to its error file otherwise; each file
   exists once it has a line. ``request_counts`` follows the run.
@@ -32,7 +34,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
 from server.errors import APIError
@@ -46,6 +48,7 @@ MAX_FILE_STORE_BYTES = 1 << 30          # all files' content together
 MAX_LISTED_BATCH_ERRORS = 100           # a failed batch's ``errors`` name at most this many lines
 MAX_ENDED_BATCHES = 1000                # ended batches kept (their files stay until deleted); older ones forgotten
 ENDED = ("completed", "failed", "cancelled", "expired")
+BATCH_PRIORITY = 1                      # the priority class of a batch's lines that choose none (as "flex")
 
 
 @dataclass
@@ -266,12 +269,15 @@ def _owned(items: dict, item_id: str, owner: str, kind: str):
 
 
 def _parse(data: bytes, model_name: str, endpoint: str) -> tuple[list[BatchRequest], list[str]]:
-    """``parse_batch`` of a stored file's bytes (UTF-8, a byte-order mark allowed)."""
+    """``parse_batch`` of a stored file's bytes (UTF-8, a byte-order mark allowed), each
+    request in class ``BATCH_PRIORITY`` unless its body chooses one."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         return [], [f"line 1: the file is not UTF-8 ({e.reason})"]
-    return parse_batch(text, model_name, endpoint)
+    requests, problems = parse_batch(text, model_name, endpoint)
+    return [r if r.body.get("priority") is not None or r.body.get("service_tier") not in (None, "auto")
+            else replace(r, body={**r.body, "priority": BATCH_PRIORITY}) for r in requests], problems
 
 
 def _line_error(problem: str) -> dict:

@@ -48,6 +48,7 @@ class Job:
     resume_at: int = 0   # prompt tokens the resumed context covers (its own tokens may cut them differently)
     echo: str | None = None   # completions with ``echo``: the prompt's text, which the choice's text starts with
     scores_only: bool = False   # echo with ``max_tokens`` 0: the one token the engine samples is not returned
+    priority: int = 0   # the engine request's class, lower first (a resumption keeps its paused request's)
 
     @property
     def cached_tokens(self) -> int:
@@ -74,7 +75,7 @@ async def job_outputs(engine, job: Job) -> AsyncIterator[RequestOutput]:
         if job.resume_from is None:
             agen = engine.generate(sampling_params=job.params, request_id=job.request_id,
                                    prompt_token_ids=job.prompt_ids, parse_tool_calls=job.parse_tool_calls,
-                                   parse_reasoning=job.parse_reasoning)
+                                   parse_reasoning=job.parse_reasoning, priority=job.priority)
         async for out in agen:
             yield out
     finally:

@@ -127,7 +127,32 @@ class StructuredOutputsParams(_Request):
     grammar: Text | None = None
 
 
-class _SamplingFields(_Request):
+# OpenAI's ``service_tier`` as a priority class (``_PriorityFields``): "flex" after the default tier,
+# "priority" before it.
+SERVICE_TIER_PRIORITY = {"auto": 0, "default": 0, "flex": 1, "priority": -1}
+
+
+class _PriorityFields(_Request):
+    """Where a request stands in the engine's queue: ``priority`` (vLLM's extra
+    parameter; lower is admitted first and preempted last, the scheduling policy ranks
+    requests within a class), or OpenAI's ``service_tier`` when ``priority`` is not given."""
+
+    priority: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+
+    @property
+    def priority_class(self) -> int:
+        """The engine request's ``priority``."""
+        return self.priority if self.priority is not None else SERVICE_TIER_PRIORITY[self.service_tier or "auto"]
+
+    @property
+    def served_tier(self) -> str | None:
+        """The ``service_tier`` a response reports (OpenAI's: only when asked; "auto" is served
+        as "default")."""
+        return None if self.service_tier is None else ("default" if self.service_tier == "auto" else self.service_tier)
+
+
+class _SamplingFields(_PriorityFields):
     model: Text
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -610,7 +635,7 @@ class ResponseReasoningConfig(_Request):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_PriorityFields):
     """``POST /v1/responses``: OpenAI's Responses API over the chat machinery (function
     tools, ``previous_response_id`` conversations, ``text.format``, ``reasoning`` with a
     reasoning parser, ``background`` runs, ``truncation: "auto"``, ``max_tool_calls`` of the

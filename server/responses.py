@@ -157,6 +157,7 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
             "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format,
             "user": body.user, "stream": body.stream, "logprobs": body.num_logprobs is not None,
             "top_logprobs": body.num_logprobs, "max_tool_calls": body.max_tool_calls,
+            "priority": body.priority, "service_tier": body.service_tier,
             "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None})
     except ValidationError as e:
         first = e.errors()[0]
@@ -226,6 +227,8 @@ class ResponsesWire:
                 obj[name] = getattr(body, name)
         if body.conversation_id is not None:
             obj["conversation"] = {"id": body.conversation_id}
+        if body.served_tier is not None:
+            obj["service_tier"] = body.served_tier
         if body.reasoning is not None:
             obj["reasoning"] = body.reasoning.model_dump()
         if incomplete is not None:

@@ -59,11 +59,13 @@ class ChatWire:
         self.prompt_param = "messages" if chat else "prompt"
         self.response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        tier = body.served_tier
+        self._tier = {} if tier is None else {"service_tier": tier}   # (OpenAI reports it only when asked)
 
     # ------------------------------------------------------------------ whole
     def full(self, choices: list[ChoiceState]) -> dict:
         out = {"id": self.response_id, "object": "chat.completion" if self.chat else "text_completion",
-               "created": self.created, "model": self.model_name, "choices": []}
+               "created": self.created, "model": self.model_name, "choices": [], **self._tier}
         for c in choices:
             reason = c.finish_reason or "abort"
             if self.chat:
@@ -91,7 +93,7 @@ class ChatWire:
         """One stream chunk: ``choice`` (None: no choice, e.g. the usage chunk) and ``extra`` fields."""
         return sse({"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                     "created": self.created, "model": self.model_name,
-                    "choices": [choice] if choice is not None else [], **extra})
+                    "choices": [choice] if choice is not None else [], **self._tier, **extra})
 
     def start(self, choices: list[ChoiceState]) -> list[str]:
         return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}})

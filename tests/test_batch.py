@@ -193,3 +193,35 @@ def test_batches_on_the_server_share_one_concurrency_limit_and_always_end():
         assert "nested too deeply" in nested.errors[0]["message"]
 
     asyncio.run(main())
+
+
+def test_a_servers_batch_runs_after_interactive_requests_unless_a_line_chooses():
+    """Lines that choose no class (no ``priority``, ``service_tier`` unset or "auto") reach
+    the app in class ``BATCH_PRIORITY``; a line's own choice is left as it is."""
+    from fastapi import Body, FastAPI
+
+    from server.batches import BATCH_PRIORITY
+
+    async def main():
+        app, bodies = FastAPI(), {}
+
+        @app.post("/v1/completions")
+        async def completions(body: dict = Body()):
+            bodies[body["prompt"]] = (body.get("priority"), body.get("service_tier"))
+            return {"choices": []}
+
+        chosen = {"none": {}, "auto": {"service_tier": "auto"}, "tier": {"service_tier": "priority"},
+                  "zero": {"priority": 0}, "both": {"priority": 2, "service_tier": "flex"}}
+        files = FileStore()
+        batches = Batches(files, "m", concurrency=2)
+        batches.app = app
+        rows = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+                 "body": {"model": "m", "prompt": name, **fields}} for name, fields in chosen.items()]
+        source = files.add("me", "in.jsonl", "batch", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        job = batches.create("me", None, source.id, "/v1/completions", "24h", None)
+        await asyncio.wait({job.task})
+        assert job.status == "completed"
+        assert bodies == {"none": (BATCH_PRIORITY, None), "auto": (BATCH_PRIORITY, "auto"),
+                          "tier": (None, "priority"), "zero": (0, None), "both": (2, "flex")}
+
+    asyncio.run(main())

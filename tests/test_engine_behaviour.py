@@ -68,6 +68,32 @@ def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm):
     assert len(out[0].token_ids) == 4 and out[0].text
 
 
+def test_a_higher_priority_class_is_scheduled_first_and_answers_the_same(llm):
+    """Prompts that take a step's whole budget each: the last one queued, alone in
+    class 0 behind five in class 1, is scheduled before them; without classes it waits
+    its turn. Greedy answers are the same either way, and bad priorities queue nothing.
+    (Fresh prompts for each ordering: cached ones would all fit one step.)"""
+    prompts, others = ([prompt(60, seed + i) for i in range(6)] for seed in (100, 200))
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    ranked = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, priority=[1] * 5 + [0])
+    plain = llm.generate(prompt_token_ids=others, sampling_params=greedy)
+
+    def first_scheduled(outs):
+        return [o.metrics["first_scheduled_time"] for o in outs]
+    *low, high = first_scheduled(ranked)
+    assert high <= min(low) and sum(high < t for t in low) >= 4
+    *early, last = first_scheduled(plain)
+    assert last > max(early)
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    assert [o.token_ids for o in ranked] == [o.token_ids for o in again]
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(ValueError, match="priority"):
+            llm.engine.add_request(prompt_token_ids=prompts[0], sampling_params=greedy, priority=bad)
+    with pytest.raises(ValueError, match="priority lists"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=greedy, priority=[0])
+    assert not llm.engine.has_unfinished()
+
+
 def test_same_seed_same_tokens_alone_or_in_a_batch_of_16(llm):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
     target = prompt(11, 3)

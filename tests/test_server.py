@@ -323,6 +323,9 @@ def test_chat_streaming_role_content_usage_done(demo):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     without_usage = stream(demo, "/v1/chat/completions", body)
     assert all("usage" not in e for e in without_usage[:-1]) and without_usage[-1] == "[DONE]"
+    # a priority class changes when a request runs, not what it answers; the tier asked is reported
+    tiered = demo.post("/v1/chat/completions", json={**body, "service_tier": "flex", "priority": 3}).json()
+    assert tiered["service_tier"] == "flex" and tiered["choices"] == full["choices"]
 
 
 def test_n_choices_compute_their_prompt_once(demo):

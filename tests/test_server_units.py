@@ -421,12 +421,14 @@ class _Recorder(_ScriptedEngine):
     def __init__(self):
         super().__init__()
         self.params = []
+        self.priorities = []
 
     async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
         from jaxserve.outputs import RequestOutput
         if sampling_params.logit_bias and max(sampling_params.logit_bias) >= 512:
             raise ValueError("logit_bias: its keys must be token ids in [0, 512)")
         self.params.append(sampling_params)
+        self.priorities.append(kw.get("priority", 0))
         yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65],
                             text="b", delta_token_ids=[65], delta_text="b", finish_reason="stop")
 
@@ -1048,6 +1050,32 @@ def test_max_tool_calls_reaches_the_engine_from_responses_and_chat():
         assert engine.params[-1].max_tool_calls is None
         error = _error(client.post("/v1/responses", json={"model": "m", "input": "hi", "max_tool_calls": -1}), 400)
         assert error["param"] == "max_tool_calls"
+
+
+def test_priority_and_service_tier_reach_the_engine_and_the_tier_is_reported():
+    """vLLM's ``priority`` is the engine request's class; OpenAI's ``service_tier`` maps to
+    one when ``priority`` is not given ("flex" after the default, "priority" before it) and
+    is reported back, in a streamed chunk too. Bad values are 400s naming the field."""
+    engine = _Recorder()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with _client(engine, max_model_len=4096) as client:
+        for path, prompt in [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat),
+                             ("/v1/responses", {"input": "hi"})]:
+            for fields, priority, tier in [({}, 0, None), ({"priority": -3}, -3, None),
+                                           ({"service_tier": "flex"}, 1, "flex"),
+                                           ({"service_tier": "priority"}, -1, "priority"),
+                                           ({"service_tier": "auto"}, 0, "default"),
+                                           ({"service_tier": "flex", "priority": 0}, 0, "flex")]:
+                r = client.post(path, json={"model": "m", **prompt, **fields})
+                assert r.status_code == 200, r.text
+                assert engine.priorities[-1] == priority and r.json().get("service_tier") == tier, (path, fields)
+            for bad, field in [({"priority": True}, "priority"), ({"priority": 1.5}, "priority"),
+                               ({"priority": 2**31}, "priority"), ({"service_tier": "scale"}, "service_tier")]:
+                assert _error(client.post(path, json={"model": "m", **prompt, **bad}), 400)["param"] == field
+        streamed = client.post("/v1/chat/completions", json={"model": "m", **chat, "stream": True,
+                                                              "service_tier": "flex"}).text
+        chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+        assert chunks and all(c["service_tier"] == "flex" for c in chunks)
 
 
 class _QueuedEngine(_ScriptedEngine):
