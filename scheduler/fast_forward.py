@@ -5,7 +5,8 @@ no admission, no swap, no stop rule, nothing returning. A ``DecodeRun`` does
 what ``schedule()`` + executor + ``update()`` would do for such steps, one
 step per ``step(t)`` call, at a cost that does not grow with the batch:
 
-- it applies while every running request decodes, nothing can be admitted
+- it applies while no request of a priority class other than 0 was added (a
+  class may preempt for a waiting one), every running request decodes, nothing can be admitted
   (empty queue, or ``max_num_seqs`` running), nothing swaps or resumes, and
   the policy neither orders the batch (``order_running``), nor watches plans
   (``on_plan``), nor re-decides calls held under Preserve;
@@ -167,7 +168,7 @@ class DecodeRun:
         (``steps_of(n).seconds``), the same arithmetic the step's run does, so the
         same floats."""
         sched, events = self.scheduler, self._events
-        if (self._dynamic_budget or sched._filling
+        if (self._dynamic_budget or sched._filling or sched.classes_in_use
                 or (sched.waiting and len(sched.running) < sched.config.max_num_seqs)):
             return start
         k = self.steps
@@ -215,6 +216,8 @@ class DecodeRun:
         if k >= self.headroom:
             return None
         sched, live, events = self.scheduler, self._live, self._events
+        if sched.classes_in_use:
+            return None   # ``schedule()`` may preempt for a higher class (``_make_room_for_class``)
         n = len(live)
         kv = sched.kv
         if self._dynamic_budget and max(1, sched._token_budget(sched.view())) < n:

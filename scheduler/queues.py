@@ -52,6 +52,9 @@ class RequestQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._items.values())
 
+    def __reversed__(self) -> Iterator[Request]:
+        return reversed(self._items.values())
+
     def __len__(self) -> int:
         return len(self._items)
 

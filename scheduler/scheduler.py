@@ -74,6 +74,7 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self._ranked = RankedQueue()            # ``waiting`` in admission order (``_rank_key``)
+        self.classes_in_use = False             # a request of a priority class other than 0 was added
         # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
         # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
         self._resume_pending: dict[str, Request] = {}
@@ -167,6 +168,8 @@ class Scheduler:
             raise ValueError("prompt must have at least one token")
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
+        if request.priority:
+            self.classes_in_use = True
         self.now = now
         self.kv.hash_context(request)
         self.policy.on_arrival(request, now, self.view())
@@ -340,6 +343,8 @@ class Scheduler:
         kv = self.kv
         swap_pages = max(1, self.config.swap_budget_tokens // self.page_size)
         kv.copy_budget = self._continue_swaps(plan, swap_pages, view)   # what swaps left: host-tier copies, swap-ins
+        if self.classes_in_use:
+            self._make_room_for_class(plan, now, view)
         budget = self._schedule_running(plan, plan.token_budget, now, view)
         self._admit_waiting(plan, budget, now)
         return self._close_plan(plan, now)
@@ -631,6 +636,35 @@ class Scheduler:
             if frontiers is not None:
                 self._add_frontier(frontiers, request)
 
+    def _make_room_for_class(self, plan: StepPlan, now: float, view: MemoryView) -> None:
+        """Preempt running requests of a lower priority class than the waiting queue's
+        head (higher ``priority``), lowest class first and the policy's lowest-ranked
+        within it, while the head lacks a place in the batch (``max_num_seqs``) or
+        device pages for its whole context; none when even all of them would not
+        make it fit (counting their pages as freed: shared ones may stay held). The
+        head is then admitted by ``_admit_waiting`` as usual. A
+        head back from a call with its KV on host (a swap-in) is not made room for."""
+        head = self._ranked.head()
+        if head is None or head.state is RequestState.SWAPPED:
+            return
+        kv = self.kv
+        hits = kv.lookup(head)
+        held = len(hits) if hits else len(head.device_pages)
+        need = max(0, -(-head.num_tokens // kv.page_size) - held)
+        seats = self.config.max_num_seqs - len(self.running) - len(self.swapping_in)
+        if seats > 0 and kv.fits(need, hits):
+            return
+        victims = [r for r in reversed(self.running) if r.priority > head.priority]   # (ties: the later first)
+        if not victims or seats + len(victims) <= 0 or \
+                need > kv.num_free_device + sum(len(r.device_pages) for r in victims):   # (an upper bound)
+            return
+        victims.sort(key=lambda r: (r.priority, self.policy.priority(r, now, view)), reverse=True)
+        for victim in victims:
+            if seats > 0 and kv.fits(need, hits):
+                break
+            self._preempt(victim, plan)
+            seats += 1
+
     def _filling_frontiers(self) -> dict[bytes, Request]:
         """Hash of the page each running request still computing its context computes
         next (its first page not computed; this step's chunk starts in it) -> that request.
@@ -715,6 +749,7 @@ class Scheduler:
         there too (the caller plans their chunks)."""
         policy = type(self.policy)
         if ((self._filling and not with_fillers) or not self._decoding or self.swapping_out or self.swapping_in
+                or self.classes_in_use   # (a class may preempt for a waiting head: ``_make_room_for_class``)
                 or self._resume_pending or self._reorders_running or policy.on_plan is not Policy.on_plan
                 or (self.kv.paused_holders and policy.redecide is not Policy.redecide)
                 or (self.waiting and len(self.running) < self.config.max_num_seqs)):

@@ -94,6 +94,32 @@ def test_a_higher_priority_class_is_scheduled_first_and_answers_the_same(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_an_urgent_request_preempts_batch_work_that_fills_the_pool_and_every_answer_stays_exact(llm):
+    """Six class-1 requests grow to fill the 96-page pool; a class-0 request queued
+    then preempts one of them (recomputed later) and starts before any of them ends.
+    Every answer is what each prompt gets alone in one class."""
+    engine = llm.engine
+    prompts = [prompt(64, 300 + i) for i in range(6)]
+    urgent_prompt = prompt(20, 399)
+    long, short = SamplingParams(max_tokens=63, temperature=0.0), SamplingParams(max_tokens=8, temperature=0.0)
+    batch = [engine.add_request(prompt_token_ids=p, sampling_params=long, priority=1) for p in prompts]
+    final = {}
+
+    def run_step():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    while engine.scheduler.kv.num_free_device >= 3:
+        run_step()
+    urgent = engine.add_request(prompt_token_ids=urgent_prompt, sampling_params=short)
+    while engine.has_unfinished():
+        run_step()
+    assert final[urgent].metrics["first_scheduled_time"] < min(final[b].metrics["finish_time"] for b in batch)
+    assert sum(final[b].metrics["num_preemptions"] for b in batch) >= 1
+    alone = llm.generate(prompt_token_ids=prompts + [urgent_prompt], sampling_params=[long] * 6 + [short])
+    assert [final[r].token_ids for r in batch + [urgent]] == [o.token_ids for o in alone]
+
+
 def test_same_seed_same_tokens_alone_or_in_a_batch_of_16(llm):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
     target = prompt(11, 3)

@@ -522,3 +522,37 @@ def test_preemption_takes_the_lowest_priority_class_first():
         preempted = [r.request_id for r in step(sched, now).preempted]
         now += 0.01
     assert preempted == ["low"]
+
+
+def test_a_waiting_higher_class_preempts_lower_classes_for_a_seat_or_pages():
+    """A class-0 arrival finds the batch full of class-1 requests: the policy's
+    lowest-ranked of them is preempted and the arrival runs in the same step. It
+    takes pages the same way, and never preempts when even every lower-class request's
+    pages would not make it fit; an arrival of the same class waits its turn."""
+    sched = make_scheduler("fcfs", seqs=2)
+    batch = [Request(f"b{i}", 0.01 * i, prompt_len=4, max_tokens=50, priority=1) for i in range(2)]
+    for r in batch:
+        sched.add_request(r, r.arrival_time)
+    step(sched, 0.0)
+    peer = Request("peer", 0.02, prompt_len=4, max_tokens=4, priority=1)
+    sched.add_request(peer, 0.02)
+    assert not step(sched, 0.02).preempted and peer in sched.waiting
+    urgent = Request("urgent", 0.03, prompt_len=4, max_tokens=4)
+    sched.add_request(urgent, 0.03)
+    plan = step(sched, 0.03)
+    assert [r.request_id for r in plan.preempted] == ["b1"] and urgent in sched.running
+    assert any(c.request is urgent for c in plan.chunks) and batch[1] in sched.waiting
+
+    pages = make_scheduler("fcfs", num_pages=8, page_size=4, seqs=8)
+    held = [Request(f"h{i}", 0.0, prompt_len=12, max_tokens=50, priority=1) for i in range(2)]
+    for r in held:
+        pages.add_request(r, 0.0)
+    step(pages, 0.0)   # 6 of 8 pages held
+    huge = Request("huge", 0.01, prompt_len=40, max_tokens=1)   # 10 pages: more than the pool frees
+    pages.add_request(huge, 0.01)
+    assert not step(pages, 0.01).preempted
+    pages.abort("huge", 0.02)
+    fits = Request("fits", 0.02, prompt_len=16, max_tokens=4)   # 4 pages: one of them must go
+    pages.add_request(fits, 0.02)
+    plan = step(pages, 0.02)
+    assert [r.request_id for r in plan.preempted] == ["h1"] and fits in pages.running

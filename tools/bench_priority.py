@@ -40,6 +40,7 @@ def one_round(llm, classes: bool, seed: int, args) -> dict:
         return [engine.add_request(prompt_token_ids=rng.integers(3, vocab, prompt_len).tolist(),
                                    sampling_params=params, priority=priority) for _ in range(n)]
 
+    preempted = engine.scheduler.num_preemptions
     start = time.perf_counter()
     add(args.backlog, args.prompt_len, args.backlog_tokens, 1 if classes else 0)
     for _ in range(args.head_start):
@@ -53,7 +54,8 @@ def one_round(llm, classes: bool, seed: int, args) -> dict:
     seconds = time.perf_counter() - start
     ttft = [m["first_token_time"] - m["arrival_time"] for m in final.values()]
     e2e = [m["finish_time"] - m["arrival_time"] for m in final.values()]
-    return {"ttft": statistics.fmean(ttft), "e2e": statistics.fmean(e2e), "seconds": seconds}
+    return {"ttft": statistics.fmean(ttft), "e2e": statistics.fmean(e2e), "seconds": seconds,
+            "preemptions": engine.scheduler.num_preemptions - preempted}
 
 
 def main() -> None:
@@ -86,11 +88,11 @@ def main() -> None:
     print(f"model {args.model}, policy {args.policy}, max_num_seqs {args.max_num_seqs}; backlog "
           f"{args.backlog} x {args.backlog_tokens} tokens, then {args.interactive} interactive x "
           f"{args.interactive_tokens} tokens after {args.head_start} steps; median of {args.rounds} rounds")
-    print(f"{'mode':>10} {'TTFT s':>8} {'E2E s':>8} {'round s':>8}")
-    med = {mode: {k: statistics.median(row[k] for row in rounds) for k in ("ttft", "e2e", "seconds")}
+    print(f"{'mode':>10} {'TTFT s':>8} {'E2E s':>8} {'round s':>8} {'preempted':>9}")
+    med = {mode: {k: statistics.median(row[k] for row in rounds) for k in ("ttft", "e2e", "seconds", "preemptions")}
            for mode, rounds in rows.items()}
     for mode, m in med.items():
-        print(f"{mode:>10} {m['ttft']:8.3f} {m['e2e']:8.3f} {m['seconds']:8.2f}")
+        print(f"{mode:>10} {m['ttft']:8.3f} {m['e2e']:8.3f} {m['seconds']:8.2f} {m['preemptions']:9.0f}")
     on, off = med["classes"], med["one class"]
     print(f"classes / one class: interactive TTFT {on['ttft'] / off['ttft']:.2f}x, E2E "
           f"{on['e2e'] / off['e2e']:.2f}x; the whole round {on['seconds'] / off['seconds']:.2f}x")
