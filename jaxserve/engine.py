@@ -91,6 +91,10 @@ class LLMEngine:
         num_pages = config.num_pages or kv_pool_pages(cfg, config.page_size, dt, self.max_model_len,
                                                        config.max_num_seqs, config.gpu_memory_utilization,
                                                        in_use_before, mesh=self.mesh)
+        if num_pages * config.page_size < self.max_model_len:
+            log.warning("the KV pool holds %d tokens, less than max_model_len=%d: a context may reach %d tokens "
+                        "(raise num_pages or gpu_memory_utilization, or lower max_model_len)",
+                        num_pages * config.page_size, self.max_model_len, num_pages * config.page_size)
         batched = config.batched_tokens
         sched_cfg = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
                                     swap_budget_tokens=config.swap_budget_tokens or max(config.page_size, batched),

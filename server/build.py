@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 from pathlib import Path
 
 from jaxserve.config import EngineConfig, positive_int
 from jaxserve.model_source import BUILTIN_MODELS
-
-log = logging.getLogger("jaxserve.server")
 
 
 def add_app_arguments(parser: argparse.ArgumentParser, group) -> None:
@@ -80,13 +77,7 @@ def build_app(args: argparse.Namespace, async_engine_class=None, store_name: str
             store.close()
         raise
     async_engine = (async_engine_class or AsyncEngine)(engine=engine)
-    usage = async_engine.usage_snapshot
-    pool_tokens = usage["device_pages_total"] * engine.config.page_size
-    max_model_len = engine.max_model_len
-    if pool_tokens < max_model_len:
-        log.warning("the KV pool holds %d tokens, less than max_model_len=%d: serving a %d-token context window",
-                    pool_tokens, max_model_len, pool_tokens)
-        max_model_len = pool_tokens
+    max_model_len = engine.context_limit   # (the engine warned if its pool holds less than max_model_len)
     app = create_app(async_engine, served_model_name=served_model_name(args), api_key=args.api_key,
                      max_concurrent_requests=args.max_concurrent_requests,
                      paused_context_ttl_s=args.paused_context_ttl, max_model_len=max_model_len,

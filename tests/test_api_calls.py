@@ -3,6 +3,8 @@ swap really moves KV to host memory, tight pools never deadlock."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -95,9 +97,13 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     assert engine.scheduler.kv.num_free_device == 12 and engine.scheduler.kv.num_free_host == 16   # or cached
 
 
-def test_many_paused_requests_in_a_tight_pool_all_finish():
-    llm = LLM("demo", policy="infercept", page_size=8, num_pages=10, num_host_pages=6,
-              max_num_batched_tokens=32, max_model_len=128, check_invariants=True, warmup=False)
+def test_many_paused_requests_in_a_tight_pool_all_finish(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        llm = LLM("demo", policy="infercept", page_size=8, num_pages=10, num_host_pages=6,
+                  max_num_batched_tokens=32, max_model_len=128, check_invariants=True, warmup=False)
+    # a pool smaller than the context window is said at start, for the Python API as for the server
+    assert "the KV pool holds 80 tokens, less than max_model_len=128" in caplog.text
+    assert llm.engine.context_limit == 80
     prompts = [ids(4 + 3 * k, 50 + k) for k in range(12)]
     calls = [[ApiCall(2, 0.05 * (k % 3), [7] * (k % 4), "t"), ApiCall(6, 0.0, [8], "u")] for k in range(12)]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=10, **GREEDY),
