@@ -123,7 +123,8 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None) -> None:
+                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None,
+                 api_key: str | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -147,8 +148,10 @@ class ServerState:
         self.responses = response_store if response_store is not None else ResponseStore()
         self.conversations = Conversations(self.responses)   # the Conversations API, kept in the same store
         # The Files and Batch APIs; all batches' requests together take at most half the concurrency limit.
-        self.files = FileStore()
-        self.batches = Batches(self.files, served_model_name, max(1, max_concurrent_requests // 2))
+        # With the response store's file they are kept there too (a running batch runs on after a restart).
+        self.files = FileStore(state=self.responses.file)
+        self.batches = Batches(self.files, served_model_name, max(1, max_concurrent_requests // 2),
+                               state=self.responses.file, api_key=api_key)
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -181,8 +184,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
     in tokens (prompt + generated); required. ``max_fanout``: engine requests
     one HTTP request may become (prompts x ``n``). ``body_timeout_s``: seconds
     allowed to receive a request body (408 after). ``response_store``: where stored
-    responses are kept (``ResponseStore(path=...)`` keeps them across restarts; None:
-    a store in memory); the app closes it at shutdown. ``max_upload_bytes``: the largest
+    responses are kept (``ResponseStore(path=...)`` keeps them across restarts, and
+    files and batches in the same file; None: a store in memory); the app closes it
+    at shutdown. ``max_upload_bytes``: the largest
     file ``POST /v1/files`` takes.
     """
     if max_model_len is None or max_model_len < 2:
@@ -198,11 +202,12 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                 raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
                                  f"AsyncEngine(..., tools=...) so the engine can run them")
     state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
-                        paused_context_ttl_s, max_fanout, response_store=response_store)
+                        paused_context_ttl_s, max_fanout, response_store=response_store, api_key=api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.parked.start()
+        state.batches.resume()   # (batches a state file held as running)
         yield
         await state.batches.close()
         await state.background.close()

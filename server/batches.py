@@ -22,8 +22,13 @@ client's ``files`` and ``batches``).
   the files of what had ended.
 
 Files and batches are kept in memory, per API key (a key sees only its own), within
-``max_bytes`` of file content; a restart loses them (their requests' results too),
-and batches running at shutdown end ``cancelled``. Used from the event loop only.
+``max_bytes`` of file content. With the server's state file (``--response-store``,
+``server.state_file``) they are kept there too and outlive a restart: each answered
+line of a running batch is written as it ends, and a batch that was running when the
+server stopped (a clean stop or a crash) runs on when it starts again, serving only
+the lines not yet answered (those in flight at the stop are served again), with the
+server's API key. Without one, a restart loses them and batches running at shutdown
+end ``cancelled``. Used from the event loop only.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
 from server.errors import APIError
 from server.responses import items_page
+from server.state_file import StateFile
 
 log = logging.getLogger("jaxserve.server")
 
@@ -69,12 +76,17 @@ class StoredFile:
 
 class FileStore:
     """Files by id, per owner, within ``max_bytes`` of content (an upload past it is a 413;
-    deleting files makes room)."""
+    deleting files makes room); written to ``state`` too when given (and read back from it)."""
 
-    def __init__(self, max_bytes: int = MAX_FILE_STORE_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_FILE_STORE_BYTES, state: StateFile | None = None) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._files: OrderedDict[str, StoredFile] = OrderedDict()
+        self._state = state
+        for row in state.rows("SELECT id, owner, filename, purpose, data, created_at FROM files ORDER BY rowid") \
+                if state is not None else ():
+            self._files[row[0]] = StoredFile(*row)
+            self.num_bytes += len(row[4])
 
     def add(self, owner: str, filename: str, purpose: str, data: bytes, force: bool = False) -> StoredFile:
         """Store ``data``; past ``max_bytes`` a 413, unless ``force`` (a batch's results, which
@@ -85,6 +97,9 @@ class FileStore:
         stored = StoredFile(f"file-{uuid.uuid4().hex}", owner, filename, purpose, data)
         self._files[stored.id] = stored
         self.num_bytes += len(data)
+        if self._state is not None:
+            self._state.write("INSERT INTO files (id, owner, filename, purpose, created_at, data) VALUES "
+                              "(?, ?, ?, ?, ?, ?)", stored.id, owner, filename, purpose, stored.created_at, data)
         return stored
 
     def get(self, file_id: str, owner: str) -> StoredFile:
@@ -95,6 +110,8 @@ class FileStore:
         stored = self.get(file_id, owner)
         del self._files[file_id]
         self.num_bytes -= len(stored.data)
+        if self._state is not None:
+            self._state.write("DELETE FROM files WHERE id = ?", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     def page(self, owner: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
@@ -128,6 +145,11 @@ class BatchJob:
     def ended(self) -> bool:
         return self.status in ENDED
 
+    def record(self) -> str:
+        """The job as the state file keeps it: its fields but the task (a running job's
+        counts are then given back by its answered lines)."""
+        return json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__ if k != "task"})
+
     def become(self, status: str) -> None:
         self.status = status
         self.times[f"{status}_at"] = int(time.time())
@@ -145,14 +167,60 @@ class BatchJob:
 
 
 class Batches:
-    """The server's batches: created on a stored file, run by ``app`` in-process."""
+    """The server's batches: created on a stored file, run by ``app`` in-process; kept in
+    ``state`` too when given (read back from it: ``resume`` runs on those that were
+    running, with ``api_key``, the server's, as their authorization)."""
 
-    def __init__(self, files: FileStore, model_name: str, concurrency: int) -> None:
+    def __init__(self, files: FileStore, model_name: str, concurrency: int, state: StateFile | None = None,
+                 api_key: str | None = None) -> None:
         """``concurrency``: requests of all batches together in flight at once."""
         self.files, self.model_name, self.concurrency = files, model_name, concurrency
         self.app = None   # set once the app exists (``create_app``): the batches' requests go through it
         self._gate = asyncio.Semaphore(concurrency)
         self._jobs: OrderedDict[str, BatchJob] = OrderedDict()
+        self._state, self._api_key = state, api_key
+        self._stopping = False   # ``close`` was called: with a state file, running batches stay running there
+        for batch_id, record in state.rows("SELECT id, job FROM batches ORDER BY rowid") if state is not None else ():
+            self._jobs[batch_id] = BatchJob(**json.loads(record))
+
+    def resume(self) -> None:
+        """Run on the batches the state file held as running (from the event loop, once
+        the app serves): each serves the lines it had not answered; one that was being
+        cancelled ends ``cancelled`` with what it had."""
+        headers = [("authorization", f"Bearer {self._api_key}")] if self._api_key else []
+        for job in [j for j in self._jobs.values() if not j.ended]:
+            outputs, errors = self._answered(job)
+            if job.status == "cancelling":
+                self._finish(job, outputs, errors, "cancelled")
+                continue
+            try:
+                source = self.files.get(job.input_file_id, job.owner)
+            except APIError:
+                job.errors = [{"code": "server_error", "message": "the batch's input file was deleted while the "
+                               "server was stopped", "param": None, "line": None}]
+                self._finish(job, outputs, errors, "failed")
+                continue
+            log.warning("batch %s was running when the server stopped: running on after a restart (%d of its "
+                        "lines answered before)", job.id, len(outputs) + len(errors))
+            self._start(job, source.data, headers, outputs, errors)
+
+    def _answered(self, job: BatchJob) -> tuple[list[bytes], list[bytes]]:
+        """The output and error lines the state file holds for ``job`` (its counts set from them)."""
+        outputs, errors = [], []
+        for bad, line in self._state.rows("SELECT bad, line FROM batch_lines WHERE batch_id = ? ORDER BY rowid",
+                                          job.id):
+            (errors if bad else outputs).append(line)
+        job.completed, job.failed_count = len(outputs), len(errors)
+        return outputs, errors
+
+    def _become(self, job: BatchJob, status: str) -> None:
+        """``job.become(status)``, kept in the state file."""
+        job.become(status)
+        self._save(job)
+
+    def _save(self, job: BatchJob) -> None:
+        if self._state is not None:
+            self._state.write("INSERT OR REPLACE INTO batches (id, job) VALUES (?, ?)", job.id, job.record())
 
     def create(self, owner: str, authorization: str | None, input_file_id: str, endpoint: str,
                completion_window: str, metadata: dict | None) -> BatchJob:
@@ -173,9 +241,16 @@ class Batches:
                        metadata)
         self._forget_old()
         self._jobs[job.id] = job
-        job.task = asyncio.get_running_loop().create_task(self._run(job, source.data, authorization))
-        job.task.add_done_callback(lambda task: self._settle(job, task))
+        self._save(job)
+        self._start(job, source.data, [("authorization", authorization)] if authorization else [], [], [])
         return job
+
+    def _start(self, job: BatchJob, data: bytes, headers: list[tuple[str, str]], outputs: list[bytes],
+               errors: list[bytes]) -> None:
+        """Run ``job`` on its input file's ``data``, its lines ``outputs`` and ``errors``
+        answered already."""
+        job.task = asyncio.get_running_loop().create_task(self._run(job, data, headers, outputs, errors))
+        job.task.add_done_callback(lambda task: self._settle(job, task))
 
     def get(self, batch_id: str, owner: str) -> BatchJob:
         """The batch, or a 404 (also for another key's)."""
@@ -191,44 +266,51 @@ class Batches:
         job = self.get(batch_id, owner)
         if job.task is not None and not job.task.done():
             if job.status != "cancelling":   # (a second cancel waits for the first)
-                job.become("cancelling")
+                self._become(job, "cancelling")
                 job.task.cancel()
             await asyncio.wait({job.task})
         return job
 
     async def close(self) -> None:
-        """Cancel every running batch (server shutdown)."""
+        """Stop every running batch (server shutdown): with a state file they stay running
+        there (``resume`` goes on with them), else they end ``cancelled``."""
+        self._stopping = True
         running = [j.task for j in self._jobs.values() if j.task is not None and not j.task.done()]
         for task in running:
             task.cancel()
         if running:
             await asyncio.wait(running)
 
-    async def _run(self, job: BatchJob, data: bytes, authorization: str | None) -> None:
-        outputs: list[bytes] = []
-        errors: list[bytes] = []
-
+    async def _run(self, job: BatchJob, data: bytes, headers: list[tuple[str, str]], outputs: list[bytes],
+                   errors: list[bytes]) -> None:
         def write(line: dict) -> None:
             bad = failed(line) or line["response"]["status_code"] >= 400
-            (errors if bad else outputs).append(json.dumps(line).encode() + b"\n")
+            text = json.dumps(line).encode() + b"\n"
+            (errors if bad else outputs).append(text)
             if bad:
                 job.failed_count += 1
             else:
                 job.completed += 1
+            if self._state is not None:
+                self._state.write("INSERT INTO batch_lines (batch_id, bad, line) VALUES (?, ?, ?)", job.id, bad, text)
 
-        headers = [("authorization", authorization)] if authorization else []
         try:
             requests, problems = await asyncio.to_thread(_parse, data, self.model_name, job.endpoint)
             if problems or not requests:
                 job.errors = [_line_error(p) for p in problems[:MAX_LISTED_BATCH_ERRORS]] or \
                     [{"code": "empty_file", "message": "the file holds no request", "param": None, "line": None}]
-                job.become("failed")
+                self._become(job, "failed")
                 return
             job.total = len(requests)
-            job.become("in_progress")
+            if outputs or errors:   # (after a restart: the lines answered before it are not served again)
+                done = {json.loads(line)["custom_id"] for line in outputs + errors}
+                requests = [r for r in requests if r.custom_id not in done]
+            if job.status != "in_progress":
+                self._become(job, "in_progress")
             await run_batch(self.app, requests, write, self.concurrency, headers, gate=self._gate)
         except asyncio.CancelledError:
-            self._finish(job, outputs, errors, "cancelled")
+            if not (self._stopping and self._state is not None):   # (else it runs on after the restart)
+                self._finish(job, outputs, errors, "cancelled")
             raise
         except Exception as e:   # noqa: BLE001 - a broken run fails its batch, not the server
             log.exception("batch %s failed", job.id)
@@ -239,25 +321,32 @@ class Batches:
             job.become("finalizing")
             self._finish(job, outputs, errors, "completed")
 
-    @staticmethod
-    def _settle(job: BatchJob, task: asyncio.Task) -> None:
-        """A batch whose task ended without ending it (cancelled before its first step) ends now."""
-        if not job.ended:
-            job.become("cancelled" if task.cancelled() else "failed")
+    def _settle(self, job: BatchJob, task: asyncio.Task) -> None:
+        """A batch whose task ended without ending it (cancelled before its first step) ends
+        now, unless the server is stopping with a state file (it runs on after the restart)."""
+        if not job.ended and not (self._stopping and self._state is not None):
+            self._become(job, "cancelled" if task.cancelled() else "failed")
 
     def _forget_old(self) -> None:
         """Drop the oldest ended batches past ``MAX_ENDED_BATCHES`` (their files stay)."""
         ended = [j.id for j in self._jobs.values() if j.ended]
         for batch_id in ended[:max(0, len(ended) - MAX_ENDED_BATCHES + 1)]:
             del self._jobs[batch_id]
+            if self._state is not None:
+                self._state.write("DELETE FROM batches WHERE id = ?", batch_id)
 
     def _finish(self, job: BatchJob, outputs: list[bytes], errors: list[bytes], status: str) -> None:
-        """Store the run's output and error files (those with lines) and end ``job`` as ``status``."""
-        for lines, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
-            if lines:
-                name = f"{job.id}_{attr.removesuffix('_file_id')}.jsonl"
-                setattr(job, attr, self.files.add(job.owner, name, "batch_output", b"".join(lines), force=True).id)
-        job.become(status)
+        """Store the run's output and error files (those with lines) and end ``job`` as ``status``
+        (in the state file: in one transaction, its answered lines then dropped)."""
+        with self._state.transaction() if self._state is not None else nullcontext():
+            for lines, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
+                if lines:
+                    name = f"{job.id}_{attr.removesuffix('_file_id')}.jsonl"
+                    setattr(job, attr, self.files.add(job.owner, name, "batch_output", b"".join(lines),
+                                                      force=True).id)
+            self._become(job, status)
+            if self._state is not None:
+                self._state.write("DELETE FROM batch_lines WHERE batch_id = ?", job.id)
 
 
 def _owned(items: dict, item_id: str, owner: str, kind: str):

@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--paused-context-ttl", type=float, default=60.0,
                      help="seconds a request paused on a client-side tool call is kept for its follow-up")
     net.add_argument("--response-store", default=None, metavar="DIR",
-                     help="keep stored Responses API responses in DIR (an SQLite file) across restarts "
-                          "(default: in memory only)")
+                     help="keep stored Responses API responses, conversations, files and batches in DIR (an "
+                          "SQLite file) across restarts; a running batch runs on (default: in memory only)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     EngineConfig.add_cli_arguments(parser, replicas=True)
 

@@ -1,45 +1,33 @@
 """Stored Responses API responses (``store: true``) and Conversations API
 conversations (``server.conversations``), in one bounded LRU per API key, kept in
-memory and, with a path, in an SQLite file too, so conversations
-(``previous_response_id``, ``conversation``) outlive a restart. An entry's
-``response`` is the object the API returns for it; its ``object`` field
+memory and, with a path, in the server's state file too (``server.state_file``), so
+conversations (``previous_response_id``, ``conversation``) outlive a restart. An
+entry's ``response`` is the object the API returns for it; its ``object`` field
 (``"response"``, ``"conversation"``) is the entry's kind, and a lookup of one kind
 never finds the other.
 
-The file is written through (each store, delete and conversation walk in one
-transaction, in WAL mode without a sync per write: a power cut may lose the last
-writes, a process exit loses nothing) and read back whole when the store is
-opened, oldest use first, within the same limits. A background response is
-stored when it is created (``queued``) and again when it ends; one still
-``queued`` or ``in_progress`` in a file being opened was running when the
-server stopped without ending it (a crash: a clean stop cancels live runs), and
-reads back ``failed`` with a ``server_error``, so its client's poll gets an
-answer, not a 404. A write that fails (a full
-disk) is logged and the store goes on in memory. One process per file: a second
-one opening it is refused (an exclusive lock beside it); replicas each keep
-their own (``server.build``). The folder and file are the server user's only
-(0700 and 0600): they hold every API key's conversations. A local file system
-only (SQLite's WAL needs shared memory, which network file systems do not give).
+The file is written through and read back whole when the store is opened, oldest
+use first, within the same limits. A background response is stored when it is
+created (``queued``) and again when it ends; one still ``queued`` or
+``in_progress`` in a file being opened was running when the server stopped without
+ending it (a crash: a clean stop cancels live runs), and reads back ``failed`` with
+a ``server_error``, so its client's poll gets an answer, not a 404.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
-import os
-import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from server.errors import APIError
+from server.state_file import StateFile
 
 log = logging.getLogger("jaxserve.server")
 
-SCHEMA_VERSION = 1   # ``PRAGMA user_version`` of a store file
 UNFINISHED = ("queued", "in_progress")   # statuses of a background response that has not ended
 
 
@@ -62,9 +50,9 @@ class ResponseStore:
     only to the owner (API key) that stored it. Over a limit, the owner holding the
     most (bytes, or responses for the count) gives up its least recently used
     response: one busy key cannot push out another key's conversations while it holds
-    more than they do. ``path``: an SQLite file that keeps them across restarts
-    (created if missing; a file that is not a store of this version is a
-    ``ValueError``). Used from the event loop only."""
+    more than they do. ``path``: the state file that keeps them across restarts
+    (``server.state_file.StateFile``: created if missing; one that is not a state
+    file is a ``ValueError``). Used from the event loop only."""
 
     def __init__(self, capacity: int = 4096, max_bytes: int = 256 * 2**20, path: str | Path | None = None) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
@@ -72,42 +60,23 @@ class ResponseStore:
         self._entries: dict[str, StoredResponse] = {}
         self._by_owner: dict[str, OrderedDict[str, None]] = {}   # owner -> its response ids, least recent first
         self._owner_bytes: dict[str, int] = {}
-        self._db: sqlite3.Connection | None = None
-        self._lock: int | None = None   # the descriptor holding the file's lock
-        self._depth = 0                 # open ``_transaction`` blocks
+        self.file: StateFile | None = None   # the state file (``path``), shared with the Files and Batch APIs
         self._uses = 0                  # the last use's number (a file's LRU order)
         if path is not None:
+            self.file = StateFile(path)
             try:
-                self._open(Path(path).expanduser().resolve())
+                self._load()
             except BaseException:
                 self.close()
                 raise
 
     # ------------------------------------------------------------------ file
-    def _open(self, path: Path) -> None:
-        """Lock, open (or create) the file at ``path`` and load what it holds; a
-        ``ValueError`` naming it when it is in use, not a store, or unreadable."""
+    def _load(self) -> None:
+        """Read the file's responses back, within the limits; a ``ValueError`` naming the
+        file when an entry is unreadable."""
+        rows = self.file.rows("SELECT id, owner, used, entry FROM responses ORDER BY used")
+        held, ended = {}, {}
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._lock = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ValueError(f"response store {path}: in use by another process") from None
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))   # (SQLite gives its WAL files the same mode)
-            self._db = db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if tables and (version != SCHEMA_VERSION or "responses" not in tables):
-                raise ValueError(f"response store {path}: not a jaxserve response store of version "
-                                 f"{SCHEMA_VERSION} (user_version {version}, tables {sorted(tables)})")
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = NORMAL")
-            db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
-                       "used INTEGER NOT NULL, entry TEXT NOT NULL)")
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            rows = db.execute("SELECT id, owner, used, entry FROM responses ORDER BY used").fetchall()
-            held, ended = {}, {}
             for response_id, owner, used, text in rows:   # (oldest use first: the LRU order comes back as it was)
                 data = json.loads(text)
                 if data["response"].get("status") in UNFINISHED:
@@ -116,16 +85,14 @@ class ResponseStore:
                 held[response_id] = (StoredResponse(owner, data["parent"], data["messages"], data["response"],
                                                     data["input_items"]), len(text))
                 self._uses = max(self._uses, used)
-        except (sqlite3.Error, OSError, ValueError, KeyError, TypeError) as e:
-            if isinstance(e, ValueError) and str(e).startswith("response store"):
-                raise
-            raise ValueError(f"response store {path}: unreadable ({type(e).__name__}: {e})") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"response store {self.file.path}: unreadable ({type(e).__name__}: {e})") from None
         with self._transaction():
-            db, self._db = self._db, None   # (the drops below the limits go to the file at the end, at once)
+            file, self.file = self.file, None   # (the drops below the limits go to the file at the end, at once)
             for response_id, (entry, size) in held.items():
                 if size <= self.max_bytes:
                     self._keep(response_id, entry, size)
-            self._db = db
+            self.file = file
             self._write_many("DELETE FROM responses WHERE id = ?", [(i,) for i in set(held) - set(self._entries)])
             self._write_many("UPDATE responses SET entry = ? WHERE id = ?",
                              [(text, i) for i, text in ended.items() if i in self._entries])
@@ -133,57 +100,25 @@ class ResponseStore:
             log.warning("response store: %d background response(s) were running when the server stopped; "
                         "they read back as failed", len(ended))
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """One file transaction for the writes inside (nested blocks join the outer one)."""
-        if self._db is None or self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-            return
-        self._depth = 1
-        try:
-            begun = True
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as e:   # (the writes inside then commit one by one, or fail as logged)
-                log.warning("response store: cannot write the file (%s); kept in memory", e)
-                begun = False
-            yield
-        finally:
-            self._depth = 0
-            if begun:
-                try:
-                    self._db.execute("COMMIT")
-                except sqlite3.Error as e:
-                    log.warning("response store: a write to the file failed (%s); kept in memory", e)
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
+    def _transaction(self):
+        """One file transaction for the writes inside (``StateFile.transaction``)."""
+        return self.file.transaction() if self.file is not None else contextlib.nullcontext()
 
     def _write(self, sql: str, *params) -> None:
         self._write_many(sql, [params])
 
     def _write_many(self, sql: str, rows: list[tuple]) -> None:
-        if self._db is None or not rows:
-            return
-        try:
-            self._db.executemany(sql, rows)
-        except sqlite3.Error as e:   # (a full disk): the file falls behind, the store goes on in memory
-            log.warning("response store: a write to the file failed (%s); kept in memory", e)
+        if self.file is not None:
+            self.file.write_many(sql, rows)
 
     def _use(self) -> int:
         self._uses += 1
         return self._uses
 
     def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-        if self._lock is not None:
-            os.close(self._lock)   # (releases the lock)
-            self._lock = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     # ------------------------------------------------------------- entries
     def put(self, response_id: str, entry: StoredResponse) -> bool:

@@ -959,11 +959,15 @@ def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
     """``--response-store DIR``: a conversation stored before the server is killed (SIGKILL,
     mid-run) is read back and continued (``previous_response_id``) after it restarts,
     through the official client; the background response that was running reads back
-    ``failed`` with a ``server_error``, not a 404; a file that is not a store stops the
-    server at start with a clear error."""
+    ``failed`` with a ``server_error``, not a 404; a batch running at the kill runs on after
+    the restart and completes with every line once, and its uploaded file is still
+    listed; a file that is not a store stops the server at start with a clear error."""
     import openai
     args = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "512",
             "--response-store", str(tmp_path / "store")]
+    rows = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "demo", "prompt": f"line {i}", "max_tokens": 96, "ignore_eos": True}}
+            for i in range(24)]
 
     def serve():
         return ServerProcess("demo", args, log_path=tmp_path / "server.log").start().wait_ready()
@@ -975,6 +979,11 @@ def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
         running = client.responses.create(model="demo", input="Tell me everything", max_output_tokens=300,
                                           temperature=0, background=True)
         assert client.responses.retrieve(running.id).status in ("queued", "in_progress")
+        upload = client.files.create(file=("b.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode()),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        while client.batches.retrieve(batch.id).status == "validating":
+            time.sleep(0.05)
         server.proc.kill()
         server.proc.wait(30)
     finally:
@@ -991,6 +1000,15 @@ def test_stored_responses_survive_a_restart_with_a_response_store(tmp_path):
                                          max_output_tokens=8, temperature=0)
         assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
         assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        deadline = time.monotonic() + 120
+        while (after := client.batches.retrieve(batch.id)).status == "in_progress" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert after.status == "completed" and after.request_counts.completed == 24
+        done = [json.loads(x) for x in client.files.content(after.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in done) == sorted(r["custom_id"] for r in rows)
+        assert all(len(x["response"]["body"]["choices"][0]["text"]) > 0 for x in done)
+        assert upload.id in {f.id for f in client.files.list(purpose="batch").data}
+        assert "running on after a restart" in server.log_tail()
     finally:
         server.stop()
     (tmp_path / "bad").mkdir()

@@ -1426,7 +1426,7 @@ def test_a_response_store_file_is_private_locked_and_never_fails_a_response(tmp_
         ResponseStore(path=path)
     odd = {"metadata": {"\ud800key": "v"}}
     store.put("odd", StoredResponse("o", None, [], odd))
-    store._db.execute("PRAGMA query_only = ON")   # (every write now fails, as on a full disk)
+    store.file._db.execute("PRAGMA query_only = ON")   # (every write now fails, as on a full disk)
     store.put("memory-only", StoredResponse("o", None, [], {"id": "m"}))
     assert store.get("memory-only", "o").response == {"id": "m"}
     store.close()
@@ -1437,6 +1437,34 @@ def test_a_response_store_file_is_private_locked_and_never_fails_a_response(tmp_
     with pytest.raises(ValueError, match="unreadable"):
         ResponseStore(path=path)
 
+
+
+def test_a_version_1_store_file_is_opened_and_gains_the_files_and_batches_tables(tmp_path):
+    """A store written before files and batches were kept (version 1: responses alone)
+    opens with its responses and the new tables; an unknown version is refused."""
+    import sqlite3
+
+    from server.response_store import ResponseStore, StoredResponse, _entry_text
+    path = tmp_path / "responses.sqlite3"
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, used INTEGER NOT NULL, "
+                "entry TEXT NOT NULL)")
+    old.execute("INSERT INTO responses VALUES ('r', 'o', 1, ?)",
+                (_entry_text(StoredResponse("o", None, [], {"id": "r"})),))
+    old.execute("PRAGMA user_version = 1")
+    old.commit()
+    old.close()
+    store = ResponseStore(path=path)
+    assert store.get("r", "o").response == {"id": "r"}
+    tables = {row[0] for row in store.file.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"files", "batches", "batch_lines"} <= tables and store.file.rows("PRAGMA user_version") == [(2,)]
+    store.close()
+    newer = sqlite3.connect(path)
+    newer.execute("PRAGMA user_version = 7")
+    newer.commit()
+    newer.close()
+    with pytest.raises(ValueError, match="not a jaxserve response store"):
+        ResponseStore(path=path)
 
 
 def test_the_version_route_names_the_installed_package():
