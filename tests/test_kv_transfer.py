@@ -104,24 +104,28 @@ def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it(
     prefill_side = PrefillReplica.__new__(PrefillReplica)   # (its constructor reads CLI settings)
     prefill_side.engine = AsyncEngine(engine=LLMEngine("demo", **SETTINGS))
 
+    asked = []   # the priority class each prefill was asked in
+
     class Handle:   # what a Ray Serve deployment handle's ``prefill.remote(...)`` awaits to
-        async def remote(self, token_ids, skip_pages):
-            return await prefill_side.prefill(token_ids, skip_pages)
+        async def remote(self, token_ids, skip_pages, priority):
+            asked.append(priority)
+            return await prefill_side.prefill(token_ids, skip_pages, priority)
 
     decode = DisaggregatedEngine(engine=LLMEngine("demo", **SETTINGS))
     decode.prefill = SimpleNamespace(prefill=Handle())
     registry = CollectorRegistry()
     decode.metrics = TransferMetrics(registry)
 
-    async def cached_of(rid, prompt=PROMPT, **scoring):
+    async def cached_of(rid, prompt=PROMPT, priority=0, **scoring):
         async for out in decode.generate(sampling_params=SamplingParams(max_tokens=2, temperature=0.0, **scoring),
-                                         request_id=rid, prompt_token_ids=prompt):
+                                         request_id=rid, prompt_token_ids=prompt, priority=priority):
             pass
         return out.num_cached_tokens
 
     try:
-        assert asyncio.run(cached_of("first")) == 0
+        assert asyncio.run(cached_of("first", priority=3)) == 0
         assert registry.get_sample_value("jaxserve:remote_prefills_total") == 1   # the pages did move
+        assert asyncio.run(cached_of("batch", PROMPT[:40])) == 32 and asked == [3]   # (its 2 pages were cached)
         assert asyncio.run(cached_of("again")) == 64   # 4 full pages, now in the decode replica's cache
         assert asyncio.run(cached_of("scored", PROMPT[::-1], prompt_logprobs=0)) == 0
         assert registry.get_sample_value("jaxserve:remote_prefills_total") == 1   # not asked for its pages

@@ -115,24 +115,24 @@ class DisaggregatedEngine(AsyncEngine):
         scores_prompt = sampling_params is not None and sampling_params.prompt_logprobs is not None
         if prompt_token_ids is not None and self.prefill is not None and not scores_prompt:
             # (a prompt scored for its logprobs is computed here whatever the cache holds: nothing to fetch)
-            cached = await self._fetch_prompt_kv(list(prompt_token_ids))
+            cached = await self._fetch_prompt_kv(list(prompt_token_ids), kwargs.get("priority", 0))
         async for out in super().generate(prompt, sampling_params, request_id, prompt_token_ids=prompt_token_ids,
                                           **kwargs):
             if cached is not None and out.num_cached_tokens > cached:   # the moved pages were computed for it
                 out = dataclasses.replace(out, num_cached_tokens=cached)
             yield out
 
-    async def _fetch_prompt_kv(self, token_ids: list[int]) -> int | None:
-        """Bring the prompt's missing full pages from the prefill replica. Returns how many
-        prompt tokens were cached before this request on either side (what its usage may
-        call cached: the pages the prefill replica computed now were not), None when
-        nothing moved."""
+    async def _fetch_prompt_kv(self, token_ids: list[int], priority: int = 0) -> int | None:
+        """Bring the prompt's missing full pages from the prefill replica (computed there in
+        the request's ``priority`` class). Returns how many prompt tokens were cached before
+        this request on either side (what its usage may call cached: the pages the prefill
+        replica computed now were not), None when nothing moved."""
         cached, wanted = await self.call_on_engine(lambda: cached_pages(self.engine, token_ids))
         if wanted == 0 or cached == wanted:
             return None
         start = time.perf_counter()
         try:
-            reply = await self.prefill.prefill.remote(token_ids, cached)   # only the pages it lacks come back
+            reply = await self.prefill.prefill.remote(token_ids, cached, priority)   # only the pages it lacks come back
         except Exception as e:  # noqa: BLE001 - a failed prefill replica costs speed, not the request
             log.warning("remote prefill failed (%s: %s); computing the prompt here", type(e).__name__, e)
             self.metrics.fallbacks.inc()
@@ -160,14 +160,15 @@ class PrefillReplica:
         config = EngineConfig.from_cli(argparse.Namespace(**settings), policy=PREFILL_POLICY)
         self.engine = AsyncEngine(config=config)
 
-    async def prefill(self, token_ids: list[int], skip_pages: int = 0) -> dict:
-        """Compute ``token_ids``' KV; ``{"hashes", "kv" (numpy or None), "prefill_s", "export_s",
-        "cached_tokens"}`` for its full pages after the first ``skip_pages`` (the caller holds
-        those); ``cached_tokens``: prompt tokens this replica's cache already held."""
+    async def prefill(self, token_ids: list[int], skip_pages: int = 0, priority: int = 0) -> dict:
+        """Compute ``token_ids``' KV (in priority class ``priority``); ``{"hashes", "kv" (numpy
+        or None), "prefill_s", "export_s", "cached_tokens"}`` for its full pages after the
+        first ``skip_pages`` (the caller holds those); ``cached_tokens``: prompt tokens this
+        replica's cache already held."""
         start = time.perf_counter()
         params = SamplingParams(max_tokens=1, temperature=0.0)
         async for out in self.engine.generate(prompt_token_ids=token_ids, sampling_params=params,
-                                              parse_tool_calls=False, parse_reasoning=False):
+                                              parse_tool_calls=False, parse_reasoning=False, priority=priority):
             pass
         computed = time.perf_counter()
         hashes, kv = await self.engine.call_on_engine(lambda: export_pages(self.engine.engine, token_ids,
