@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -461,3 +462,48 @@ def test_sim_prefix_cache_soft_discard_recomputes_less(multi):
     assert off.cached_tokens == 0 and off.recomputed_tokens > 0
     # a roomy pool evicts nothing: every full page of a discarded context is re-linked on return
     assert on.cached_tokens > 0 and on.recomputed_tokens < off.recomputed_tokens
+
+
+def test_a_batch_share_runs_in_class_1_and_results_report_each_classs_latency(tmp_path, multi, capsys):
+    """``--batch-share``: that share of the arrivals (by seed) is class 1, the rest keep the
+    entry's class (a JSONL trace's ``priority``); every path builds its requests in the
+    item's class; results give each class's latencies, and under fcfs at load the
+    interactive class's TTFT is below the batch class's and below the one-class run's."""
+    items = make_workload(multi, WorkloadSpec("poisson", rate=4.0, num_requests=2000, seed=3, batch_share=0.25))
+    share = sum(w.priority == 1 for w in items) / len(items)
+    assert 0.22 < share < 0.28 and {w.to_request().priority for w in items} == {0, 1}
+    assert [w.priority for w in items] == [w.priority for w in make_workload(
+        multi, WorkloadSpec("poisson", rate=4.0, num_requests=2000, seed=3, batch_share=0.25))]
+    with pytest.raises(ValueError, match="batch share"):
+        WorkloadSpec("poisson", rate=1.0, num_requests=1, batch_share=1.5)
+    ranked = [replace(multi[0], priority=2), multi[1]]
+    (tmp_path / "t.jsonl").write_text(entries_to_jsonl(ranked))
+    back = load_trace(tmp_path / "t.jsonl")
+    assert [e.priority for e in back] == [2, 0]
+    kept = make_workload(back, WorkloadSpec("poisson", rate=1.0, num_requests=20))
+    assert {(w.entry.request_id, w.to_request().priority) for w in kept} == \
+        {(back[0].request_id, 2), (back[1].request_id, 0)}
+    (tmp_path / "bad.jsonl").write_text('{"id": "x", "priority": 1.5, "segments": [{"prompt_tokens": 3, '
+                                        '"completion_tokens": 2}]}\n')
+    with pytest.raises(TraceError, match="'priority' must be an integer"):
+        load_trace(tmp_path / "bad.jsonl")
+
+    rows = {}
+    for share in (0.0, 0.5):
+        out = tmp_path / f"share{share}"
+        assert replay_cli.main(_cli_args(["--policies", "fcfs", "--rate", "4", "--duration", "120",
+                                          "--batch-share", str(share), "--out", str(out), "--quiet",
+                                          "--no-plots"])) == 0
+        rows[share] = json.loads((out / "results.json").read_text())[0]
+    assert "completed_class0" not in rows[0.0]
+    mixed = rows[0.5]
+    assert mixed["completed_class0"] + mixed["completed_class1"] == mixed["completed"]
+    assert mixed["mean_ttft_s_class0"] < mixed["mean_ttft_s_class1"]
+    assert mixed["mean_ttft_s_class0"] < rows[0.0]["mean_ttft_s"]
+    assert "TTFT mean s, class 1" in capsys.readouterr().out
+    # re-send mode, two replicas: each turn is a request in its conversation's class
+    resend = simulate(scale_entries(multi, 0.2), COST, _config(mode="resend", replicas=2, batch_share=0.5,
+                                                               prefix_cache=(True,)), progress=False)
+    write_outputs(resend, tmp_path / "resend", plots=False)
+    [row] = [r for r in json.loads((tmp_path / "resend" / "results.json").read_text()) if r["policy"] == "fcfs"]
+    assert row["completed_class0"] > 0 and row["completed_class1"] > 0

@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--cv", type=float, default=None,
                     help=f"gamma arrivals: coefficient of variation of the gaps (default {DEFAULT_CV:g})")
     wl.add_argument("--seed", type=int, default=0, help="workload and predictor seed")
+    wl.add_argument("--batch-share", type=float, default=0.0,
+                    help="fraction of arrivals that are batch work, in priority class 1 (interactive ones stay "
+                         "in 0; results report each class's latencies)")
     wl.add_argument("--tokenizer", default=None,
                     help="tokenizer (HF name or dir) for text-form traces (default: 4 characters per token)")
     EngineConfig.add_cli_arguments(parser, exclude=REPLAY_EXCLUDES)
@@ -203,7 +206,7 @@ def build_config(args: argparse.Namespace):
                         handling=sim.handling, sim=sim, horizon_s=args.horizon, slo_ttft_s=args.slo_ttft,
                         slo_norm_latency_s=args.slo_norm_latency, slo_step_factor=args.slo_step_factor,
                         count=args.count, mode=args.mode, prefix_cache=caches, replicas=args.replicas,
-                        routers=routers)
+                        routers=routers, batch_share=args.batch_share)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -71,7 +71,7 @@ class Conversation:
         tokens = segment.num_tokens
         request = Request(f"{self.item.request_id}/{k}", arrival_time=arrival_time, prompt_len=prompt,
                           max_tokens=tokens, segments=[Segment(tokens)], ignore_eos=True,
-                          predictions=dict(entry.predictions))
+                          predictions=dict(entry.predictions), priority=self.item.priority)
         self.context = prompt + tokens + segment.num_returned_tokens
         self.index += 1
         return request

@@ -208,7 +208,7 @@ def _drive(engine, workload: Sequence[WorkloadItem], seed: int, options: EngineO
         requests.append(engine.make_request(w.request_id, prompt_token_ids=ids, sampling_params=params,
                                             api_calls=calls, parse_tool_calls=False, parse_reasoning=False,
                                             arrival_time=t0 + w.arrival_time,
-                                            predictions=dict(w.entry.predictions) or None))
+                                            predictions=dict(w.entry.predictions) or None, priority=w.priority))
     occupancy = _Occupancy(engine, options.sample_interval_s)
     total_requests = len(requests)
     engine.core.run(done=lambda: engine.stats.requests == total_requests and not engine.has_unfinished(),
@@ -241,7 +241,8 @@ def _drive_resend(engine, workload: Sequence[WorkloadItem], seed: int, options: 
                                       parse_reasoning=False,
                                       sampling_params=SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                      ignore_eos=True),
-                                      arrival_time=at, predictions=dict(item.entry.predictions) or None)
+                                      arrival_time=at, predictions=dict(item.entry.predictions) or None,
+                                      priority=item.priority)
         turn_of[request.request_id] = (item, k, synthetic)
         requests.append(request)
         return request

@@ -71,6 +71,7 @@ class ReplayConfig:
     prefix_cache: Sequence[bool] = (False,)
     replicas: int = 1
     routers: Sequence[str] = ("round_robin",)
+    batch_share: float = 0.0   # fraction of arrivals in priority class 1 (``WorkloadSpec.batch_share``)
 
     def __post_init__(self) -> None:
         from jaxserve.replay.cluster import ROUTERS
@@ -90,7 +91,8 @@ class ReplayConfig:
             raise ValueError(f"unknown router {', '.join(unknown) or '(none)'}; available: {', '.join(ROUTERS)}")
 
     def spec(self, rate: float | None) -> WorkloadSpec:
-        return WorkloadSpec(self.arrival, rate, self.cv, self.num_requests, self.duration_s, self.seed)
+        return WorkloadSpec(self.arrival, rate, self.cv, self.num_requests, self.duration_s, self.seed,
+                            self.batch_share)
 
     def slo(self, reference_step_s: float) -> Slo:
         if self.slo_norm_latency_s is not None:

@@ -14,6 +14,10 @@ simulator and the real engine share this code. Times are seconds.
 * TPOT = (E2E − TTFT − API time) / (generated tokens − 1).
 * Goodput = completed requests meeting the SLOs (TTFT < ``ttft_s`` and
   normalized latency < ``norm_latency_s``) per second of the run.
+
+When requests of several priority classes ran (``Request.priority``), the
+aggregates also give each class's TTFT and E2E mean and p99
+(``mean_ttft_s_class<N>``, ...), and its completed requests.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class RequestMetrics:
     preemptions: int
     handlings: tuple[str, ...]
     fallbacks: int
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +85,7 @@ def request_metrics(r: Request, kind: str | None = None) -> RequestMetrics:
     handlings = tuple(c.handling.value for c in r.api_calls)
     fallbacks = sum(1 for c in r.api_calls if c.fell_back_from is not None)
     return RequestMetrics(r.request_id, kind, completed, r.arrival_time, e2e, ttft, queueing, api_s,
-                          norm, tpot, gen, len(r.api_calls), r.num_preemptions, handlings, fallbacks)
+                          norm, tpot, gen, len(r.api_calls), r.num_preemptions, handlings, fallbacks, r.priority)
 
 
 def _stats(values: Sequence[float], prefix: str, out: dict, p50: bool = True) -> None:
@@ -128,6 +133,13 @@ def aggregate(metrics: Iterable[RequestMetrics], duration_s: float, slo: Slo) ->
     out["handling_fallbacks"] = sum(m.fallbacks for m in ms)
     out["api_calls"] = sum(m.num_api_calls for m in ms)
     out["duration_s"] = duration_s
+    classes = sorted({m.priority for m in ms})
+    if classes != [0] and classes:
+        for c in classes:
+            mine = [m for m in done if m.priority == c]
+            out[f"completed_class{c}"] = len(mine)
+            _stats([m.ttft_s for m in mine], f"ttft_s_class{c}", out, p50=False)
+            _stats([m.e2e_s for m in mine], f"e2e_s_class{c}", out, p50=False)
     return out
 
 
@@ -172,10 +184,18 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return fmt.format(v)
 
 
+def _class_columns(rows: Sequence[dict]) -> list[tuple[str, str, str]]:
+    """Columns of each priority class's TTFT and E2E means, for the classes the rows have."""
+    classes = sorted({int(k.removeprefix("completed_class")) for r in rows for k in r if k.startswith("completed_class")})
+    return [col for c in classes for col in ((f"TTFT mean s, class {c}", f"mean_ttft_s_class{c}", "{:.3f}"),
+                                             (f"E2E mean s, class {c}", f"mean_e2e_s_class{c}", "{:.2f}"))]
+
+
 def summary_table(rows: Sequence[dict]) -> str:
     """A Markdown table of ``results.json`` rows, grouped by rate then policy."""
-    header = [c[0] for c in SUMMARY_COLUMNS]
-    body = [[_cell(r, key, fmt) for _, key, fmt in SUMMARY_COLUMNS] for r in rows]
+    columns = list(SUMMARY_COLUMNS) + _class_columns(rows)
+    header = [c[0] for c in columns]
+    body = [[_cell(r, key, fmt) for _, key, fmt in columns] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]

@@ -18,8 +18,8 @@ Formats (DESIGN section 9, ``docs/replay.md``):
   ``hash_ids``; ``jaxserve.replay.mooncake``), recognised by its first line.
 * JSONL: one object per line with ``id`` and ``segments`` (segments as above,
   each may add ``api_type``), optionally ``arrival_time`` (seconds),
-  ``api_type`` (the default for its calls) and ``predictions`` (copied into
-  ``Request.predictions``).
+  ``api_type`` (the default for its calls), ``predictions`` (copied into
+  ``Request.predictions``) and ``priority`` (its class, ``Request.priority``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ BUNDLED_TRACES = ("merged_exp_uniform.json", "diverse_oneapi_merged_exp_uniform.
 _TOKEN_KEYS = {"prompt_tokens", "completion_tokens", "api_time", "api_token_length"}
 _TEXT_KEYS = {"prompt", "completion", "api_token", "api_time"}
 _SEGMENT_EXTRA_KEYS = {"api_type"}
-_JSONL_KEYS = {"id", "segments", "arrival_time", "api_type", "predictions"}
+_JSONL_KEYS = {"id", "segments", "arrival_time", "api_type", "predictions", "priority"}
 
 # Text-form API calls are recognised by what the call returns (data README).
 _TTS_RETURN = "Convert this to text to speech"
@@ -68,6 +68,7 @@ class TraceEntry:
     kind: str = "unknown"                     # workload class, e.g. "math", "chat"
     predictions: dict = field(default_factory=dict)
     block_ids: tuple[int, ...] | None = None  # Mooncake: ids of the prompt's 512-token blocks
+    priority: int = 0                         # its priority class (``Request.priority``)
 
     @property
     def num_api_calls(self) -> int:
@@ -82,13 +83,14 @@ class TraceEntry:
         """``min(2048, Σ completion + Σ api_return)`` as the original driver set it."""
         return min(MAX_TOKENS_CAP, self.output_len + sum(s.num_returned_tokens for s in self.segments))
 
-    def to_request(self, request_id: str, arrival_time: float) -> Request:
-        """A fresh ``scheduler.Request`` for this entry (EOS ignored, as in replay)."""
+    def to_request(self, request_id: str, arrival_time: float, priority: int | None = None) -> Request:
+        """A fresh ``scheduler.Request`` for this entry (EOS ignored, as in replay), in class
+        ``priority`` (None: the entry's)."""
         segments = [Segment(s.num_tokens, s.api_type, s.api_duration_s, s.num_returned_tokens)
                     for s in self.segments]
         return Request(request_id, arrival_time=arrival_time, prompt_len=self.prompt_len,
                        max_tokens=self.max_tokens, segments=segments, ignore_eos=True,
-                       predictions=dict(self.predictions))
+                       predictions=dict(self.predictions), priority=self.priority if priority is None else priority)
 
 
 class TraceError(ValueError):
@@ -215,7 +217,7 @@ def parse_infercept(data: object, tokenizer: Tokenizer | None = None,
 
 def parse_jsonl(text: str, tokenizer: Tokenizer | None = None, source: str = "<trace>") -> list[TraceEntry]:
     """One JSON object per line: ``id``, ``segments`` and optional ``arrival_time``,
-    ``api_type``, ``predictions``. Blank lines are skipped; ids must be unique."""
+    ``api_type``, ``predictions``, ``priority``. Blank lines are skipped; ids must be unique."""
     entries: list[TraceEntry] = []
     seen: set[str] = set()
     for lineno, where, obj in _json_objects(text, source):
@@ -241,9 +243,12 @@ def parse_jsonl(text: str, tokenizer: Tokenizer | None = None, source: str = "<t
         predictions = obj.get("predictions", {})
         if not isinstance(predictions, dict):
             raise TraceError(f"{where}: request {rid!r}: field 'predictions' must be an object")
+        priority = obj.get("priority", 0)
+        if not _is_int(priority):
+            raise TraceError(f"{where}: request {rid!r}: field 'priority' must be an integer, got {priority!r}")
         entries.append(_parse_entry(rid, obj["segments"], tokenizer, f"{source} line {lineno}",
                                     arrival_time=None if arrival is None else float(arrival),
-                                    default_api_type=api_type, predictions=predictions))
+                                    default_api_type=api_type, predictions=predictions, priority=priority))
     if not entries:
         raise TraceError(f"trace {source}: no requests")
     return entries
@@ -266,7 +271,7 @@ def _count_tokens(text: str, tokenizer: Tokenizer | None) -> int:
 
 def _parse_entry(rid: str, segs: object, tokenizer: Tokenizer | None, source: str, *,
                  arrival_time: float | None = None, default_api_type: str | None = None,
-                 predictions: dict | None = None) -> TraceEntry:
+                 predictions: dict | None = None, priority: int = 0) -> TraceEntry:
     where = f"trace {source}: request {rid!r}"
     if not isinstance(segs, list) or not segs:
         raise TraceError(f"{where}: field 'segments' must be a non-empty list")
@@ -337,7 +342,8 @@ def _parse_entry(rid: str, segs: object, tokenizer: Tokenizer | None, source: st
         segments.append(Segment(max(1, completion), api_type, api_time, returned))
     if default_api_type:
         kind = default_api_type
-    return TraceEntry(rid, prompt_len, tuple(segments), arrival_time, kind, dict(predictions or {}))
+    return TraceEntry(rid, prompt_len, tuple(segments), arrival_time, kind, dict(predictions or {}),
+                      priority=priority)
 
 
 def _need_int(s: dict, key: str, where: str) -> int:
@@ -411,6 +417,8 @@ def entries_to_jsonl(entries: Iterable[TraceEntry]) -> str:
             obj["arrival_time"] = e.arrival_time
         if e.predictions:
             obj["predictions"] = e.predictions
+        if e.priority:
+            obj["priority"] = e.priority
         lines.append(json.dumps(obj))
     return "\n".join(lines) + "\n"
 
@@ -438,5 +446,5 @@ def scale_entries(entries: Iterable[TraceEntry], factor: float = 1.0,
     return [TraceEntry(e.request_id, scale(e.prompt_len, 1),
                        tuple(Segment(scale(s.num_tokens, 1), s.api_type, seconds(s.api_duration_s),
                                      scale(s.num_returned_tokens, 0)) for s in e.segments),
-                       e.arrival_time, e.kind, dict(e.predictions), e.block_ids)
+                       e.arrival_time, e.kind, dict(e.predictions), e.block_ids, e.priority)
             for e in entries]

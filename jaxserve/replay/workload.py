@@ -10,11 +10,15 @@ which is the same distribution).
 A fixed seed gives an identical workload: the entry sample and the arrival
 gaps come from two ``numpy.random.Generator`` streams derived from the seed,
 so the same seed also gives the same entry sequence at every rate.
+
+``batch_share``: that fraction of the arrivals (drawn from a third stream) is
+batch work, in priority class 1 (``Request.priority``); the others keep their
+entry's class (0 unless the trace gives one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -25,16 +29,21 @@ from scheduler import Request
 ARRIVALS = ("poisson", "gamma", "trace")
 
 
+BATCH_PRIORITY = 1   # the class of the arrivals ``batch_share`` marks as batch work
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadItem:
-    """One arrival: a fresh ``request_id`` for ``entry`` arriving at ``arrival_time`` (s)."""
+    """One arrival: a fresh ``request_id`` for ``entry`` arriving at ``arrival_time`` (s),
+    in priority class ``priority``."""
 
     request_id: str
     arrival_time: float
     entry: TraceEntry
+    priority: int = 0
 
     def to_request(self) -> Request:
-        return self.entry.to_request(self.request_id, self.arrival_time)
+        return self.entry.to_request(self.request_id, self.arrival_time, self.priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +57,7 @@ class WorkloadSpec:
     num_requests: int | None = None
     duration_s: float | None = None
     seed: int = 0
+    batch_share: float = 0.0           # fraction of arrivals in class ``BATCH_PRIORITY``
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -63,6 +73,8 @@ class WorkloadSpec:
             raise ValueError(f"num_requests must be > 0, got {self.num_requests}")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError(f"duration must be > 0 s, got {self.duration_s}")
+        if not 0.0 <= self.batch_share <= 1.0:
+            raise ValueError(f"batch share must be in [0, 1], got {self.batch_share!r}")
 
 
 def _streams(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
@@ -100,13 +112,18 @@ def make_workload(entries: Sequence[TraceEntry], spec: WorkloadSpec) -> list[Wor
     if not entries:
         raise ValueError("the trace has no requests")
     if spec.arrival == "trace":
-        return _trace_workload(entries, spec)
-    times = arrival_times(spec)
-    pick_rng, _ = _streams(spec.seed)
-    picks = pick_rng.integers(0, len(entries), size=len(times))
-    width = max(5, len(str(len(times))))
-    return [WorkloadItem(f"{i:0{width}d}-{entries[k].request_id}", float(t), entries[k])
-            for i, (t, k) in enumerate(zip(times.tolist(), picks.tolist()))]
+        items = _trace_workload(entries, spec)
+    else:
+        times = arrival_times(spec)
+        pick_rng, _ = _streams(spec.seed)
+        picks = pick_rng.integers(0, len(entries), size=len(times))
+        width = max(5, len(str(len(times))))
+        items = [WorkloadItem(f"{i:0{width}d}-{entries[k].request_id}", float(t), entries[k], entries[k].priority)
+                 for i, (t, k) in enumerate(zip(times.tolist(), picks.tolist()))]
+    if spec.batch_share > 0:
+        batch = np.random.default_rng([spec.seed, 2]).random(len(items)) < spec.batch_share
+        items = [replace(w, priority=BATCH_PRIORITY) if b else w for w, b in zip(items, batch.tolist())]
+    return items
 
 
 def _trace_workload(entries: Sequence[TraceEntry], spec: WorkloadSpec) -> list[WorkloadItem]:
@@ -119,4 +136,4 @@ def _trace_workload(entries: Sequence[TraceEntry], spec: WorkloadSpec) -> list[W
         items = [e for e in items if e.arrival_time < spec.duration_s]
     if spec.num_requests is not None:
         items = items[:spec.num_requests]
-    return [WorkloadItem(e.request_id, float(e.arrival_time), e) for e in items]
+    return [WorkloadItem(e.request_id, float(e.arrival_time), e, e.priority) for e in items]
