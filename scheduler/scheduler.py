@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
@@ -34,6 +35,7 @@ from scheduler.token_budget import DynamicBudget
 
 
 _tokens_of = attrgetter("num_tokens")
+_priority_of = attrgetter("priority")
 _place_of = itemgetter(0)
 
 
@@ -437,7 +439,7 @@ class Scheduler:
         """Give the running batch its tokens in the policy's order (``order_running``;
         by default the order the requests entered the batch), each what the
         budget leaves. Returns the budget left."""
-        if not self._reorders_running and len(self._decoding) <= budget:
+        if not self._reorders_running and not self.classes_in_use and len(self._decoding) <= budget:
             left = self._schedule_on_hand(plan, budget, now)
             if left is not None:
                 return left
@@ -530,21 +532,34 @@ class Scheduler:
         return False
 
     def _schedule_in_order(self, plan: StepPlan, budget: int, now: float, view: MemoryView) -> int:
-        """One pass over the running batch in the policy's order, preempting
-        when pages run out (evict an idle holder first, else the lowest priority
-        not yet served)."""
+        """One pass over the running batch in the policy's order (by priority class
+        first when classes are in use), preempting when pages run out (evict an idle
+        holder first, else the lowest priority not yet served). While a waiting
+        request of a lower class number than some running one is queued, the
+        prompt chunks of those running ones leave it the tokens it needs."""
         kv = self.kv
         page_size = kv.page_size
         append_chunk = plan.chunks.append
         new_chunk = tuple.__new__   # ScheduledChunk(...) without its Python-level __new__ frame
         running_state = RequestState.RUNNING
         decoding, resuming = self._decoding, self._resume_pending
-        for request in self.policy.order_running(self.running, now, view, budget, self.iteration):
+        order = self.policy.order_running(self.running, now, view, budget, self.iteration)
+        head_class, reserve = None, 0
+        if self.classes_in_use:
+            order = sorted(order, key=_priority_of)   # (stable: the policy's order within a class)
+            head = self._ranked.head()
+            if head is not None and head.state is not RequestState.SWAPPED:
+                head_class, reserve = head.priority, head.num_tokens - head.num_computed_tokens
+        for request in order:
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
             end = request.num_tokens
             n = end - start
+            if head_class is not None and request.priority > head_class and request in self._filling:
+                n = min(n, budget - reserve)   # (the waiting head's tokens come first)
+                if n <= 0:
+                    continue
             if n > budget:
                 if budget <= 0:
                     break
@@ -576,6 +591,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
+        """Admit waiting requests in rank order while the budget, seats and pages allow."""
         if not self.waiting:
             return
         kv = self.kv
@@ -637,13 +653,14 @@ class Scheduler:
                 self._add_frontier(frontiers, request)
 
     def _make_room_for_class(self, plan: StepPlan, now: float, view: MemoryView) -> None:
-        """Preempt running requests of a lower priority class than the waiting queue's
-        head (higher ``priority``), lowest class first and the policy's lowest-ranked
-        within it, while the head lacks a place in the batch (``max_num_seqs``) or
-        device pages for its whole context; none when even all of them would not
-        make it fit (counting their pages as freed: shared ones may stay held). The
-        head is then admitted by ``_admit_waiting`` as usual. A
-        head back from a call with its KV on host (a swap-in) is not made room for."""
+        """Give the waiting queue's head a place in the batch (``max_num_seqs``) and device
+        pages for its whole context when it lacks them: idle holders are evicted first
+        (as admission does), then running requests of a higher class number than the
+        head's are preempted, highest class number first and the policy's lowest-ranked
+        within it; none when even all of them would not free enough (their private
+        pages, and their shared ones no other request holds). The head is then admitted
+        by ``_admit_waiting`` as usual. A head back from a call with its KV on host (a
+        swap-in) is not made room for."""
         head = self._ranked.head()
         if head is None or head.state is RequestState.SWAPPED:
             return
@@ -652,11 +669,12 @@ class Scheduler:
         held = len(hits) if hits else len(head.device_pages)
         need = max(0, -(-head.num_tokens // kv.page_size) - held)
         seats = self.config.max_num_seqs - len(self.running) - len(self.swapping_in)
+        while seats > 0 and not kv.fits(need, hits) and self._evict_idle_holder(head, now):
+            hits = kv.lookup(head)   # (the evicted holder may have shared some of them)
         if seats > 0 and kv.fits(need, hits):
             return
         victims = [r for r in reversed(self.running) if r.priority > head.priority]   # (ties: the later first)
-        if not victims or seats + len(victims) <= 0 or \
-                need > kv.num_free_device + sum(len(r.device_pages) for r in victims):   # (an upper bound)
+        if not victims or seats + len(victims) <= 0 or need > kv.num_free_device + self._pages_freed_by(victims):
             return
         victims.sort(key=lambda r: (r.priority, self.policy.priority(r, now, view)), reverse=True)
         for victim in victims:
@@ -664,6 +682,14 @@ class Scheduler:
                 break
             self._preempt(victim, plan)
             seats += 1
+
+    def _pages_freed_by(self, requests: list[Request]) -> int:
+        """Device pages that freeing ``requests``' KV would make free or evictable: their
+        private pages, and each shared (prefix-cache) page none but them holds."""
+        private = sum(len(r.device_pages) - r.num_shared_pages for r in requests)
+        shared = Counter(p for r in requests for p in r.device_pages[:r.num_shared_pages])
+        refs = self.kv.cache.refs if shared else ()
+        return private + sum(1 for p, n in shared.items() if refs[p] == n)
 
     def _filling_frontiers(self) -> dict[bytes, Request]:
         """Hash of the page each running request still computing its context computes

@@ -556,3 +556,77 @@ def test_a_waiting_higher_class_preempts_lower_classes_for_a_seat_or_pages():
     pages.add_request(fits, 0.02)
     plan = step(pages, 0.02)
     assert [r.request_id for r in plan.preempted] == ["h1"] and fits in pages.running
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_running_higher_class_is_served_first_and_never_preempts_itself_for_lower_ones(cache):
+    """Six class-1 decoders fill most of the pool; a 64-token class-0 prompt is admitted
+    behind them. Served in class order, it takes its pages from them as it grows (they
+    are the victims), not from itself, and ends in a few steps."""
+    sched = make_scheduler("fcfs", num_pages=26, page_size=4, budget=16, seqs=8, enable_prefix_caching=cache)
+    batch = [Request(f"v{i}", 0.0, prompt_len=15, max_tokens=400, priority=1,
+                     token_ids=list(range(100 * i, 100 * i + 15))) for i in range(6)]
+    for r in batch:
+        sched.add_request(r, 0.0)
+    now = 0.0
+    for _ in range(3):
+        step(sched, now)
+        now += 0.01
+    urgent = Request("urgent", now, prompt_len=64, max_tokens=2, token_ids=list(range(900, 964)))
+    sched.add_request(urgent, now)
+    preempted, steps = [], 0
+    while urgent.finish_time is None and steps < 50:
+        preempted += step(sched, now).preempted
+        now += 0.01
+        steps += 1
+    assert steps <= 8 and preempted and urgent not in preempted
+
+
+def test_a_waiting_higher_class_takes_idle_holders_pages_and_the_budget_first():
+    """Room for a class-0 arrival comes from a call's held KV before any running request,
+    and nothing it freed goes to a higher class number in that step; a running class-1
+    prompt leaves the budget to a waiting class-0 request."""
+    sched = make_scheduler("fcfs", num_pages=12, page_size=4, budget=64, seqs=8, handling=Handling.PRESERVE)
+    agent = Request("agent", 0.0, prompt_len=20, max_tokens=6, segments=[Segment(1, "tool", 100.0, 2), Segment(5)],
+                    priority=1)
+    decoder = Request("decoder", 0.0, prompt_len=12, max_tokens=40, priority=1)
+    sched.add_request(agent, 0.0)
+    sched.add_request(decoder, 0.0)
+    step(sched, 0.0, [])
+    step(sched, 0.01, [])   # the agent is in its call, its 5 pages held under Preserve
+    assert agent.request_id in sched.paused and len(agent.device_pages) == 5
+    urgent = Request("urgent", 0.02, prompt_len=16, max_tokens=2)
+    sched.add_request(urgent, 0.02)
+    plan = step(sched, 0.02, [])
+    assert not plan.preempted and urgent in sched.running and decoder in sched.running
+    assert not agent.device_pages and agent.api_calls[-1].fell_back_from == Handling.PRESERVE
+
+    budget = make_scheduler("fcfs", num_pages=256, page_size=4, budget=16, seqs=3)
+    d1, big = (Request("d1", 0.0, prompt_len=4, max_tokens=200, priority=1),
+               Request("big", 0.0, prompt_len=400, max_tokens=4, priority=1))
+    budget.add_request(d1, 0.0)
+    step(budget, 0.0)
+    budget.add_request(big, 0.01)
+    step(budget, 0.01)
+    interactive = Request("interactive", 0.02, prompt_len=4, max_tokens=2)
+    budget.add_request(interactive, 0.02)
+    plan = step(budget, 0.02)
+    assert any(c.request is interactive for c in plan.chunks) and not plan.preempted
+
+
+def test_no_preemption_for_a_class_when_the_pages_it_would_free_stay_held():
+    """A class-1 request's system-prompt pages are shared with a running class-0 request:
+    preempting it would free only its own page, too few for the class-0 arrival, so it
+    keeps running (counting the shared pages as freed would preempt it in vain)."""
+    sched = make_scheduler("fcfs", num_pages=12, page_size=4, budget=64, seqs=8, enable_prefix_caching=True)
+    system = list(range(16))
+    mine = Request("mine", 0.0, prompt_len=20, max_tokens=30, token_ids=system + [100, 101, 102, 103])
+    sched.add_request(mine, 0.0)
+    step(sched, 0.0)
+    batch = Request("batch", 0.01, prompt_len=20, max_tokens=30, priority=1, token_ids=system + [200, 201, 202, 203])
+    sched.add_request(batch, 0.01)
+    step(sched, 0.01)
+    assert batch.device_pages[:4] == mine.device_pages[:4] and sched.kv.num_free_device == 5
+    big = Request("big", 0.02, prompt_len=36, max_tokens=2, token_ids=list(range(500, 536)))   # 9 pages
+    sched.add_request(big, 0.02)
+    assert not step(sched, 0.02).preempted and batch in sched.running
