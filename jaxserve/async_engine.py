@@ -91,13 +91,15 @@ class AsyncEngine:
             yield out
 
     async def resume(self, request_id: str, token_ids: list[int] | None = None,
-                     text: str | list[str] | None = None, max_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
+                     text: str | list[str] | None = None, max_tokens: int | None = None,
+                     priority: int | None = None) -> AsyncIterator[RequestOutput]:
         """Return a client-side tool's result to a paused request and stream the continuation
-        (``max_tokens``: a fresh budget for it). ``KeyError`` if the request is not paused on such a call."""
+        (``max_tokens``: a fresh budget for it; ``priority``: its class, None: the request's).
+        ``KeyError`` if the request is not paused on such a call."""
         stream = self._open_stream(request_id)
         try:
             await self._call(lambda: self._entered(request_id, self.engine.resume(
-                request_id, token_ids=token_ids, text=text, max_tokens=max_tokens)))
+                request_id, token_ids=token_ids, text=text, max_tokens=max_tokens, priority=priority)))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if isinstance(e, asyncio.CancelledError):

@@ -48,6 +48,12 @@ log = logging.getLogger("jaxserve")
 
 
 
+
+def _check_priority(priority) -> None:
+    """A request's priority class must be an integer (``ValueError`` naming it)."""
+    if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+
 class LLMEngine:
     """The real engine: a model, a tokenizer and tools over an ``EngineCore``.
 
@@ -214,8 +220,7 @@ class LLMEngine:
         (``add_request`` queues it; a replay hands records to ``core.run``)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a jaxserve.SamplingParams, got {type(sampling_params).__name__}")
-        if not isinstance(priority, (int, np.integer)) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+        _check_priority(priority)
         params = sampling_params or SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt, prompt_token_ids)
@@ -364,18 +369,21 @@ class LLMEngine:
         return None if request is None else self.outputs([request])[0]
 
     def resume(self, request_id: str, token_ids: list[int] | None = None, text: str | list[str] | None = None,
-               max_tokens: int | None = None) -> None:
+               max_tokens: int | None = None, priority: int | None = None) -> None:
         """Return the result of the external (client-side) calls the request is paused on:
         context ``token_ids``, or ``text`` (one string, or one per call of the turn, in call
         order, each wrapped as its own tool turn). ``max_tokens``: a fresh budget of
         generated tokens for the continuation, a new turn: ``min_tokens`` and the presence and
         frequency penalties count from here, as for a new request whose prompt holds the
-        context (None: keep the rest, the same turn)."""
+        context (None: keep the rest, the same turn). ``priority``: the continuation's
+        class (None: the request's)."""
         if (token_ids is None) == (text is None):
             raise ValueError("resume: give exactly one of token_ids or text")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if priority is not None:
+            _check_priority(priority)
         request = self.scheduler.requests.get(request_id)
         if request is None or not self.api.is_waiting_external(request_id):
             raise KeyError(f"request {request_id!r} is not paused on an external API call")
@@ -397,6 +405,8 @@ class LLMEngine:
                 request.reasoning.new_continuation()
                 if request.reported_reasoning:   # (the blank line before the next turn's reasoning is not shown)
                     request.reported_reasoning += len(REASONING_TURN_SEPARATOR)
+        if priority is not None:
+            self.scheduler.set_priority(request, int(priority))
         self.api.resume(request_id, token_ids=token_ids, text=text)
 
     def has_unfinished(self) -> bool:

@@ -177,6 +177,14 @@ class Scheduler:
         self.policy.on_arrival(request, now, self.view())
         self._enqueue(request, now)
 
+    def set_priority(self, request: Request, priority: int) -> None:
+        """Move live ``request`` to class ``priority`` (re-filed if it is waiting)."""
+        request.priority = priority
+        if priority:
+            self.classes_in_use = True
+        if request in self._ranked:
+            self._ranked.add(request, self._rank_key(request, self.now))
+
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
         self.requests.pop(request.request_id, None)

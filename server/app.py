@@ -123,8 +123,7 @@ class ServerState:
 
     def __init__(self, engine, served_model_name: str, max_model_len: int, max_concurrent_requests: int,
                  tools: dict[str, Tool], paused_context_ttl_s: float, max_fanout: int = MAX_FANOUT,
-                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None,
-                 api_key: str | None = None) -> None:
+                 tokenizer_pool_size: int = 4, response_store: ResponseStore | None = None) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout must be >= 1, got {max_fanout}")
         self.engine = engine
@@ -151,7 +150,7 @@ class ServerState:
         # With the response store's file they are kept there too (a running batch runs on after a restart).
         self.files = FileStore(state=self.responses.file)
         self.batches = Batches(self.files, served_model_name, max(1, max_concurrent_requests // 2),
-                               state=self.responses.file, api_key=api_key)
+                               state=self.responses.file)
         config = getattr(getattr(engine, "engine", None), "config", None)
         self.cache_page_size = config.page_size if getattr(config, "enable_prefix_caching", False) else None
 
@@ -202,7 +201,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
                 raise ValueError(f"tools {missing} are not registered in the engine; pass them to "
                                  f"AsyncEngine(..., tools=...) so the engine can run them")
     state = ServerState(engine, served_model_name, max_model_len, max_concurrent_requests, advertised,
-                        paused_context_ttl_s, max_fanout, response_store=response_store, api_key=api_key)
+                        paused_context_ttl_s, max_fanout, response_store=response_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

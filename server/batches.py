@@ -26,9 +26,10 @@ Files and batches are kept in memory, per API key (a key sees only its own), wit
 ``server.state_file``) they are kept there too and outlive a restart: each answered
 line of a running batch is written as it ends, and a batch that was running when the
 server stopped (a clean stop or a crash) runs on when it starts again, serving only
-the lines not yet answered (those in flight at the stop are served again), with the
-server's API key. Without one, a restart loses them and batches running at shutdown
-end ``cancelled``. Used from the event loop only.
+the lines not yet answered (those in flight at the stop are served again), as its
+creator (the file keeps the ``Authorization`` header a batch was created with until
+it ends). Without one, a restart loses them and batches running at shutdown end
+``cancelled``. Used from the event loop only.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class BatchJob:
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict] | None = None
+    authorization: str | None = None   # the creator's header, its lines' own while it runs (not shown)
     task: asyncio.Task | None = None
 
     @property
@@ -153,6 +155,8 @@ class BatchJob:
     def become(self, status: str) -> None:
         self.status = status
         self.times[f"{status}_at"] = int(time.time())
+        if self.ended:
+            self.authorization = None   # (no longer needed: not kept)
 
     def object(self) -> dict:
         times = {f"{s}_at": self.times.get(f"{s}_at") for s in
@@ -169,16 +173,15 @@ class BatchJob:
 class Batches:
     """The server's batches: created on a stored file, run by ``app`` in-process; kept in
     ``state`` too when given (read back from it: ``resume`` runs on those that were
-    running, with ``api_key``, the server's, as their authorization)."""
+    running)."""
 
-    def __init__(self, files: FileStore, model_name: str, concurrency: int, state: StateFile | None = None,
-                 api_key: str | None = None) -> None:
+    def __init__(self, files: FileStore, model_name: str, concurrency: int, state: StateFile | None = None) -> None:
         """``concurrency``: requests of all batches together in flight at once."""
         self.files, self.model_name, self.concurrency = files, model_name, concurrency
         self.app = None   # set once the app exists (``create_app``): the batches' requests go through it
         self._gate = asyncio.Semaphore(concurrency)
         self._jobs: OrderedDict[str, BatchJob] = OrderedDict()
-        self._state, self._api_key = state, api_key
+        self._state = state
         self._stopping = False   # ``close`` was called: with a state file, running batches stay running there
         for batch_id, record in state.rows("SELECT id, job FROM batches ORDER BY rowid") if state is not None else ():
             self._jobs[batch_id] = BatchJob(**json.loads(record))
@@ -187,8 +190,8 @@ class Batches:
         """Run on the batches the state file held as running (from the event loop, once
         the app serves): each serves the lines it had not answered; one that was being
         cancelled ends ``cancelled`` with what it had."""
-        headers = [("authorization", f"Bearer {self._api_key}")] if self._api_key else []
-        for job in [j for j in self._jobs.values() if not j.ended]:
+        self._stopping = False
+        for job in [j for j in self._jobs.values() if not j.ended and (j.task is None or j.task.done())]:
             outputs, errors = self._answered(job)
             if job.status == "cancelling":
                 self._finish(job, outputs, errors, "cancelled")
@@ -196,13 +199,13 @@ class Batches:
             try:
                 source = self.files.get(job.input_file_id, job.owner)
             except APIError:
-                job.errors = [{"code": "server_error", "message": "the batch's input file was deleted while the "
-                               "server was stopped", "param": None, "line": None}]
+                job.errors = [{"code": "server_error", "message": "the batch's input file was deleted before the "
+                               "batch ended", "param": None, "line": None}]
                 self._finish(job, outputs, errors, "failed")
                 continue
             log.warning("batch %s was running when the server stopped: running on after a restart (%d of its "
                         "lines answered before)", job.id, len(outputs) + len(errors))
-            self._start(job, source.data, headers, outputs, errors)
+            self._start(job, source.data, outputs, errors)
 
     def _answered(self, job: BatchJob) -> tuple[list[bytes], list[bytes]]:
         """The output and error lines the state file holds for ``job`` (its counts set from them)."""
@@ -220,7 +223,8 @@ class Batches:
 
     def _save(self, job: BatchJob) -> None:
         if self._state is not None:
-            self._state.write("INSERT OR REPLACE INTO batches (id, job) VALUES (?, ?)", job.id, job.record())
+            self._state.write("INSERT INTO batches (id, job) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET "
+                              "job = excluded.job", job.id, job.record())   # (its row keeps its place: creation order)
 
     def create(self, owner: str, authorization: str | None, input_file_id: str, endpoint: str,
                completion_window: str, metadata: dict | None) -> BatchJob:
@@ -238,17 +242,17 @@ class Batches:
             raise APIError(400, f"input_file_id: {input_file_id} was uploaded for {source.purpose!r}, not 'batch'",
                            param="input_file_id")
         job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, self.model_name, endpoint, input_file_id, completion_window,
-                       metadata)
+                       metadata, authorization=authorization)
         self._forget_old()
         self._jobs[job.id] = job
         self._save(job)
-        self._start(job, source.data, [("authorization", authorization)] if authorization else [], [], [])
+        self._start(job, source.data, [], [])
         return job
 
-    def _start(self, job: BatchJob, data: bytes, headers: list[tuple[str, str]], outputs: list[bytes],
-               errors: list[bytes]) -> None:
+    def _start(self, job: BatchJob, data: bytes, outputs: list[bytes], errors: list[bytes]) -> None:
         """Run ``job`` on its input file's ``data``, its lines ``outputs`` and ``errors``
-        answered already."""
+        answered already, as its creator (its ``authorization``)."""
+        headers = [("authorization", job.authorization)] if job.authorization else []
         job.task = asyncio.get_running_loop().create_task(self._run(job, data, headers, outputs, errors))
         job.task.add_done_callback(lambda task: self._settle(job, task))
 

@@ -48,7 +48,7 @@ class Job:
     resume_at: int = 0   # prompt tokens the resumed context covers (its own tokens may cut them differently)
     echo: str | None = None   # completions with ``echo``: the prompt's text, which the choice's text starts with
     scores_only: bool = False   # echo with ``max_tokens`` 0: the one token the engine samples is not returned
-    priority: int = 0   # the engine request's class, lower first (a resumption keeps its paused request's)
+    priority: int = 0   # the engine request's class, lower first (a resumption moves its paused request to it)
 
     @property
     def cached_tokens(self) -> int:
@@ -63,7 +63,7 @@ async def job_outputs(engine, job: Job) -> AsyncIterator[RequestOutput]:
     try:
         if job.resume_from is not None:
             agen = engine.resume(job.request_id, token_ids=job.prompt_ids[job.cached_tokens:],
-                                 max_tokens=job.params.max_tokens)
+                                 max_tokens=job.params.max_tokens, priority=job.priority)
             try:
                 first = await agen.__anext__()
             except KeyError:

@@ -86,8 +86,9 @@ class StateFile:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        """One file transaction for the writes inside (nested blocks join the outer one)."""
-        if self._depth:
+        """One file transaction for the writes inside (nested blocks join the outer one; a
+        closed file's writes are dropped)."""
+        if self._depth or self._db is None:
             self._depth += 1
             try:
                 yield
@@ -117,7 +118,7 @@ class StateFile:
         self.write_many(sql, [params])
 
     def write_many(self, sql: str, rows: list[tuple]) -> None:
-        if not rows:
+        if not rows or self._db is None:   # (closed: the server is stopping; memory goes on alone)
             return
         try:
             self._db.executemany(sql, rows)

@@ -118,6 +118,8 @@ def test_resume_errors_and_bad_api_calls_leave_engine_serving():
     engine = llm.engine
     with pytest.raises(KeyError):
         engine.resume("nope", token_ids=[1])
+    with pytest.raises(ValueError, match="priority"):
+        engine.resume("nope", token_ids=[1], priority=0.5)
     with pytest.raises(ValueError, match="after_tokens"):
         ApiCall(after_tokens=0)
     for duration in (-1.0, float("nan"), float("inf")):   # (a NaN or endless call used to hang generate)

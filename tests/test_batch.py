@@ -230,24 +230,27 @@ def test_a_servers_batch_runs_after_interactive_requests_unless_a_line_chooses()
 def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path):
     """With the state file (``--response-store``): files read back; a batch the server
     stopped mid-run stays ``in_progress`` there and, when the server starts again, serves
-    only the lines it had not answered (the one in flight at the stop again), with the
-    server's API key, then completes with every line once; an ended batch reads back as
-    it ended."""
+    only the lines it had not answered (the one in flight at the stop again), as its
+    creator (its Authorization header, not kept once it ends), then completes with every
+    line once; an ended batch reads back as it ended; batches stay listed in creation
+    order whichever was updated last."""
     from server.state_file import StateFile
 
     path = tmp_path / "state" / "responses.sqlite3"
-    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": "m", "prompt": f"p{i}"}} for i in range(6)]
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
 
-    def stand_in(served: list, stall_after: int | None):
-        """An ASGI app answering completions with the prompt in capitals; past ``stall_after``
-        requests it answers none, until its client leaves."""
+    def jsonl(prefix: str) -> bytes:
+        return "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                   "body": {"model": "m", "prompt": f"{prefix}{i}"}}) + "\n"
+                       for i in range(6)).encode()
+
+    def stand_in(served: list, stall: str | None = None):
+        """An ASGI app answering completions with the prompt in capitals, but ``stall``,
+        which it answers only when its client leaves."""
         async def app(scope, receive, send):
             body = json.loads((await receive())["body"])
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode() or None
             served.append((body["prompt"], authorization))
-            if stall_after is not None and len(served) > stall_after:
+            if body["prompt"] == stall:
                 while (await receive())["type"] != "http.disconnect":   # in flight when the server stops
                     pass
                 return
@@ -257,41 +260,47 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
                         "body": json.dumps({"choices": [{"text": body["prompt"].upper()}]}).encode()})
         return app
 
-    async def first_life():
+    def open_state():
         state = StateFile(path)
         files = FileStore(state=state)
-        batches = Batches(files, "m", concurrency=1, state=state)
-        source = files.add("me", "in.jsonl", "batch", data)
-        batches.app = stand_in(done_served := [], None)
-        done = batches.create("me", "Bearer old", source.id, "/v1/completions", "24h", {"k": "v"})
-        await asyncio.wait({done.task})
-        batches.app = stand_in(served := [], stall_after=2)
-        running = batches.create("me", "Bearer old", source.id, "/v1/completions", "24h", None)
-        while running.completed < 2:
+        return state, files, Batches(files, "m", concurrency=2, state=state)
+
+    async def first_life():
+        state, files, batches = open_state()
+        batches.app = stand_in(served := [], stall="s2")
+        source = files.add("me", "in.jsonl", "batch", jsonl("s"))
+        running = batches.create("me", "Bearer creator", source.id, "/v1/completions", "24h", None)
+        while running.completed < 5:   # all but the stalled line
             await asyncio.sleep(0.01)
+        other = files.add("me", "other.jsonl", "batch", jsonl("p"))
+        done = batches.create("me", "Bearer old", other.id, "/v1/completions", "24h", {"k": "v"})
+        await asyncio.wait({done.task})   # (on the gate's other slot)
         await batches.close()
-        assert running.status == "in_progress" and len(served) == 3
+        assert running.status == "in_progress" and ("s2", "Bearer creator") in served
         state.close()
         return source.id, done.object(), running.id
 
     async def second_life(source_id, done_object, running_id):
-        state = StateFile(path)
-        files = FileStore(state=state)
-        batches = Batches(files, "m", concurrency=1, state=state, api_key="k")
-        assert files.get(source_id, "me").data == data
+        state, files, batches = open_state()
+        assert files.get(source_id, "me").data == jsonl("s")
         assert batches.get(done_object["id"], "me").object() == done_object
-        batches.app = stand_in(served := [], None)
+        batches.app = stand_in(served := [])
         batches.resume()
         job = batches.get(running_id, "me")
         await asyncio.wait({job.task})
-        assert served == [(f"p{i}", "Bearer k") for i in range(2, 6)]
+        assert served == [("s2", "Bearer creator")]
         assert (job.status, job.completed, job.failed_count, job.total) == ("completed", 6, 0, 6)
         lines = [json.loads(x) for x in files.get(job.output_file_id, "me").data.splitlines()]
         assert sorted(x["custom_id"] for x in lines) == [f"r{i}" for i in range(6)]
-        assert all(x["response"]["body"]["choices"][0]["text"] == f"P{x['custom_id'][1:]}" for x in lines)
+        assert all(x["response"]["body"]["choices"][0]["text"] == f"S{x['custom_id'][1:]}" for x in lines)
         assert not state.rows("SELECT * FROM batch_lines")   # folded into the output file
+        [(kept,)] = state.rows("SELECT job FROM batches WHERE id = ?", running_id)
+        assert job.authorization is None and json.loads(kept)["authorization"] is None   # (ended: no header kept)
         state.close()
 
     source_id, done_object, running_id = asyncio.run(first_life())
     assert done_object["status"] == "completed" and done_object["request_counts"]["completed"] == 6
     asyncio.run(second_life(source_id, done_object, running_id))
+    state, _, batches = open_state()
+    assert [b["id"] for b in batches.page("me", 10, None)["data"]] == [done_object["id"], running_id]   # newest first
+    state.close()

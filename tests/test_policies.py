@@ -630,3 +630,31 @@ def test_no_preemption_for_a_class_when_the_pages_it_would_free_stay_held():
     big = Request("big", 0.02, prompt_len=36, max_tokens=2, token_ids=list(range(500, 536)))   # 9 pages
     sched.add_request(big, 0.02)
     assert not step(sched, 0.02).preempted and batch in sched.running
+
+
+def test_set_priority_refiles_a_waiting_request_and_applies_when_a_paused_one_returns():
+    """``Scheduler.set_priority`` (a client-side tool follow-up's class): a waiting request
+    moves in the queue at once; one paused in a call is filed in its new class when the
+    call returns."""
+    sched = make_scheduler("fcfs", seqs=1)
+    blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=20)
+    sched.add_request(blocker, 0.0)
+    step(sched, 0.0)
+    first, second = Request("first", 0.01, prompt_len=4, max_tokens=2), Request("second", 0.02, prompt_len=4,
+                                                                                  max_tokens=2)
+    for r in (first, second):
+        sched.add_request(r, r.arrival_time)
+    sched.set_priority(first, 1)
+    assert [r.request_id for r in sched.admission_order()] == ["second", "first"] and sched.classes_in_use
+
+    calls = make_scheduler("fcfs", seqs=4)
+    agent = Request("agent", 0.0, prompt_len=4, max_tokens=6, segments=[Segment(1, "tool", None, 2), Segment(5)])
+    calls.add_request(agent, 0.0)
+    step(calls, 0.0)
+    step(calls, 0.01)
+    assert agent.request_id in calls.paused
+    later = Request("later", 0.02, prompt_len=4, max_tokens=2)
+    calls.add_request(later, 0.02)
+    calls.set_priority(agent, -1)
+    calls.api_return(agent, 2, 0.03)
+    assert calls.admission_order()[0] is agent and calls.admission_key(agent)[0] == -1
