@@ -91,6 +91,9 @@ class KVManager:
         self._copy_outs: list[tuple[int, int]] = []       # (device page, host page) to copy before the forward
         self._copy_ins: list[tuple[int, int]] = []        # (host page, device page) to copy before the forward
         self._host_busy: set[int] = set()   # host pages this step's copies read or write: kept this step
+        # Device pages this step's swap-ins write (their requests' commits cache them at once): the
+        # executor runs copy-outs first, so one evicted in this step would reach the host before its KV.
+        self._arriving: set[int] = set()
         self._host_busy_lists: list[list[int]] = []   # more of them, folded in when ``_busy_host_pages`` is read
         # device page -> its hash, for pages ``adopt`` cached and no request has linked yet: their
         # first link is not a cache hit (another engine computed them for that very request)
@@ -141,6 +144,8 @@ class KVManager:
         cache = self.cache
         on_host = cache.host_page_of
         busy, copy_outs, host_pool = self._busy_host_pages(), self._copy_outs, self.host_pool
+        if self._arriving:   # (not yet written: dropped, not copied)
+            evicted = [(page, h) for page, h in evicted if page not in self._arriving]
         if not host_pool.num_free:   # a full host tier: the common case, in one call
             copies = cache.host_keep(evicted, self.copy_budget, busy)
             copy_outs += copies
@@ -179,6 +184,7 @@ class KVManager:
         self._copy_outs, self._copy_ins = [], []
         self._host_busy.clear()
         self._host_busy_lists.clear()
+        self._arriving.clear()
         self.copy_budget = 0
 
     def take_copies(self) -> tuple[SwapOp | None, SwapOp | None]:
@@ -492,6 +498,8 @@ class KVManager:
         if n > 0:
             op = SwapOp(request, request.device_pages[start:start + n], request.host_pages[start:start + n])
             request.pages_swapped += n
+            if not out and self.host_tier:
+                self._arriving.update(op.device_pages)
         done = request.pages_swapped == len(source)
         if done:
             request.pages_swapped = 0

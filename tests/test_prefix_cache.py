@@ -321,6 +321,29 @@ def test_a_host_page_a_swap_in_reads_is_not_written_by_a_copy_out_of_the_same_st
     assert not set(copy_out.host_pages) & set(swap_in.host_pages)   # copy-outs run before swap-ins
 
 
+def test_a_page_a_swap_in_writes_is_not_copied_to_the_host_in_the_same_step():
+    """The executor runs copy-outs before swap-ins. A page whose KV a swap-in brings back
+    this step is cached at once (its request's commit); if that request is preempted and
+    the page evicted in the same step, copying it to the host tier would keep the page's
+    previous KV under the new hash, read back later as another context's. It is dropped
+    instead. (A host-tier hit's copy-in page needs no such care: its hash stays on the
+    host, on a page no copy of the step may reuse.)"""
+    kv = make_tiered_kv(device=4, host=8)
+    r = computed(kv, "r", [90, 91, 92, 93, 94])     # one full page, one partial
+    assert kv.start_swap_out(r) and kv.swap_chunk(r, 8, out=True)[2]
+    kv.copies_done()                                # (no copy budget: r's cached page is dropped when evicted)
+    kv.free_device(computed(kv, "b", list(range(100, 116))))
+    kv.copies_done()
+    kv.copy_budget = 8
+    assert kv.start_swap_in(r)
+    swap_in, _, done = kv.swap_chunk(r, 8, out=False)
+    h = r.block_hashes[0]
+    assert done and kv.cache.page_of[h] == swap_in.device_pages[0] and h not in kv.cache.host_page_of
+    kv.free_device(r)                               # preempted in the same step
+    computed(kv, "c", list(range(200, 216)))        # evicts every cached page, r's too
+    assert h not in kv.cache.page_of and h not in kv.cache.host_page_of   # dropped, not copied
+
+
 def test_a_hit_copied_back_and_the_evictions_it_causes_share_one_copy_budget():
     kv = make_tiered_kv(device=4, host=4)
     a = computed(kv, "a", list(range(8)))
@@ -578,3 +601,52 @@ def test_simulator_models_the_host_tier_and_charges_its_copies():
     executor = SimExecutor(COST, 16, SimClock())
     cache_copy = StepPlan(swap_in=[SwapOp(None, [1, 2], [3, 4])])
     assert executor.step_time(cache_copy) == (COST.t_swap(32), COST.t_swap(32), 32)
+
+
+@pytest.mark.parametrize("seed, policy, handling, num_pages, seqs, budget, classes", [
+    (74, "sjf", Handling.SWAP, 12, 8, 8, False),
+    (60, "fcfs", Handling.SWAP, 8, 2, 64, True),
+    (79, "lamps", None, 12, 3, 64, True),
+])
+def test_agents_with_swap_preemption_and_the_host_tier_read_back_only_their_own_kv(seed, policy, handling, num_pages,
+                                                                                  seqs, budget, classes):
+    """Randomized agent workloads (a shared system prompt, tool calls, staggered arrivals,
+    priority classes or not) in tight pools with the prefix cache and its host tier on:
+    every step reads back exactly each request's own context (``PagedModel``), the
+    scheduler's invariants hold, and all ends. These seeds once read a page that a
+    swap-in filled and an eviction copied to the host in the same step."""
+    ps = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, swap_budget_tokens=8,
+                                      handling=handling, enable_prefix_caching=True, host_cache=True,
+                                      max_model_len=num_pages * ps),
+                      make_policy(policy), PageAllocator(num_pages, ps), PageAllocator(8, ps, "host"), COST)
+    model, rng = PagedModel(ps), random.Random(seed)
+    system = [rng.randint(3, 99) for _ in range(13)]
+    arrivals = []
+    for i in range(40):
+        ids = (system if rng.random() < 0.7 else []) + [rng.randint(3, 99) for _ in range(rng.randint(1, 9))]
+        segs = [Segment(rng.randint(1, 4), "tool", rng.choice([0.0, 0.05]), rng.randint(1, 5)),
+                Segment(rng.randint(1, 8))] if rng.random() < 0.6 else [Segment(rng.randint(2, 12))]
+        priority = rng.choice([0, 1, 2]) if classes else 0
+        arrivals.append((rng.choice([0.0, 0.0, 0.005 * i]),
+                         Request(f"r{i}", 0.0, prompt_len=len(ids), max_tokens=sum(s.num_tokens for s in segs),
+                                 segments=segs, token_ids=ids, priority=priority)))
+    pending, now, steps = [], 0.0, 0
+    while arrivals or sched.has_unfinished():
+        steps += 1
+        assert steps < 5000
+        for t, r in [a for a in arrivals if a[0] <= now]:
+            arrivals.remove((t, r))
+            r.arrival_time = now
+            sched.add_request(r, now)
+        for t, r in [p for p in pending if p[0] <= now]:
+            pending.remove((t, r))
+            k = r.segments[r.segment_index - 1].num_returned_tokens
+            sched.api_return(r, k, now, token_ids=[(len(r.token_ids) + j) % 50 + 3 for j in range(k)])
+        plan = sched.schedule(now)
+        result = model.step(plan)
+        now += 0.01
+        for event in sched.update(plan, result, now):
+            if event.kind is EventKind.API_CALL:
+                pending.append((now + event.segment.api_duration_s, event.request))
+        sched.check_invariants()
