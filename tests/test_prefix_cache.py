@@ -603,34 +603,29 @@ def test_simulator_models_the_host_tier_and_charges_its_copies():
     assert executor.step_time(cache_copy) == (COST.t_swap(32), COST.t_swap(32), 32)
 
 
-@pytest.mark.parametrize("seed, policy, handling, num_pages, seqs, budget, classes", [
-    (74, "sjf", Handling.SWAP, 12, 8, 8, False),
-    (60, "fcfs", Handling.SWAP, 8, 2, 64, True),
-    (79, "lamps", None, 12, 3, 64, True),
-])
-def test_agents_with_swap_preemption_and_the_host_tier_read_back_only_their_own_kv(seed, policy, handling, num_pages,
-                                                                                  seqs, budget, classes):
-    """Randomized agent workloads (a shared system prompt, tool calls, staggered arrivals,
-    priority classes or not) in tight pools with the prefix cache and its host tier on:
-    every step reads back exactly each request's own context (``PagedModel``), the
-    scheduler's invariants hold, and all ends. These seeds once read a page that a
-    swap-in filled and an eviction copied to the host in the same step."""
+def run_random_agents(seed: int, policy: str, handling, num_pages: int, seqs: int, budget: int, classes: bool,
+                      cache: bool = True, host_cache: bool = True) -> dict[str, list[int]]:
+    """40 randomized agent requests (a shared system prompt, tool calls, staggered arrivals,
+    priority classes 0-2 when ``classes``) on ``PagedModel``: every step must read back
+    exactly each request's own context, the scheduler's invariants must hold, and all must
+    end. Returns each request's output tokens (a function of its context alone)."""
     ps = 4
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, swap_budget_tokens=8,
-                                      handling=handling, enable_prefix_caching=True, host_cache=True,
+                                      handling=handling, enable_prefix_caching=cache, host_cache=host_cache,
                                       max_model_len=num_pages * ps),
                       make_policy(policy), PageAllocator(num_pages, ps), PageAllocator(8, ps, "host"), COST)
     model, rng = PagedModel(ps), random.Random(seed)
     system = [rng.randint(3, 99) for _ in range(13)]
-    arrivals = []
+    arrivals, outs = [], {}
     for i in range(40):
         ids = (system if rng.random() < 0.7 else []) + [rng.randint(3, 99) for _ in range(rng.randint(1, 9))]
         segs = [Segment(rng.randint(1, 4), "tool", rng.choice([0.0, 0.05]), rng.randint(1, 5)),
                 Segment(rng.randint(1, 8))] if rng.random() < 0.6 else [Segment(rng.randint(2, 12))]
-        priority = rng.choice([0, 1, 2]) if classes else 0
-        arrivals.append((rng.choice([0.0, 0.0, 0.005 * i]),
-                         Request(f"r{i}", 0.0, prompt_len=len(ids), max_tokens=sum(s.num_tokens for s in segs),
-                                 segments=segs, token_ids=ids, priority=priority)))
+        priority = rng.choice([0, 1, 2])
+        r = Request(f"r{i}", 0.0, prompt_len=len(ids), max_tokens=sum(s.num_tokens for s in segs),
+                    segments=segs, token_ids=ids, priority=priority if classes else 0)
+        arrivals.append((rng.choice([0.0, 0.0, 0.005 * i]), r))
+        outs[r.request_id] = r
     pending, now, steps = [], 0.0, 0
     while arrivals or sched.has_unfinished():
         steps += 1
@@ -650,3 +645,29 @@ def test_agents_with_swap_preemption_and_the_host_tier_read_back_only_their_own_
             if event.kind is EventKind.API_CALL:
                 pending.append((now + event.segment.api_duration_s, event.request))
         sched.check_invariants()
+    return {rid: r.output_token_ids for rid, r in outs.items()}
+
+
+@pytest.mark.parametrize("seed, policy, handling, num_pages, seqs, budget, classes", [
+    (74, "sjf", Handling.SWAP, 12, 8, 8, False),
+    (60, "fcfs", Handling.SWAP, 8, 2, 64, True),
+    (79, "lamps", None, 12, 3, 64, True),
+])
+def test_agents_with_swap_preemption_and_the_host_tier_read_back_only_their_own_kv(seed, policy, handling, num_pages,
+                                                                                  seqs, budget, classes):
+    """These seeds once read a page that a swap-in filled and an eviction copied to the
+    host in the same step (``run_random_agents``)."""
+    run_random_agents(seed, policy, handling, num_pages, seqs, budget, classes)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_agents_answer_the_same_in_one_class_or_three(seed):
+    """Random policies, handlings, pools, batch sizes and budgets, with the prefix cache
+    and its host tier on or off: each run reads back only its own KV, and priority
+    classes change when requests run, never what they answer."""
+    rng = random.Random(seed * 7)
+    settings = dict(policy=rng.choice(["fcfs", "infercept", "sjf", "lamps", "autellix", "continuum"]),
+                    handling=rng.choice([None, Handling.PRESERVE, Handling.SWAP, Handling.DISCARD]),
+                    cache=rng.random() < 0.7, host_cache=rng.random() < 0.5, num_pages=rng.choice([8, 9, 10, 12]),
+                    seqs=rng.choice([2, 3, 8]), budget=rng.choice([8, 24, 64]))
+    assert run_random_agents(seed, classes=True, **settings) == run_random_agents(seed, classes=False, **settings)
