@@ -76,7 +76,8 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self._ranked = RankedQueue()            # ``waiting`` in admission order (``_rank_key``)
-        self.classes_in_use = False             # a request of a priority class other than 0 was added
+        self._classed = 0                       # live requests of a priority class other than 0
+        self.classes_in_use = False             # whether there are any (``_count_class``)
         # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
         # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
         self._resume_pending: dict[str, Request] = {}
@@ -171,23 +172,32 @@ class Scheduler:
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
         if request.priority:
-            self.classes_in_use = True
+            self._count_class(1)
         self.now = now
         self.kv.hash_context(request)
         self.policy.on_arrival(request, now, self.view())
         self._enqueue(request, now)
 
     def set_priority(self, request: Request, priority: int) -> None:
-        """Move live ``request`` to class ``priority`` (re-filed if it is waiting)."""
+        """Move live ``request`` to class ``priority`` (re-filed if it is waiting; one
+        already in that class keeps its place)."""
+        if priority == request.priority:
+            return
+        self._count_class(bool(priority) - bool(request.priority))
         request.priority = priority
-        if priority:
-            self.classes_in_use = True
         if request in self._ranked:
             self._ranked.add(request, self._rank_key(request, self.now))
 
+    def _count_class(self, change: int) -> None:
+        """Live requests of a class other than 0 changed by ``change``: while there are
+        any, classes are in use (class order and room-making; no decode runs)."""
+        self._classed += change
+        self.classes_in_use = self._classed > 0
+
     def finish(self, request: Request, reason: str, now: float) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None and request.priority:
+            self._count_class(-1)
         self._resume_pending.pop(request.request_id, None)
         in_call = self.paused.pop(request.request_id, None) is not None
         if request in self.waiting:
@@ -555,9 +565,7 @@ class Scheduler:
         head_class, reserve = None, 0
         if self.classes_in_use:
             order = sorted(order, key=_priority_of)   # (stable: the policy's order within a class)
-            head = self._ranked.head()
-            if head is not None and head.state is not RequestState.SWAPPED:
-                head_class, reserve = head.priority, head.num_tokens - head.num_computed_tokens
+            head_class, reserve = self._head_reserve(budget)
         for request in order:
             if request.state is not running_state:
                 continue  # preempted earlier in this loop
@@ -677,12 +685,16 @@ class Scheduler:
         held = len(hits) if hits else len(head.device_pages)
         need = max(0, -(-head.num_tokens // kv.page_size) - held)
         seats = self.config.max_num_seqs - len(self.running) - len(self.swapping_in)
+        if seats > 0 and kv.fits(need, hits):
+            return
+        victims = [r for r in reversed(self.running) if r.priority > head.priority]   # (ties: the later first)
+        if not victims:
+            return   # (no lower class to take room from: admission goes as usual)
         while seats > 0 and not kv.fits(need, hits) and self._evict_idle_holder(head, now):
             hits = kv.lookup(head)   # (the evicted holder may have shared some of them)
         if seats > 0 and kv.fits(need, hits):
             return
-        victims = [r for r in reversed(self.running) if r.priority > head.priority]   # (ties: the later first)
-        if not victims or seats + len(victims) <= 0 or need > kv.num_free_device + self._pages_freed_by(victims):
+        if seats + len(victims) <= 0 or need > kv.num_free_device + self._pages_freed_by(victims, hits):
             return
         victims.sort(key=lambda r: (r.priority, self.policy.priority(r, now, view)), reverse=True)
         for victim in victims:
@@ -691,13 +703,35 @@ class Scheduler:
             self._preempt(victim, plan)
             seats += 1
 
-    def _pages_freed_by(self, requests: list[Request]) -> int:
-        """Device pages that freeing ``requests``' KV would make free or evictable: their
-        private pages, and each shared (prefix-cache) page none but them holds."""
+    def _pages_freed_by(self, requests: list[Request], hits: list[int]) -> int:
+        """Device pages that freeing ``requests``' KV would make free or evictable for a
+        request linking ``hits``: their private pages, and each shared (prefix-cache) page
+        none but them holds and that is not one of ``hits``."""
         private = sum(len(r.device_pages) - r.num_shared_pages for r in requests)
         shared = Counter(p for r in requests for p in r.device_pages[:r.num_shared_pages])
-        refs = self.kv.cache.refs if shared else ()
-        return private + sum(1 for p, n in shared.items() if refs[p] == n)
+        refs, linked = (self.kv.cache.refs, set(hits)) if shared else ((), ())
+        return private + sum(1 for p, n in shared.items() if refs[p] == n and p not in linked)
+
+    def _head_reserve(self, budget: int) -> tuple[int | None, int]:
+        """``(class, tokens)`` the step's running prompts of higher class numbers leave to the
+        waiting queue's head: its next chunk, when ``_admit_waiting`` can admit it this step
+        (a seat, the pages of that chunk, no other request computing its next page);
+        ``(None, 0)`` otherwise."""
+        head = self._ranked.head()
+        if head is None or head.state is RequestState.SWAPPED or \
+                len(self.running) + len(self.swapping_in) >= self.config.max_num_seqs:
+            return None, 0
+        kv = self.kv
+        hits = kv.lookup(head)
+        if self._filling and kv.cache is not None and not head.device_pages \
+                and len(head.block_hashes) > len(hits) and head.block_hashes[len(hits)] in self._filling_frontiers():
+            return None, 0   # it waits for another request's page: no tokens for it this step
+        computed = len(hits) * kv.page_size if hits else head.num_computed_tokens
+        n = min(head.num_tokens - computed, budget)
+        held = len(hits) if hits else len(head.device_pages)
+        if not kv.fits(max(0, -(-(computed + n) // kv.page_size) - held), hits):
+            return None, 0
+        return head.priority, n
 
     def _filling_frontiers(self) -> dict[bytes, Request]:
         """Hash of the page each running request still computing its context computes

@@ -17,7 +17,6 @@ import asyncio
 import copy
 import dataclasses
 import functools
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -43,7 +42,7 @@ from server.generation import (ChoiceMerger, ChoiceState, ClientDisconnected, Jo
                                wait_or_disconnect)
 from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
-from server.middleware import CatchAllMiddleware, GuardMiddleware, RequestIdMiddleware
+from server.middleware import TRUSTED_OWNERS, CatchAllMiddleware, GuardMiddleware, RequestIdMiddleware, owner_of
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (AllowedToolsChoice, BatchCreateRequest, ChatCompletionRequest, CompletionRequest,
                              ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest,
@@ -485,9 +484,11 @@ def _owner(request: Request, body) -> str:
     """Who may resume a paused tool context: the API key sent and the ``user`` field
     (``body`` None: the key alone, the owner of stored responses). Hashed so the key is
     not kept in memory next to the contexts."""
-    key = request.headers.get("authorization", "")
     user = (body.user or "") if body is not None else ""
-    return hashlib.sha256(f"{key}\0{user}".encode("utf-8", "surrogatepass")).hexdigest()
+    owners = request.scope.get(TRUSTED_OWNERS)   # (a batch's line: its creator's, ``server.batches``)
+    if owners is not None:
+        return owners[user]
+    return owner_of(request.headers.get("authorization", ""), user)
 
 
 async def _respond(state: ServerState, request: Request, body: ResponsesRequest):

@@ -153,12 +153,13 @@ def keep_finished(output: Path) -> set[str]:
 
 
 async def serve_request(app, request: BatchRequest, on_retry: Callable[[], None] = lambda: None,
-                        headers: list[tuple[str, str]] = ()) -> dict:
+                        headers: list[tuple[str, str]] = (), scope_extra: dict | None = None) -> dict:
     """``request`` served by ``app``, as a batch output line. A 429 (the app's concurrency
     limit, full of other requests of the batch: this one fans out to more engine requests
     than are free) is asked again, after a wait that doubles up to ``MAX_RETRY_WAIT_S``,
-    until served; ``on_retry`` is called at the first. ``headers``: more request headers
-    (the batch creator's ``Authorization`` for a server's batch)."""
+    until served; ``on_retry`` is called at the first. ``headers``: more request headers;
+    ``scope_extra``: more ASGI scope entries (a server's batch: its creator's owners,
+    ``server.middleware.TRUSTED_OWNERS``)."""
     from jaxserve.distributed.asgi_bridge import call_app
 
     body = json.dumps(request.body).encode()
@@ -166,7 +167,7 @@ async def serve_request(app, request: BatchRequest, on_retry: Callable[[], None]
     while True:
         head, chunks = None, []
         async for part in call_app(app, "POST", request.url, b"", [("content-type", "application/json"), *headers],
-                                   body):
+                                   body, scope_extra=scope_extra):
             if head is None:
                 head = part
             else:
@@ -198,9 +199,9 @@ def _failed(request: BatchRequest, error: BaseException) -> dict:
 
 async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], None],
                     concurrency: int = 256, headers: list[tuple[str, str]] = (),
-                    gate: asyncio.Semaphore | None = None) -> Counter:
+                    gate: asyncio.Semaphore | None = None, scope_extra: dict | None = None) -> Counter:
     """Serve ``requests`` with ``app`` (started: its lifespan running), ``concurrency`` at a
-    time in input order (``headers``: as ``serve_request``'s; ``gate``: a semaphore each
+    time in input order (``headers``, ``scope_extra``: as ``serve_request``'s; ``gate``: a semaphore each
     request also holds while it is served, shared with other batches), calling ``write``
     with each one's output line as it ends. Returns the count of lines by status code
     (``"error"`` for lines that are no HTTP answer) and, under ``"retried"``, of requests
@@ -215,7 +216,7 @@ async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], N
         for request in pending:   # (one iterator shared by the workers: each request is taken once)
             try:
                 async with gate or nullcontext():
-                    line = await serve_request(app, request, retried, headers)
+                    line = await serve_request(app, request, retried, headers, scope_extra)
             except Exception as e:   # noqa: BLE001 - one request's failure is its line, not the batch's end
                 log.exception("batch request %s (line %d) failed", request.custom_id, request.line)
                 line = _failed(request, e)

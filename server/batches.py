@@ -26,10 +26,13 @@ Files and batches are kept in memory, per API key (a key sees only its own), wit
 ``server.state_file``) they are kept there too and outlive a restart: each answered
 line of a running batch is written as it ends, and a batch that was running when the
 server stopped (a clean stop or a crash) runs on when it starts again, serving only
-the lines not yet answered (those in flight at the stop are served again), as its
-creator (the file keeps the ``Authorization`` header a batch was created with until
-it ends). Without one, a restart loses them and batches running at shutdown end
-``cancelled``. Used from the event loop only.
+the lines not yet answered (those in flight at the stop are served again). Without
+one, a restart loses them and batches running at shutdown end ``cancelled``.
+
+A batch's lines run as its creator: each is served with its creator's owners (the
+hash of the ``Authorization`` header it was created with, per ``user`` its lines
+send; ``server.middleware.TRUSTED_OWNERS``), which the state file keeps; the header
+itself is never stored. Used from the event loop only.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field, replace
 
 from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
 from server.errors import APIError
+from server.middleware import TRUSTED_OWNERS, owner_of
 from server.responses import items_page
 from server.state_file import StateFile
 
@@ -140,7 +144,7 @@ class BatchJob:
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict] | None = None
-    authorization: str | None = None   # the creator's header, its lines' own while it runs (not shown)
+    owners: dict[str, str] | None = None   # while it runs: its lines' owners by ``user`` (TRUSTED_OWNERS; not shown)
     task: asyncio.Task | None = None
 
     @property
@@ -156,7 +160,7 @@ class BatchJob:
         self.status = status
         self.times[f"{status}_at"] = int(time.time())
         if self.ended:
-            self.authorization = None   # (no longer needed: not kept)
+            self.owners = None   # (no longer needed)
 
     def object(self) -> dict:
         times = {f"{s}_at": self.times.get(f"{s}_at") for s in
@@ -191,10 +195,17 @@ class Batches:
         the app serves): each serves the lines it had not answered; one that was being
         cancelled ends ``cancelled`` with what it had."""
         self._stopping = False
+        if self._state is None or self._state.closed:   # (no file, or closed by an earlier shutdown: nothing to read)
+            return
         for job in [j for j in self._jobs.values() if not j.ended and (j.task is None or j.task.done())]:
             outputs, errors = self._answered(job)
             if job.status == "cancelling":
                 self._finish(job, outputs, errors, "cancelled")
+                continue
+            if job.owners is None and job.status == "in_progress":   # (kept by a version that did not keep them)
+                job.errors = [{"code": "server_error", "message": "the server stopped this batch and cannot tell "
+                               "who created it: create it again", "param": None, "line": None}]
+                self._finish(job, outputs, errors, "failed")
                 continue
             try:
                 source = self.files.get(job.input_file_id, job.owner)
@@ -242,18 +253,20 @@ class Batches:
             raise APIError(400, f"input_file_id: {input_file_id} was uploaded for {source.purpose!r}, not 'batch'",
                            param="input_file_id")
         job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, self.model_name, endpoint, input_file_id, completion_window,
-                       metadata, authorization=authorization)
+                       metadata)
         self._forget_old()
         self._jobs[job.id] = job
         self._save(job)
-        self._start(job, source.data, [], [])
+        self._start(job, source.data, [], [], authorization or "")
         return job
 
-    def _start(self, job: BatchJob, data: bytes, outputs: list[bytes], errors: list[bytes]) -> None:
+    def _start(self, job: BatchJob, data: bytes, outputs: list[bytes], errors: list[bytes],
+               authorization: str | None = None) -> None:
         """Run ``job`` on its input file's ``data``, its lines ``outputs`` and ``errors``
-        answered already, as its creator (its ``authorization``)."""
-        headers = [("authorization", job.authorization)] if job.authorization else []
-        job.task = asyncio.get_running_loop().create_task(self._run(job, data, headers, outputs, errors))
+        answered already, as its creator (``authorization``: its header, for a new batch,
+        whose owners are derived from it once its lines are read; None: a resumed one's
+        kept owners)."""
+        job.task = asyncio.get_running_loop().create_task(self._run(job, data, outputs, errors, authorization))
         job.task.add_done_callback(lambda task: self._settle(job, task))
 
     def get(self, batch_id: str, owner: str) -> BatchJob:
@@ -285,8 +298,8 @@ class Batches:
         if running:
             await asyncio.wait(running)
 
-    async def _run(self, job: BatchJob, data: bytes, headers: list[tuple[str, str]], outputs: list[bytes],
-                   errors: list[bytes]) -> None:
+    async def _run(self, job: BatchJob, data: bytes, outputs: list[bytes], errors: list[bytes],
+                   authorization: str | None) -> None:
         def write(line: dict) -> None:
             bad = failed(line) or line["response"]["status_code"] >= 400
             text = json.dumps(line).encode() + b"\n"
@@ -306,12 +319,16 @@ class Batches:
                 self._become(job, "failed")
                 return
             job.total = len(requests)
+            if authorization is not None:   # (a new batch: who its lines are, kept in place of the header)
+                users = {r.body["user"] for r in requests if isinstance(r.body.get("user"), str)} | {""}
+                job.owners = {user: owner_of(authorization, user) for user in users}
             if outputs or errors:   # (after a restart: the lines answered before it are not served again)
                 done = {json.loads(line)["custom_id"] for line in outputs + errors}
                 requests = [r for r in requests if r.custom_id not in done]
             if job.status != "in_progress":
                 self._become(job, "in_progress")
-            await run_batch(self.app, requests, write, self.concurrency, headers, gate=self._gate)
+            await run_batch(self.app, requests, write, self.concurrency, gate=self._gate,
+                            scope_extra={TRUSTED_OWNERS: job.owners})
         except asyncio.CancelledError:
             if not (self._stopping and self._state is not None):   # (else it runs on after the restart)
                 self._finish(job, outputs, errors, "cancelled")

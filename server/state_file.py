@@ -77,6 +77,10 @@ class StateFile:
         except (sqlite3.Error, OSError) as e:
             raise ValueError(f"response store {path}: unreadable ({type(e).__name__}: {e})") from None
 
+    @property
+    def closed(self) -> bool:
+        return self._db is None
+
     def rows(self, sql: str, *params) -> list[tuple]:
         """The rows ``sql`` reads (an unreadable file: a ``ValueError`` naming it)."""
         try:

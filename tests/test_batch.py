@@ -231,16 +231,19 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
     """With the state file (``--response-store``): files read back; a batch the server
     stopped mid-run stays ``in_progress`` there and, when the server starts again, serves
     only the lines it had not answered (the one in flight at the stop again), as its
-    creator (its Authorization header, not kept once it ends), then completes with every
-    line once; an ended batch reads back as it ended; batches stay listed in creation
-    order whichever was updated last."""
+    creator (the owners its Authorization header gives, per ``user``: the header itself
+    is never stored), then completes with every line once; an ended batch reads back as
+    it ended; batches stay listed in creation order whichever was updated last."""
+    from server.middleware import TRUSTED_OWNERS, owner_of
     from server.state_file import StateFile
+
+    creator = {"": owner_of("Bearer creator"), "alice": owner_of("Bearer creator", "alice")}
 
     path = tmp_path / "state" / "responses.sqlite3"
 
     def jsonl(prefix: str) -> bytes:
         return "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                   "body": {"model": "m", "prompt": f"{prefix}{i}"}}) + "\n"
+                                   "body": {"model": "m", "prompt": f"{prefix}{i}", "user": "alice"}}) + "\n"
                        for i in range(6)).encode()
 
     def stand_in(served: list, stall: str | None = None):
@@ -248,8 +251,7 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
         which it answers only when its client leaves."""
         async def app(scope, receive, send):
             body = json.loads((await receive())["body"])
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode() or None
-            served.append((body["prompt"], authorization))
+            served.append((body["prompt"], dict(scope["headers"]).get(b"authorization"), scope.get(TRUSTED_OWNERS)))
             if body["prompt"] == stall:
                 while (await receive())["type"] != "http.disconnect":   # in flight when the server stops
                     pass
@@ -276,8 +278,10 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
         done = batches.create("me", "Bearer old", other.id, "/v1/completions", "24h", {"k": "v"})
         await asyncio.wait({done.task})   # (on the gate's other slot)
         await batches.close()
-        assert running.status == "in_progress" and ("s2", "Bearer creator") in served
+        assert running.status == "in_progress" and ("s2", None, creator) in served
         state.close()
+        batches.resume()   # (the same app started again after its file closed: nothing to read, nothing run)
+        assert running.status == "in_progress" and running.task.done()
         return source.id, done.object(), running.id
 
     async def second_life(source_id, done_object, running_id):
@@ -288,14 +292,15 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
         batches.resume()
         job = batches.get(running_id, "me")
         await asyncio.wait({job.task})
-        assert served == [("s2", "Bearer creator")]
+        assert served == [("s2", None, creator)]
+        assert b"Bearer creator" not in path.read_bytes() + path.with_name(path.name + "-wal").read_bytes()
         assert (job.status, job.completed, job.failed_count, job.total) == ("completed", 6, 0, 6)
         lines = [json.loads(x) for x in files.get(job.output_file_id, "me").data.splitlines()]
         assert sorted(x["custom_id"] for x in lines) == [f"r{i}" for i in range(6)]
         assert all(x["response"]["body"]["choices"][0]["text"] == f"S{x['custom_id'][1:]}" for x in lines)
         assert not state.rows("SELECT * FROM batch_lines")   # folded into the output file
         [(kept,)] = state.rows("SELECT job FROM batches WHERE id = ?", running_id)
-        assert job.authorization is None and json.loads(kept)["authorization"] is None   # (ended: no header kept)
+        assert job.owners is None and json.loads(kept)["owners"] is None   # (ended: not kept)
         state.close()
 
     source_id, done_object, running_id = asyncio.run(first_life())

@@ -658,3 +658,64 @@ def test_set_priority_refiles_a_waiting_request_and_applies_when_a_paused_one_re
     calls.set_priority(agent, -1)
     calls.api_return(agent, 2, 0.03)
     assert calls.admission_order()[0] is agent and calls.admission_key(agent)[0] == -1
+
+
+def test_a_waiting_class_never_starves_the_running_request_computing_its_next_page():
+    """A class-1 request computes a long system prompt; a class-0 one with the same prefix
+    waits for those pages (they reach it through the prefix cache). The step's tokens
+    are not held back for the waiting one then, or neither would ever advance."""
+    sched = make_scheduler("fcfs", num_pages=256, page_size=4, budget=16, seqs=8, enable_prefix_caching=True)
+    system = list(range(1000, 1064))
+    batch = Request("batch", 0.0, prompt_len=68, max_tokens=4, priority=1, token_ids=system + [1, 2, 3, 4])
+    sched.add_request(batch, 0.0)
+    step(sched, 0.0)
+    interactive = Request("interactive", 0.01, prompt_len=68, max_tokens=4, token_ids=system + [5, 6, 7, 8])
+    sched.add_request(interactive, 0.01)
+    now, steps = 0.01, 0
+    while interactive.finish_time is None and steps < 50:
+        step(sched, now)
+        now += 0.01
+        steps += 1
+    assert interactive.finish_time is not None and interactive.num_cached_tokens == 64
+
+
+def test_pages_a_waiting_class_would_link_are_not_counted_as_freed_by_preempting_their_holder():
+    """A class-1 request alone holds the system-prompt pages a class-0 arrival would link:
+    preempting it frees none of the pages the arrival lacks, so it is not preempted."""
+    sched = make_scheduler("fcfs", num_pages=16, page_size=4, budget=64, seqs=8, enable_prefix_caching=True)
+    system = list(range(16))
+    mine = Request("mine", 0.0, prompt_len=24, max_tokens=300, token_ids=list(range(300, 324)))
+    sched.add_request(mine, 0.0)
+    step(sched, 0.0)
+    batch = Request("batch", 0.0, prompt_len=24, max_tokens=300, priority=1, token_ids=system + list(range(200, 208)))
+    sched.add_request(batch, 0.0)
+    step(sched, 0.01)
+    head = Request("head", 0.02, prompt_len=49, max_tokens=2, token_ids=system + list(range(500, 533)))
+    sched.add_request(head, 0.02)
+    assert len(sched.kv.lookup(head)) == 4 and not step(sched, 0.02).preempted and batch in sched.running
+
+
+def test_classes_are_in_use_only_while_a_request_of_another_class_lives():
+    """Once the last request outside class 0 ends, scheduling is class 0's again (the
+    fast on-hand pass, decode runs); moving a request to its own class keeps its place."""
+    sched = make_scheduler("fcfs", seqs=1)
+    blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=3)
+    batch = Request("batch", 0.0, prompt_len=4, max_tokens=2, priority=1)
+    sched.add_request(blocker, 0.0)
+    sched.add_request(batch, 0.0)
+    step(sched, 0.0)
+    first, second = Request("first", 0.01, prompt_len=4, max_tokens=2), Request("second", 0.01, prompt_len=4,
+                                                                                  max_tokens=2)
+    for r in (first, second):
+        sched.add_request(r, r.arrival_time)
+    sched.set_priority(first, 0)   # (a tie with second: re-filing would put it behind)
+    assert [r.request_id for r in sched.admission_order()] == ["first", "second", "batch"]
+    assert sched.classes_in_use
+    now = 0.02
+    while sched.has_unfinished():
+        step(sched, now)
+        now += 0.01
+    assert not sched.classes_in_use
+    sched.add_request(Request("late", now, prompt_len=4, max_tokens=2, priority=2), now)
+    sched.abort("late", now)
+    assert not sched.classes_in_use

@@ -185,10 +185,16 @@ def test_owner_hash_depends_on_api_key_and_user():
 
     from server.app import _owner
 
-    def req(key):
-        return SimpleNamespace(headers={"authorization": key} if key else {})
+    from server.middleware import TRUSTED_OWNERS
+
+    def req(key, scope=None):
+        return SimpleNamespace(headers={"authorization": key} if key else {}, scope=scope or {})
     owners = {_owner(req(k), SimpleNamespace(user=u)) for k in ("Bearer a", "Bearer b", None) for u in ("x", None)}
     assert len(owners) == 6 and all("Bearer" not in o for o in owners)
+    # a batch's line (in-process) is its creator, whatever header it carries
+    creator = {"": _owner(req("Bearer a"), None), "x": _owner(req("Bearer a"), SimpleNamespace(user="x"))}
+    line = req(None, {TRUSTED_OWNERS: creator})
+    assert _owner(line, SimpleNamespace(user="x")) == creator["x"] and _owner(line, None) == creator[""]
 
 
 def test_fan_out_counts_against_the_concurrency_limit():

@@ -58,9 +58,11 @@ class Lifespan:
 
 
 async def call_app(app, method: str, path: str, query_string: bytes, headers: list[tuple[str, str]],
-                   body: bytes, client: tuple[str, int] = ("127.0.0.1", 0)) -> AsyncIterator[dict | bytes]:
+                   body: bytes, client: tuple[str, int] = ("127.0.0.1", 0),
+                   scope_extra: dict | None = None) -> AsyncIterator[dict | bytes]:
     """Serve one request with ``app``: yields the head dict, then body chunks.
-    Closing the iterator early tells the app the client disconnected."""
+    Closing the iterator early tells the app the client disconnected. ``scope_extra``:
+    more ASGI scope entries (an in-process caller's, ``server.middleware.TRUSTED_OWNERS``)."""
     messages: asyncio.Queue = asyncio.Queue()
     disconnected = asyncio.Event()
     body_sent = False
@@ -79,7 +81,8 @@ async def call_app(app, method: str, path: str, query_string: bytes, headers: li
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
              "query_string": query_string, "client": client, "server": ("127.0.0.1", 0),
-             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]}
+             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+             **(scope_extra or {})}
     task = asyncio.create_task(app(scope, receive, send))
     task.add_done_callback(lambda _: messages.put_nowait(None))
     try:
