@@ -634,16 +634,18 @@ def test_no_preemption_for_a_class_when_the_pages_it_would_free_stay_held():
 
 def test_set_priority_refiles_a_waiting_request_and_applies_when_a_paused_one_returns():
     """``Scheduler.set_priority`` (a client-side tool follow-up's class): a waiting request
-    moves in the queue at once; one paused in a call is filed in its new class when the
-    call returns."""
+    moves in the queue at once (one moved to its own class keeps its place); one paused
+    in a call is filed in its new class when the call returns."""
     sched = make_scheduler("fcfs", seqs=1)
     blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=20)
     sched.add_request(blocker, 0.0)
     step(sched, 0.0)
-    first, second = Request("first", 0.01, prompt_len=4, max_tokens=2), Request("second", 0.02, prompt_len=4,
+    first, second = Request("first", 0.01, prompt_len=4, max_tokens=2), Request("second", 0.01, prompt_len=4,
                                                                                   max_tokens=2)
     for r in (first, second):
         sched.add_request(r, r.arrival_time)
+    sched.set_priority(first, 0)   # (a tie with second: re-filing would put it behind)
+    assert [r.request_id for r in sched.admission_order()] == ["first", "second"] and not sched.classes_in_use
     sched.set_priority(first, 1)
     assert [r.request_id for r in sched.admission_order()] == ["second", "first"] and sched.classes_in_use
 
@@ -696,22 +698,14 @@ def test_pages_a_waiting_class_would_link_are_not_counted_as_freed_by_preempting
 
 
 def test_classes_are_in_use_only_while_a_request_of_another_class_lives():
-    """Once the last request outside class 0 ends, scheduling is class 0's again (the
-    fast on-hand pass, decode runs); moving a request to its own class keeps its place."""
+    """Once the last request outside class 0 ends (or is aborted), scheduling is class
+    0's again (the fast on-hand pass, decode runs)."""
     sched = make_scheduler("fcfs", seqs=1)
-    blocker = Request("blocker", 0.0, prompt_len=4, max_tokens=3)
-    batch = Request("batch", 0.0, prompt_len=4, max_tokens=2, priority=1)
-    sched.add_request(blocker, 0.0)
-    sched.add_request(batch, 0.0)
-    step(sched, 0.0)
-    first, second = Request("first", 0.01, prompt_len=4, max_tokens=2), Request("second", 0.01, prompt_len=4,
-                                                                                  max_tokens=2)
-    for r in (first, second):
-        sched.add_request(r, r.arrival_time)
-    sched.set_priority(first, 0)   # (a tie with second: re-filing would put it behind)
-    assert [r.request_id for r in sched.admission_order()] == ["first", "second", "batch"]
+    for r in (Request("blocker", 0.0, prompt_len=4, max_tokens=3),
+              Request("batch", 0.0, prompt_len=4, max_tokens=2, priority=1)):
+        sched.add_request(r, 0.0)
     assert sched.classes_in_use
-    now = 0.02
+    now = 0.0
     while sched.has_unfinished():
         step(sched, now)
         now += 0.01

@@ -391,6 +391,31 @@ class PagedModel:
         return StepResult(token_ids=ids)
 
 
+def drive_paged(sched, model, arrivals: list, max_steps: int) -> None:
+    """Step ``sched`` on ``model`` until every request of ``arrivals`` (``(time, request)``,
+    added when due, its arrival time then) has ended: each API call returns after its
+    duration with tokens of its own; the invariants are checked every step."""
+    arrivals, pending, now, steps = list(arrivals), [], 0.0, 0
+    while arrivals or sched.has_unfinished():
+        steps += 1
+        assert steps < max_steps
+        for t, r in [a for a in arrivals if a[0] <= now]:
+            arrivals.remove((t, r))
+            r.arrival_time = now
+            sched.add_request(r, now)
+        for t, r in [p for p in pending if p[0] <= now]:
+            pending.remove((t, r))
+            k = r.segments[r.segment_index - 1].num_returned_tokens
+            sched.api_return(r, k, now, token_ids=[(len(r.token_ids) + j) % 50 + 3 for j in range(k)])
+        plan = sched.schedule(now)
+        result = model.step(plan)
+        now += 0.01
+        for event in sched.update(plan, result, now):
+            if event.kind is EventKind.API_CALL:
+                pending.append((now + event.segment.api_duration_s, event.request))
+        sched.check_invariants()
+
+
 def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14, host_cache=True):
     ps = 4
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8, swap_budget_tokens=8,
@@ -399,30 +424,13 @@ def run_agents(cache: bool, num_pages: int, handling, seed=0, n=14, host_cache=T
     model = PagedModel(ps)
     rng = random.Random(seed)
     system = [rng.randint(3, 99) for _ in range(13)]
-    pending, now, outs = [], 0.0, {}
+    outs = {}
     for i in range(n):
         ids = system + [rng.randint(3, 99) for _ in range(rng.randint(1, 9))]
         segs = [Segment(rng.randint(1, 4), "tool", rng.choice([0.0, 0.05]), rng.randint(1, 5)), Segment(3)]
-        r = Request(f"r{i}", 0.0, prompt_len=len(ids), max_tokens=sum(s.num_tokens for s in segs),
-                    segments=segs, token_ids=ids)
-        sched.add_request(r, now)
-        outs[r.request_id] = r
-    steps = 0
-    while sched.has_unfinished():
-        steps += 1
-        assert steps < 3000
-        for t, r in list(pending):
-            if t <= now:
-                pending.remove((t, r))
-                k = r.segments[r.segment_index - 1].num_returned_tokens
-                sched.api_return(r, k, now, token_ids=[(len(r.token_ids) + j) % 50 + 3 for j in range(k)])
-        plan = sched.schedule(now)
-        result = model.step(plan)
-        now += 0.01
-        for event in sched.update(plan, result, now):
-            if event.kind is EventKind.API_CALL:
-                pending.append((now + event.segment.api_duration_s, event.request))
-        sched.check_invariants()
+        outs[f"r{i}"] = Request(f"r{i}", 0.0, prompt_len=len(ids), max_tokens=sum(s.num_tokens for s in segs),
+                                segments=segs, token_ids=ids)
+    drive_paged(sched, model, [(0.0, r) for r in outs.values()], 3000)
     # Idle: every page free or cached-unreferenced, on both tiers.
     assert sched.kv.num_free_device == num_pages and sched.kv.num_free_host == 6
     assert all(owner == CACHE_OWNER for owner in sched.host_pool.owned_by())
@@ -626,25 +634,7 @@ def run_random_agents(seed: int, policy: str, handling, num_pages: int, seqs: in
                     segments=segs, token_ids=ids, priority=priority if classes else 0)
         arrivals.append((rng.choice([0.0, 0.0, 0.005 * i]), r))
         outs[r.request_id] = r
-    pending, now, steps = [], 0.0, 0
-    while arrivals or sched.has_unfinished():
-        steps += 1
-        assert steps < 5000
-        for t, r in [a for a in arrivals if a[0] <= now]:
-            arrivals.remove((t, r))
-            r.arrival_time = now
-            sched.add_request(r, now)
-        for t, r in [p for p in pending if p[0] <= now]:
-            pending.remove((t, r))
-            k = r.segments[r.segment_index - 1].num_returned_tokens
-            sched.api_return(r, k, now, token_ids=[(len(r.token_ids) + j) % 50 + 3 for j in range(k)])
-        plan = sched.schedule(now)
-        result = model.step(plan)
-        now += 0.01
-        for event in sched.update(plan, result, now):
-            if event.kind is EventKind.API_CALL:
-                pending.append((now + event.segment.api_duration_s, event.request))
-        sched.check_invariants()
+    drive_paged(sched, model, arrivals, 5000)
     return {rid: r.output_token_ids for rid, r in outs.items()}
 
 
