@@ -51,6 +51,7 @@ def cluster():
 
     from jaxserve.distributed import launch
     port = free_port()
+    launch.tolerate_busy_hosts()   # (the suite's other worker compiles a model meanwhile)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": launch.REPO_ROOT, "TOKENIZERS_PARALLELISM": "false"}})
     single = ServerProcess("demo", ENGINE_ARGS).start()

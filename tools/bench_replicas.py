@@ -181,6 +181,7 @@ def main() -> int:
 
     serve_parser = argparse.ArgumentParser()
     add_arguments(serve_parser)
+    launch.tolerate_busy_hosts()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": launch.REPO_ROOT, "TOKENIZERS_PARALLELISM": "false"}})
     results = {}

@@ -81,6 +81,19 @@ def build_application(settings: dict, *, accelerator: str | None = None, replica
                                  "prefill_replicas": config.prefill_replicas}, prefill)
 
 
+# Seconds Ray Serve's controller waits for its HTTP proxy to report ready, per check (3 misses and
+# it kills the proxy). Ray's default, 5, is too short on a host busy loading models: the proxy's
+# process did not even start in 15 s on a 2-core machine compiling a model beside it.
+PROXY_READY_CHECK_TIMEOUT_S = "30"
+
+
+def tolerate_busy_hosts() -> None:
+    """Give Serve's proxy ``PROXY_READY_CHECK_TIMEOUT_S`` per readiness check in a Ray cluster
+    this process starts next (``ray.init`` without an address; the cluster's processes read
+    it from this environment). A value already set is kept."""
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_CHECK_TIMEOUT_S)
+
+
 def start(settings: dict, *, route_prefix: str = "/", name: str = APP_NAME, replica_cpus: float = 1.0) -> None:
     """Run the application on the connected Ray cluster (``ray.init`` done) and wait until it is up."""
     import ray
@@ -107,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)   # stop the replicas (and a cluster we started) on SIGTERM too
+    tolerate_busy_hosts()
     ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}}, log_to_driver=True)
     try:
         start(settings)
