@@ -632,7 +632,11 @@ class Scheduler:
                 if request.state != RequestState.RUNNING:
                     continue
                 n = min(request.num_uncomputed_tokens, budget)
-                if not kv.allocate_slots(request, kv.pages_needed(request, n)):
+                need = kv.pages_needed(request, n)
+                fits = kv.allocate_slots(request, need)
+                while not fits and self._evict_idle_holder(now=now):   # (every holder left ranks behind it)
+                    fits = kv.allocate_slots(request, need)
+                if not fits:
                     continue  # runs next step
                 self._add_chunk(plan, request, n, now)
                 budget -= n

@@ -394,7 +394,9 @@ class PagedModel:
 def drive_paged(sched, model, arrivals: list, max_steps: int) -> None:
     """Step ``sched`` on ``model`` until every request of ``arrivals`` (``(time, request)``,
     added when due, its arrival time then) has ended: each API call returns after its
-    duration with tokens of its own; the invariants are checked every step."""
+    duration with tokens of its own; the invariants are checked every step, and that no
+    running request is left without tokens while the step's budget has room and an idle
+    holder (a request not running) keeps device pages it could have had."""
     arrivals, pending, now, steps = list(arrivals), [], 0.0, 0
     while arrivals or sched.has_unfinished():
         steps += 1
@@ -408,6 +410,10 @@ def drive_paged(sched, model, arrivals: list, max_steps: int) -> None:
             k = r.segments[r.segment_index - 1].num_returned_tokens
             sched.api_return(r, k, now, token_ids=[(len(r.token_ids) + j) % 50 + 3 for j in range(k)])
         plan = sched.schedule(now)
+        if plan.num_batched_tokens < plan.token_budget and (sched.kv.paused_holders or sched.kv.waiting_holders):
+            served = {c.request.request_id for c in plan.chunks}
+            assert all(r.request_id in served for r in sched.running if r.num_uncomputed_tokens), \
+                "a running request got no tokens while an idle holder kept pages"
         result = model.step(plan)
         now += 0.01
         for event in sched.update(plan, result, now):
@@ -648,6 +654,21 @@ def test_agents_with_swap_preemption_and_the_host_tier_read_back_only_their_own_
     """These seeds once read a page that a swap-in filled and an eviction copied to the
     host in the same step (``run_random_agents``)."""
     run_random_agents(seed, policy, handling, num_pages, seqs, budget, classes)
+
+
+@pytest.mark.parametrize("seed, policy, num_pages, seqs, budget, host_cache, classes", [
+    (304, "infercept", 9, 2, 8, True, False),
+    (530, "sjf", 10, 2, 64, False, True),
+    (574, "sjf", 9, 3, 24, True, False),
+])
+def test_a_completed_swap_in_gets_its_pages_from_an_idle_holder_at_once(seed, policy, num_pages, seqs, budget,
+                                                                       host_cache, classes):
+    """A swap-in that completes at admission (its pages re-linked from the cache, or
+    copied in one chunk) runs from that step; when its next chunk needs a page and only
+    an idle holder keeps one, that holder is evicted in the same step (these seeds once
+    left it without tokens for a step, the plan sometimes empty: ``drive_paged`` checks
+    every step)."""
+    run_random_agents(seed, policy, None, num_pages, seqs, budget, classes, host_cache=host_cache)
 
 
 @pytest.mark.parametrize("seed", range(40))
