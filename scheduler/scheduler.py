@@ -611,7 +611,6 @@ class Scheduler:
         if not self.waiting:
             return
         kv = self.kv
-        page_size = kv.page_size
         running, swapping_in, max_seqs = self.running, self.swapping_in, self.config.max_num_seqs
         may_admit, swapped = self.policy.may_admit, RequestState.SWAPPED
         frontiers: dict[bytes, Request] | None = None   # built on first need (``_filling_frontiers``)
@@ -649,10 +648,7 @@ class Scheduler:
                     frontiers = self._filling_frontiers()
                 if request.block_hashes[len(hits)] in frontiers:
                     continue   # its next page is being computed for another request: linked from the cache later
-            computed = len(hits) * page_size if hits else request.num_computed_tokens
-            n = min(request.num_tokens - computed, budget)
-            held = len(hits) if hits else len(request.device_pages)
-            need = max(0, -(-(computed + n) // page_size) - held)
+            n, need = self._admission_need(request, hits, budget)
             # Linking the hits makes those of them that are evictable unavailable, and
             # each host-resident one takes a device page (``fits`` counts both).
             fits = kv.fits(need, hits)
@@ -686,8 +682,7 @@ class Scheduler:
             return
         kv = self.kv
         hits = kv.lookup(head)
-        held = len(hits) if hits else len(head.device_pages)
-        need = max(0, -(-head.num_tokens // kv.page_size) - held)
+        need = self._admission_need(head, hits, head.num_tokens)[1]
         seats = self.config.max_num_seqs - len(self.running) - len(self.swapping_in)
         if seats > 0 and kv.fits(need, hits):
             return
@@ -696,6 +691,7 @@ class Scheduler:
             return   # (no lower class to take room from: admission goes as usual)
         while seats > 0 and not kv.fits(need, hits) and self._evict_idle_holder(head, now):
             hits = kv.lookup(head)   # (the evicted holder may have shared some of them)
+            need = self._admission_need(head, hits, head.num_tokens)[1]
         if seats > 0 and kv.fits(need, hits):
             return
         if seats + len(victims) <= 0 or need > kv.num_free_device + self._pages_freed_by(victims, hits):
@@ -730,12 +726,20 @@ class Scheduler:
         if self._filling and kv.cache is not None and not head.device_pages \
                 and len(head.block_hashes) > len(hits) and head.block_hashes[len(hits)] in self._filling_frontiers():
             return None, 0   # it waits for another request's page: no tokens for it this step
-        computed = len(hits) * kv.page_size if hits else head.num_computed_tokens
-        n = min(head.num_tokens - computed, budget)
-        held = len(hits) if hits else len(head.device_pages)
-        if not kv.fits(max(0, -(-(computed + n) // kv.page_size) - held), hits):
+        n, need = self._admission_need(head, hits, budget)
+        if not kv.fits(need, hits):
             return None, 0
         return head.priority, n
+
+    def _admission_need(self, request: Request, hits: list[int], budget: int) -> tuple[int, int]:
+        """``(tokens, pages)`` for admitting waiting ``request`` after linking ``hits``
+        (``kv.lookup``; empty when it keeps device KV): its first chunk within ``budget``
+        tokens, and the device pages it lacks to hold it."""
+        page_size = self.kv.page_size
+        computed = len(hits) * page_size if hits else request.num_computed_tokens
+        n = min(request.num_tokens - computed, budget)
+        held = len(hits) if hits else len(request.device_pages)
+        return n, max(0, -(-(computed + n) // page_size) - held)
 
     def _filling_frontiers(self) -> dict[bytes, Request]:
         """Hash of the page each running request still computing its context computes
