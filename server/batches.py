@@ -55,7 +55,7 @@ from server.state_file import StateFile
 log = logging.getLogger("jaxserve.server")
 
 FILE_PURPOSES = ("batch",)              # what may be uploaded (outputs are "batch_output")
-COMPLETION_WINDOWS = ("24h",)           # OpenAI's only window; not enforced: a batch runs until it ends
+COMPLETION_WINDOWS = {"24h": 24 * 3600.0}   # OpenAI's only window: seconds from creation to expiry
 MAX_FILE_STORE_BYTES = 1 << 30          # all files' content together
 MAX_LISTED_BATCH_ERRORS = 100           # a failed batch's ``errors`` name at most this many lines
 MAX_ENDED_BATCHES = 1000                # ended batches kept (their files stay until deleted); older ones forgotten
@@ -145,7 +145,13 @@ class BatchJob:
     error_file_id: str | None = None
     errors: list[dict] | None = None
     owners: dict[str, str] | None = None   # while it runs: its lines' owners by ``user`` (TRUSTED_OWNERS; not shown)
+    window_s: float = COMPLETION_WINDOWS["24h"]   # its completion window's length, seconds
     task: asyncio.Task | None = None
+
+    @property
+    def expires_at(self) -> int:
+        """When its completion window ends (Unix seconds): lines not answered by then expire."""
+        return self.created_at + int(self.window_s)
 
     @property
     def ended(self) -> bool:
@@ -169,7 +175,7 @@ class BatchJob:
                 "errors": None if self.errors is None else {"object": "list", "data": self.errors},
                 "input_file_id": self.input_file_id, "completion_window": self.completion_window,
                 "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
-                "created_at": self.created_at, "expires_at": self.created_at + 24 * 3600, **times,
+                "created_at": self.created_at, "expires_at": self.expires_at, **times,
                 "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed_count},
                 "usage": None, "metadata": self.metadata}
 
@@ -179,9 +185,11 @@ class Batches:
     ``state`` too when given (read back from it: ``resume`` runs on those that were
     running)."""
 
-    def __init__(self, files: FileStore, model_name: str, concurrency: int, state: StateFile | None = None) -> None:
-        """``concurrency``: requests of all batches together in flight at once."""
-        self.files, self.model_name, self.concurrency = files, model_name, concurrency
+    def __init__(self, files: FileStore, model_name: str, concurrency: int, state: StateFile | None = None,
+                 windows: dict[str, float] = COMPLETION_WINDOWS) -> None:
+        """``concurrency``: requests of all batches together in flight at once; ``windows``:
+        the ``completion_window`` values accepted, each with its length in seconds."""
+        self.files, self.model_name, self.concurrency, self.windows = files, model_name, concurrency, windows
         self.app = None   # set once the app exists (``create_app``): the batches' requests go through it
         self._gate = asyncio.Semaphore(concurrency)
         self._jobs: OrderedDict[str, BatchJob] = OrderedDict()
@@ -245,15 +253,15 @@ class Batches:
         if endpoint not in BATCH_URLS:
             raise APIError(400, f"endpoint: must be one of {', '.join(BATCH_URLS)}, got {endpoint!r}",
                            param="endpoint")
-        if completion_window not in COMPLETION_WINDOWS:
-            raise APIError(400, f"completion_window: must be one of {', '.join(COMPLETION_WINDOWS)}, got "
+        if completion_window not in self.windows:
+            raise APIError(400, f"completion_window: must be one of {', '.join(self.windows)}, got "
                            f"{completion_window!r}", param="completion_window")
         source = self.files.get(input_file_id, owner)
         if source.purpose != "batch":
             raise APIError(400, f"input_file_id: {input_file_id} was uploaded for {source.purpose!r}, not 'batch'",
                            param="input_file_id")
         job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, self.model_name, endpoint, input_file_id, completion_window,
-                       metadata)
+                       metadata, window_s=self.windows[completion_window])
         self._forget_old()
         self._jobs[job.id] = job
         self._save(job)
@@ -327,8 +335,19 @@ class Batches:
                 requests = [r for r in requests if r.custom_id not in done]
             if job.status != "in_progress":
                 self._become(job, "in_progress")
-            await run_batch(self.app, requests, write, self.concurrency, gate=self._gate,
-                            scope_extra={TRUSTED_OWNERS: job.owners})
+            if job.expires_at <= time.time():
+                raise TimeoutError   # (resumed after its window: no line is served)
+            async with asyncio.timeout(job.expires_at - time.time()):
+                await run_batch(self.app, requests, write, self.concurrency, gate=self._gate,
+                                scope_extra={TRUSTED_OWNERS: job.owners})
+        except TimeoutError:   # (the window ended: the lines in flight were cancelled, as by ``cancel``)
+            done = {json.loads(line)["custom_id"] for line in outputs + errors}
+            for request in requests:
+                if request.custom_id not in done:
+                    write(_expired(request))
+            log.warning("batch %s expired: %d of its %d lines not answered in its %s window", job.id,
+                        job.total - len(done), job.total, job.completion_window)
+            self._finish(job, outputs, errors, "expired")
         except asyncio.CancelledError:
             if not (self._stopping and self._state is not None):   # (else it runs on after the restart)
                 self._finish(job, outputs, errors, "cancelled")
@@ -388,6 +407,14 @@ def _parse(data: bytes, model_name: str, endpoint: str) -> tuple[list[BatchReque
     requests, problems = parse_batch(text, model_name, endpoint)
     return [r if r.body.get("priority") is not None or r.body.get("service_tier") not in (None, "auto")
             else replace(r, body={**r.body, "priority": BATCH_PRIORITY}) for r in requests], problems
+
+
+def _expired(request: BatchRequest) -> dict:
+    """The error-file line of a request not answered before its batch's window ended
+    (OpenAI's ``batch_expired``)."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": None,
+            "error": {"code": "batch_expired",
+                      "message": "This request could not be executed before the completion window expired."}}
 
 
 def _line_error(problem: str) -> dict:

@@ -8,11 +8,15 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
+
+import pytest
 
 from conftest_server import (CALC_ANSWER, CALC_USER, REPO, WEATHER_CALL, WEATHER_TOOL, WEATHER_USER)
 from server.batch import failed, parse_batch, summary
 from server.batches import Batches, FileStore
+from server.errors import APIError
 
 # As the tool server of test_server runs it: the model was trained with record_note advertised.
 SIZES = ["--max-num-batched-tokens", "64", "--num-pages", "128", "--max-model-len", "640", "--max-num-seqs", "32",
@@ -309,3 +313,79 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
     state, _, batches = open_state()
     assert [b["id"] for b in batches.page("me", 10, None)["data"]] == [done_object["id"], running_id]   # newest first
     state.close()
+
+
+def test_a_batch_not_done_in_its_window_expires_with_its_answered_lines_kept(tmp_path):
+    """When a batch's completion window ends, the lines in flight are cancelled (their
+    requests leave the app), every line not answered goes to the error file as
+    OpenAI's ``batch_expired``, the answered ones stay in the output file, and the
+    batch ends ``expired``; a batch the server stopped, started again after its window,
+    expires at once with the lines it had not answered."""
+    from server.state_file import StateFile
+
+    def stand_in(left: list):
+        """Completions answered at once, but prompts starting with "slow": answered only
+        when the client leaves (then noted in ``left``)."""
+        async def app(scope, receive, send):
+            body = json.loads((await receive())["body"])
+            if body["prompt"].startswith("slow"):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                left.append(body["prompt"])
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": json.dumps({"choices": [{"text": "ok"}]}).encode()})
+        return app
+
+    prompts = ["a", "slow1", "b", "slow2", "c", "d"]
+    data = "".join(json.dumps({"custom_id": p, "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "m", "prompt": p}}) + "\n" for p in prompts).encode()
+
+    async def in_memory():
+        files = FileStore()
+        batches = Batches(files, "m", concurrency=3, windows={"24h": 2.0})
+        batches.app = stand_in(left := [])
+        source = files.add("me", "in.jsonl", "batch", data)
+        job = batches.create("me", None, source.id, "/v1/completions", "24h", None)
+        assert job.object()["expires_at"] == job.created_at + 2
+        await asyncio.wait({job.task}, timeout=10)
+        assert (job.status, job.completed, job.failed_count, job.total) == ("expired", 4, 2, 6)
+        assert sorted(left) == ["slow1", "slow2"]   # cancelled in flight: the app saw its client leave
+        assert job.object()["expired_at"] is not None and job.object()["completed_at"] is None
+        answered = [json.loads(x)["custom_id"] for x in files.get(job.output_file_id, "me").data.splitlines()]
+        expired = [json.loads(x) for x in files.get(job.error_file_id, "me").data.splitlines()]
+        assert sorted(answered) == ["a", "b", "c", "d"]
+        assert sorted(x["custom_id"] for x in expired) == ["slow1", "slow2"]
+        assert all(x["response"] is None and x["error"]["code"] == "batch_expired" and failed(x) for x in expired)
+        with pytest.raises(APIError) as bad:
+            batches.create("me", None, source.id, "/v1/completions", "1h", None)
+        assert bad.value.status == 400 and "24h" in bad.value.message
+
+    async def stopped_then_late():
+        path = tmp_path / "state.sqlite3"
+        state = StateFile(path)
+        files = FileStore(state=state)
+        batches = Batches(files, "m", concurrency=1, state=state, windows={"24h": 3.0})
+        batches.app = stand_in([])
+        source = files.add("me", "in.jsonl", "batch", data)
+        job = batches.create("me", None, source.id, "/v1/completions", "24h", None)
+        while job.completed < 1:   # "a"; then "slow1" stalls the only slot
+            await asyncio.sleep(0.01)
+        await batches.close()
+        state.close()
+        await asyncio.sleep(max(0.0, job.expires_at - time.time()) + 0.1)   # (the server is down past the window)
+        state = StateFile(path)
+        files = FileStore(state=state)
+        batches = Batches(files, "m", concurrency=1, state=state, windows={"24h": 3.0})
+        batches.app = stand_in(left := [])
+        batches.resume()
+        late = batches.get(job.id, "me")
+        await asyncio.wait({late.task}, timeout=10)
+        assert (late.status, late.completed, late.failed_count) == ("expired", 1, 5) and not left
+        expired = [json.loads(x)["custom_id"] for x in files.get(late.error_file_id, "me").data.splitlines()]
+        assert sorted(expired) == sorted(p for p in prompts if p != "a")
+        state.close()
+
+    asyncio.run(in_memory())
+    asyncio.run(stopped_then_late())
