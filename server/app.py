@@ -49,7 +49,8 @@ from server.protocol import (AllowedToolsChoice, BatchCreateRequest, ChatComplet
                              DetokenizeRequest, ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest,
                              TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
-from server.responses import ResponsesWire, chat_request, input_messages, items_page, responses_error
+from server.listing import items_page
+from server.responses import ResponsesWire, chat_request, input_messages, responses_error
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
 from server.errors import APIError
 from server.middleware import TRUSTED_OWNERS, owner_of
-from server.responses import items_page
+from server.listing import items_page
 from server.state_file import StateFile
 
 log = logging.getLogger("jaxserve.server")

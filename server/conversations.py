@@ -21,7 +21,8 @@ from typing import Callable
 from server.errors import APIError
 from server.protocol import ResponseInputItem
 from server.response_store import ResponseStore, StoredResponse
-from server.responses import input_items, item_messages, items_page
+from server.listing import items_page
+from server.responses import input_items, item_messages
 
 log = logging.getLogger("jaxserve.server")
 
@@ -90,7 +91,7 @@ class Conversations:
                 "has_more": False}
 
     def items(self, conversation_id: str, owner: str, limit: int, order: str, after: str | None) -> dict:
-        """A page of the conversation's items (``responses.items_page``)."""
+        """A page of the conversation's items (``listing.items_page``)."""
         return items_page(self.get(conversation_id, owner).input_items, limit, order, after,
                           f"conversation {conversation_id!r}")
 

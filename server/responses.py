@@ -113,25 +113,6 @@ def input_items(given: str | list[ResponseInputItem]) -> list[dict]:
     return items
 
 
-def items_page(items: list[dict], limit: int, order: str, after: str | None, where: str) -> dict:
-    """A page of ``items`` (each with an ``id``) as the API lists them: ``limit`` (1-100) of
-    them, ``order`` "asc" (as added) or "desc" (last first), after the item ``after``;
-    bad values are 400s naming the parameter (``where``: the list's owner, for the message)."""
-    if not 1 <= limit <= 100:
-        raise APIError(400, f"limit: must be in [1, 100], got {limit}", param="limit")
-    if order not in ("asc", "desc"):
-        raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
-    items = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), None)
-        if start is None:
-            raise APIError(400, f"after: no item {after!r} in {where}", param="after")
-    page = items[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
-
-
 def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict]) -> ChatCompletionRequest:
     """The chat completions request ``body`` amounts to after ``history`` (the stored
     conversation of its previous response, or its conversation's items) with ``added``

@@ -12,6 +12,7 @@ The replica-kill test runs last: it kills ``replica-1``'s actor.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -262,6 +263,60 @@ def test_responses_api_follow_up_and_retrieval_reach_the_storing_replica(cluster
     assert items.headers["x-request-id"] and "," not in items.headers["x-request-id"]
     traced = httpx.get(url + f"/v1/responses/{first.json()['id']}", timeout=60, headers={"x-request-id": "trace-9"})
     assert traced.headers["x-request-id"] == "trace-9" and traced.headers["x-jaxserve-replica"] == replica
+
+
+def _upload_to(app: str, replica: str, name: str, data: bytes) -> str:
+    """Upload ``data`` as a batch file to ``replica`` of ``app`` itself (its Ray Serve
+    deployment, past the front, which learns of the file only when asked for it); its file id."""
+    from ray import serve
+
+    request = httpx.Request("POST", "http://replica/v1/files", data={"purpose": "batch"}, files={"file": (name, data)},
+                            headers={"authorization": "Bearer none"})   # (the key the test's clients send: its owner)
+    head, *chunks = serve.get_deployment_handle(replica, app_name=app).options(stream=True).handle.remote(
+        "POST", "/v1/files", b"", list(request.headers.items()), request.read())
+    assert head["status"] == 200, chunks
+    return json.loads(b"".join(chunks))["id"]
+
+
+def test_files_and_batches_on_both_replicas_list_as_one(cluster):
+    """``GET /v1/files`` and ``GET /v1/batches`` through the front list every replica's (a
+    file lives where it was uploaded, a batch where its input file is), paged as one server
+    pages them: the official client's auto-paging sees them all, ``limit``/``after`` walk
+    the merged list, bad values are the server's 400s."""
+    url = cluster["dp"]
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    files = {replica: _upload_to("dp", replica, f"{replica}.jsonl", (json.dumps(line) + "\n").encode())
+             for replica in ("replica-0", "replica-1")}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    # (the front has not seen these files: each batch is asked of the other replica after a 404)
+    batches = {replica: client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                              completion_window="24h").id for replica, file_id in files.items()}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(client.batches.retrieve(b).status != "completed"
+                                              for b in batches.values()):
+        time.sleep(0.5)
+    outputs = {client.batches.retrieve(b).output_file_id for b in batches.values()}
+    assert None not in outputs
+    listed = [f.id for f in client.files.list(limit=1)]   # (auto-paging: one file a page)
+    assert set(files.values()) | outputs <= set(listed) and len(listed) == len(set(listed))
+    key = {"authorization": "Bearer none"}
+    page = httpx.get(url + "/v1/files", params={"order": "asc", "limit": 100}, headers=key, timeout=60)
+    assert page.headers["x-jaxserve-replica"] == "replica-0,replica-1"
+    assert [f["id"] for f in page.json()["data"]] == listed[::-1] and not page.json()["has_more"]
+    assert [b.id for b in client.batches.list()][:2] in (list(batches.values()), list(batches.values())[::-1])
+    walked, after = [], None
+    while True:
+        got = httpx.get(url + "/v1/batches", params={"limit": 1, **({"after": after} if after else {})},
+                        headers=key, timeout=60).json()
+        walked += [b["id"] for b in got["data"]]
+        if not got["has_more"]:
+            break
+        after = got["last_id"]
+    assert set(batches.values()) <= set(walked) and len(walked) == len(set(walked))
+    for params, param in (({"limit": 0}, "limit"), ({"after": "file-nope"}, "after"), ({"order": "up"}, "order")):
+        bad = httpx.get(url + "/v1/files", params=params, headers=key, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
 
 
 def _replica_actor(app: str, replica: str):

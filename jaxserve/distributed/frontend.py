@@ -5,15 +5,19 @@ replica, which serves it with the single server's app (same routes, errors,
 auth); the replica is picked by ``routing.ReplicaRouter`` from hints read in
 the body. ``/health`` asks every replica; ``/metrics`` merges the replicas'
 metrics, each sample labelled ``replica="<name>"``, with the front's own
-(replicas up, routing decisions). A replica that fails before its response
+(replicas up, routing decisions); ``GET /v1/files`` and ``GET /v1/batches``
+merge the lists of every replica up (a file lives on the replica it was
+uploaded to, a batch on its input file's) into one, paged as one server pages it. A replica that fails before its response
 started gives a 503 JSON error body; one that fails while streaming ends the
 stream with an SSE error event, as the single server does for in-band errors.
 """
 
 import asyncio
+import heapq
 import json
 import logging
 import re
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.distributed.replica import REPLICA_HEADER
 from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints, stored_state
+from server.errors import APIError
+from server.listing import items_page
 
 log = logging.getLogger("jaxserve.distributed")
 
@@ -40,6 +46,9 @@ _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_
 # a stored response's, a conversation's, a file's (a batch's output files' too), a batch's
 _STORED_ID = re.compile(r'"(?:id|output_file_id|error_file_id)":\s*'
                         r'"((?:resp|conv|batch)_[A-Za-z0-9]+|file-[A-Za-z0-9]+)"')
+# lists merged over the replicas: path -> (what the list is, in error messages; whether it takes ``order``)
+_MERGED_LISTS = {"/v1/files": ("your files", True), "/v1/batches": ("your batches", False)}
+_PAGE = 100   # items per page asked of a replica while merging (the most a list route gives)
 _HELD_PATH = re.compile(r"^/v1/(?:files|batches)/([^/]+)(/content|/cancel)?$")   # a file's or a batch's routes
 # (Ray Serve's proxy sets ``x-request-id`` itself: the client's own id, or a new one, which it also passes
 # on in the request, so the replica answers and logs the same id)
@@ -181,10 +190,12 @@ class Frontend:
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
+        if request.method == "GET" and path in _MERGED_LISTS:
+            return await self.merged_list(request, path)
         lower = {k.lower(): v for k, v in request.headers.items()}
         hints = await asyncio.to_thread(self._hints, path, request.method, lower, body)   # tokenizes
         try:
-            replica, _ = self.router.choose(hints)
+            replica, reason = self.router.choose(hints)
         except RuntimeError:
             return _error(503, "no replica is up; retry later", "no_replica")
         self.router.routed(replica, hints)
@@ -228,6 +239,11 @@ class Frontend:
             finally:
                 release()
             content = b"".join(chunks)
+            if head["status"] == 404 and hints.stored_response is not None and reason != "stored":
+                found = await self._ask_others(replica, hints.stored_response, request.method, path,
+                                               request.url.query.encode(), headers, body)
+                if found is not None:
+                    return found
             if not path.endswith("/content"):   # (a file's content is the client's data, not this replica's state)
                 self._note_tool_calls(replica, content)
             return Response(content, status_code=head["status"], headers=out_headers)
@@ -259,6 +275,102 @@ class Frontend:
             release()
 
         return _RelayResponse(relay(), close, status_code=head["status"], headers=out_headers)
+
+    async def _ask_others(self, asked: str, held_id: str, method: str, path: str, query: bytes, headers: list,
+                          body: bytes) -> Response | None:
+        """A request naming stored state (``held_id``: a response, conversation, file or
+        batch) whose holder the router does not know (this front restarted, or the
+        state was made past it) that ``asked`` answered 404: put it to the other
+        replicas up in turn; the first answer but a 404 is the answer, and its replica
+        is remembered as ``held_id``'s holder. None when every one answers 404 (the
+        first 404 stands). A 404 did nothing, so asking again is safe."""
+        for replica in [r for r in self.router.replicas if r != asked and self.router.alive[r]]:
+            self.router.routed(replica, RoutingHints())
+            try:
+                answer = await self._call(replica, method, path, query, headers, body)
+            finally:
+                self.router.finished(replica)
+            if isinstance(answer, Response):
+                continue   # (it failed: the 404 stands unless another has it)
+            status, out_headers, content = answer
+            if status == 404:
+                continue
+            self.router.stored(replica, [held_id])
+            if not path.endswith("/content"):
+                self._note_tool_calls(replica, content)
+            return Response(content, status_code=status, headers=out_headers)
+        return None
+
+    async def merged_list(self, request: Request, path: str) -> Response:
+        """``GET /v1/files`` or ``/v1/batches`` over every replica up: each one's whole list
+        (the caller's, by its own key), merged by ``created_at`` (a replica's own order kept
+        within a second) and paged with the caller's ``limit``, ``order`` and ``after``, as
+        one server pages its list. The caller's query (but ``after``, an item maybe held
+        elsewhere) is first put to one replica: a refusal (a bad key, a bad ``limit``) is
+        answered as that replica gave it."""
+        where, takes_order = _MERGED_LISTS[path]
+        up = [r for r in self.router.replicas if self.router.alive[r]]
+        if not up:
+            return _error(503, "no replica is up; retry later", "no_replica")
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+        params = dict(request.query_params)
+        probe = await self._listing(up[0], path, {k: v for k, v in params.items() if k != "after"}, headers)
+        if isinstance(probe, Response):
+            return probe
+        fixed = {k: v for k, v in params.items() if k not in ("after", "limit", "order")}
+        lists = await asyncio.gather(*(self._whole_list(r, path, fixed, takes_order, headers) for r in up))
+        for answer in lists:
+            if isinstance(answer, Response):
+                return answer
+        items = list(heapq.merge(*lists, key=lambda item: item.get("created_at") or 0))
+        default_limit, default_order = (100, "desc") if takes_order else (20, "desc")
+        try:
+            page = items_page(items, int(params.get("limit", default_limit)), params.get("order", default_order)
+                              if takes_order else default_order, params.get("after"), where)
+        except APIError as e:
+            body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+            return JSONResponse(body, status_code=e.status, headers={REPLICA_HEADER: ",".join(up)})
+        return JSONResponse(page, headers={REPLICA_HEADER: ",".join(up)})
+
+    async def _whole_list(self, replica: str, path: str, query: dict, takes_order: bool,
+                          headers: list) -> list[dict] | Response:
+        """Every item of ``replica``'s list at ``path``, oldest first (a refusal: its answer)."""
+        items, after = [], None
+        while True:
+            page = await self._listing(replica, path, {**query, "limit": str(_PAGE),
+                                                    **({"order": "asc"} if takes_order else {}),
+                                                    **({"after": after} if after else {})}, headers)
+            if isinstance(page, Response):
+                return page
+            items += page["data"]
+            if not page["has_more"] or not page["data"]:
+                return items if takes_order else items[::-1]   # (batches list newest first)
+            after = page["last_id"]
+
+    async def _listing(self, replica: str, path: str, query: dict, headers: list) -> dict | Response:
+        """``GET path?query`` on ``replica``: its JSON body when it answers 200, else its
+        answer as a response (a replica that fails: a 503)."""
+        answer = await self._call(replica, "GET", path, urlencode(query).encode(), headers, b"")
+        if isinstance(answer, Response):
+            return answer
+        status, out_headers, content = answer
+        if status != 200:
+            return Response(content, status_code=status, headers=out_headers)
+        return json.loads(content)
+
+    async def _call(self, replica: str, method: str, path: str, query: bytes, headers: list,
+                    body: bytes) -> tuple[int, dict, bytes] | Response:
+        """One whole (not streamed) answer of ``replica``: ``(status, headers, body)``, or
+        a 503 response when the replica fails."""
+        try:
+            stream = self.handles[replica].options(stream=True).handle.remote(method, path, query, headers, body)
+            head = await stream.__anext__()
+            content = b"".join([chunk async for chunk in stream])
+        except Exception as e:  # noqa: BLE001 - the replica died or failed while answering
+            log.warning("replica %s failed while serving %s %s: %s", replica, method, path, e)
+            return _error(503, f"replica {replica} failed while serving this request ({type(e).__name__}); retry",
+                          "replica_failed", replica)
+        return head["status"], {k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS}, content
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
         conversation = _CONVERSATION_PATH.match(path)
