@@ -130,6 +130,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "query tokens per engine step (default: 512; in the simulator, the profile's)"))
     max_num_seqs: int = field(default=256, metadata=_flag("requests per engine step"))
+    priority_aging_s: float | None = field(default=None, metadata=_flag(
+        "move a request waiting in the queue in a priority class above 0 one class lower each time it has "
+        "waited this many seconds there (so batch work, class 1 on the server, is not starved by a sustained "
+        "interactive load; default: off, strict classes as vLLM's)"))
     swap_budget_tokens: int | None = field(default=None, metadata=_flag(
         "KV tokens copied host<->device per step (default: max_num_batched_tokens; in the simulator, "
         "what one full step hides)"))
@@ -232,6 +236,9 @@ class EngineConfig:
         if isinstance(self.prefix_retention_s, bool) or not isinstance(self.prefix_retention_s, (int, float)) \
                 or not 0 <= self.prefix_retention_s < float("inf"):
             raise ValueError(f"prefix_retention_s must be a finite number >= 0, got {self.prefix_retention_s!r}")
+        if self.priority_aging_s is not None and (isinstance(self.priority_aging_s, bool) or not isinstance(
+                self.priority_aging_s, (int, float)) or not 0 < self.priority_aging_s < float("inf")):
+            raise ValueError(f"priority_aging_s must be a finite number > 0, got {self.priority_aging_s!r}")
         if isinstance(self.compilation_cache_max_gb, bool) or not isinstance(self.compilation_cache_max_gb, (int, float)) \
                 or not 0 < self.compilation_cache_max_gb < float("inf"):
             raise ValueError(f"compilation_cache_max_gb must be a number > 0, got {self.compilation_cache_max_gb!r}")

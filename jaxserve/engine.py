@@ -109,6 +109,8 @@ class LLMEngine:
                                     prefix_cache_key=f"{self.model_dir.resolve()}|{config.dtype}|"
                                                      f"{config.load_format}|{config.seed}",
                                     prefix_retention_s=float(config.prefix_retention_s),
+                                    priority_aging_s=None if config.priority_aging_s is None
+                                    else float(config.priority_aging_s),
                                     # the host tier's copies are not on the multi-host wire
                                     host_cache=config.num_processes == 1)
         predictor = make_predictor(config.predictor, config.seed)

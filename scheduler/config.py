@@ -35,6 +35,9 @@ class SchedulerConfig:
     prefix_retention_s: float = 30.0    # eviction bonus (s) of the context of a request inside an API call
     host_cache: bool = True             # cached pages evicted from the device go to the host pool (when it has
     #                                     pages; Swap's pages come first there): the prefix cache's host tier
+    priority_aging_s: float | None = None   # a request waiting in the queue in a class above 0 moves one
+    #                                         class lower each time it has waited this many seconds there
+    #                                         (since it entered the queue or last moved; None: strict classes)
 
     def __post_init__(self) -> None:
         if self.token_budget not in TOKEN_BUDGET_MODES:
@@ -48,3 +51,6 @@ class SchedulerConfig:
             raise ValueError("swap_budget_tokens must be > 0")
         if not self.prefix_retention_s >= 0:
             raise ValueError("prefix_retention_s must be >= 0")
+        if self.priority_aging_s is not None and (isinstance(self.priority_aging_s, bool)
+                                                  or not 0 < self.priority_aging_s < float("inf")):
+            raise ValueError(f"priority_aging_s must be a finite number > 0 or None, got {self.priority_aging_s!r}")

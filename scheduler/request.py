@@ -102,6 +102,7 @@ class Request:
     # Priority class: a lower value is admitted first and preempted last; the policy ranks
     # requests within a class (``Scheduler._rank_key``). 0 unless the caller sets one.
     priority: int = 0
+    priority_aged: int = 0   # classes aging took off ``priority`` while it waited (``SchedulerConfig.priority_aging_s``)
     # Predictions used by ranking policies (keys such as "output_len", "api_duration_s").
     predictions: dict = field(default_factory=dict)
     # Token ids: the whole context (prompt + generated + API-returned); empty in the simulator.

@@ -78,6 +78,11 @@ class Scheduler:
         self._ranked = RankedQueue()            # ``waiting`` in admission order (``_rank_key``)
         self._classed = 0                       # live requests of a priority class other than 0
         self.classes_in_use = False             # whether there are any (``_count_class``)
+        # Aging (``config.priority_aging_s``): (due time, seq, request) of each waiting request above
+        # class 0, a min-heap; an entry is current while ``_aging_due`` maps its request to its time.
+        self._aging: list[tuple[float, int, Request]] = []
+        self._aging_due: dict[str, float] = {}
+        self._aging_seq = itertools.count()
         # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
         # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
         self._resume_pending: dict[str, Request] = {}
@@ -187,6 +192,31 @@ class Scheduler:
         request.priority = priority
         if request in self._ranked:
             self._ranked.add(request, self._rank_key(request, self.now))
+            self._age_later(request, self.now)
+
+    def _age_later(self, request: Request, since: float) -> None:
+        """With aging on, file waiting ``request`` to move one class lower ``priority_aging_s``
+        after ``since`` if it is above class 0 (replacing what was filed for it)."""
+        aging_s = self.config.priority_aging_s
+        if aging_s is None:
+            return
+        if request.priority <= 0:
+            self._aging_due.pop(request.request_id, None)
+            return
+        due = since + aging_s
+        self._aging_due[request.request_id] = due
+        heapq.heappush(self._aging, (due, next(self._aging_seq), request))
+
+    def _age(self, now: float) -> None:
+        """Move each waiting request whose aging time has come one class lower (``set_priority``:
+        re-filed in the queue; its next move is filed while it is above class 0)."""
+        aging, due_of = self._aging, self._aging_due
+        while aging and aging[0][0] <= now:
+            due, _, request = heapq.heappop(aging)
+            if due_of.get(request.request_id) != due:
+                continue   # (ended, or filed again since)
+            request.priority_aged += 1
+            self.set_priority(request, request.priority - 1)   # (files its next move, from now)
 
     def _count_class(self, change: int) -> None:
         """Live requests of a class other than 0 changed by ``change``: while there are
@@ -198,6 +228,7 @@ class Scheduler:
         """End ``request`` (``reason``: "stop", "length", "abort", …) and free all its pages."""
         if self.requests.pop(request.request_id, None) is not None and request.priority:
             self._count_class(-1)
+            self._aging_due.pop(request.request_id, None)
         self._resume_pending.pop(request.request_id, None)
         in_call = self.paused.pop(request.request_id, None) is not None
         if request in self.waiting:
@@ -228,6 +259,7 @@ class Scheduler:
         self.kv.hold_waiting(request)
         self.policy.on_enqueue(request, now, self.iteration)
         self._ranked.add(request, self._rank_key(request, now))
+        self._age_later(request, now)   # (its wait for aging starts: in the queue only)
 
     def _rank_key(self, request: Request, now: float) -> tuple:
         """The waiting queue's key of ``request``: its priority class first (lower is
@@ -237,6 +269,8 @@ class Scheduler:
     def _dequeue(self, request: Request) -> None:
         self.waiting.remove(request)
         self._ranked.remove(request)
+        if self._aging_due:
+            self._aging_due.pop(request.request_id, None)   # (aging counts waiting in the queue only)
         self.kv.release(request)
         self.policy.on_dequeue(request, self.iteration)
 
@@ -396,6 +430,8 @@ class Scheduler:
     def _policy_step(self, now: float) -> None:
         """Start-of-step policy work: re-rank stale keys, then re-decide paused calls."""
         policy, ranked = self.policy, self._ranked
+        if self._aging and self._aging[0][0] <= now:
+            self._age(now)
         if policy.rescore_due(self.iteration):
             requests = ranked.ordered()
             policy.on_rescore(requests, now, self.view())

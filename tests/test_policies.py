@@ -506,6 +506,62 @@ def test_a_priority_class_is_admitted_before_the_policys_order(name):
     assert admitted == ["urgent", "early", "later", "flex"]
 
 
+@pytest.mark.parametrize("aging_s", [None, 0.5])
+def test_aging_moves_starved_classes_lower_until_they_run(aging_s):
+    """One seat, a new class-0 request every step (each needs a few): strict classes never
+    admit the class-1 and class-2 requests waiting since 0; with ``priority_aging_s`` the
+    class-1 one reaches class 0 at 0.5 s and, first by arrival there (fcfs), runs next; the
+    class-2 one a step of 0.5 s later. The replay's metrics keep the class each arrived in."""
+    from jaxserve.replay.metrics import request_metrics
+
+    sched = make_scheduler("fcfs", seqs=1, priority_aging_s=aging_s)
+    batch = Request("batch", 0.0, prompt_len=4, max_tokens=2, priority=1)
+    bulk = Request("bulk", 0.0, prompt_len=4, max_tokens=2, priority=2)
+    sched.add_request(batch, 0.0)
+    sched.add_request(bulk, 0.0)
+    started, now = {}, 0.0
+    for i in range(200):   # 2 s
+        sched.add_request(Request(f"i{i}", now, prompt_len=4, max_tokens=3), now)
+        plan = step(sched, now)
+        for chunk in plan.chunks:
+            started.setdefault(chunk.request.request_id, now)
+        now += 0.01
+    if aging_s is None:
+        assert "batch" not in started and "bulk" not in started
+        assert (batch.priority, bulk.priority, batch.priority_aged) == (1, 2, 0)
+        return
+    assert 0.5 <= started["batch"] < 0.6 and 1.0 <= started["bulk"] < 1.1
+    assert (batch.priority, batch.priority_aged, bulk.priority, bulk.priority_aged) == (0, 1, 0, 2)
+    assert not sched.classes_in_use   # (all in class 0 now: the simulator's decode runs may resume)
+    sched.check_invariants()
+    assert request_metrics(bulk).priority == 2
+
+
+def test_a_request_moved_up_by_aging_is_a_member_of_its_new_class():
+    """A class-1 request aged to class 0 takes the only seat from the class-1 request
+    holding it, as a request arriving in class 0 would, in the step it moves."""
+    sched = make_scheduler("fcfs", seqs=1, priority_aging_s=0.2)
+    holder = Request("holder", 0.0, prompt_len=4, max_tokens=100, priority=1)
+    aged = Request("aged", 0.0, prompt_len=4, max_tokens=2, priority=1)
+    sched.add_request(holder, 0.0)
+    sched.add_request(aged, 0.0)
+    now, plan = 0.0, None
+    while not (plan and plan.preempted):
+        plan = step(sched, now)
+        now += 0.01
+    assert 0.2 <= now - 0.01 < 0.21 and plan.preempted == [holder]
+    assert [c.request for c in plan.chunks] == [aged] and (aged.priority, aged.priority_aged) == (0, 1)
+
+
+def test_priority_aging_is_validated():
+    from jaxserve.config import EngineConfig
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="priority_aging_s"):
+            EngineConfig(priority_aging_s=bad)
+        with pytest.raises(ValueError, match="priority_aging_s"):
+            SchedulerConfig(priority_aging_s=bad)
+
+
 def test_preemption_takes_the_lowest_priority_class_first():
     """Out of pages, the victim is the running request in the lowest class (``low``,
     ranked ahead of ``late`` by fcfs), not fcfs's own choice (the latest arrival)."""

@@ -199,7 +199,7 @@ def build_config(args: argparse.Namespace):
                     max_num_seqs=engine.max_num_seqs, swap_budget_tokens=engine.swap_budget_tokens,
                     handling=Handling.parse(engine.handling), check_invariants=engine.check_invariants,
                     step_model=args.step_model, step_time_scale=args.step_time_scale,
-                    prefill_decode_split=args.prefill_decode_split)
+                    prefill_decode_split=args.prefill_decode_split, priority_aging_s=engine.priority_aging_s)
     return engine, ReplayConfig(policies=policies, rates=rates, arrival=args.arrival,
                                 cv=DEFAULT_CV if args.cv is None else args.cv, num_requests=num,
                         duration_s=duration, seed=args.seed, predictor=engine.predictor,

@@ -51,7 +51,7 @@ class RequestMetrics:
     preemptions: int
     handlings: tuple[str, ...]
     fallbacks: int
-    priority: int = 0
+    priority: int = 0   # the class it arrived in (aging may have moved it lower since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,8 @@ def request_metrics(r: Request, kind: str | None = None) -> RequestMetrics:
     handlings = tuple(c.handling.value for c in r.api_calls)
     fallbacks = sum(1 for c in r.api_calls if c.fell_back_from is not None)
     return RequestMetrics(r.request_id, kind, completed, r.arrival_time, e2e, ttft, queueing, api_s,
-                          norm, tpot, gen, len(r.api_calls), r.num_preemptions, handlings, fallbacks, r.priority)
+                          norm, tpot, gen, len(r.api_calls), r.num_preemptions, handlings, fallbacks,
+                          r.priority + r.priority_aged)
 
 
 def _stats(values: Sequence[float], prefix: str, out: dict, p50: bool = True) -> None:

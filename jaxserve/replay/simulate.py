@@ -53,6 +53,7 @@ class SimConfig:
     # in re-send mode, a Mooncake trace's hash_ids.
     enable_prefix_caching: bool = False
     host_cache: bool = True   # the cache's host tier in the host pool (SchedulerConfig.host_cache)
+    priority_aging_s: float | None = None   # SchedulerConfig.priority_aging_s (None: strict classes)
 
     def resolve(self, cost: CostModel) -> "SimConfig":
         """A copy with every ``None`` sized from ``cost``."""
@@ -84,7 +85,8 @@ def build_scheduler(cost: CostModel, policy: Policy, config: SimConfig) -> Sched
     sched_config = SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens,
                                    max_num_seqs=c.max_num_seqs,
                                    swap_budget_tokens=c.swap_budget_tokens, handling=c.handling,
-                                   enable_prefix_caching=c.enable_prefix_caching, host_cache=c.host_cache)
+                                   enable_prefix_caching=c.enable_prefix_caching, host_cache=c.host_cache,
+                                   priority_aging_s=c.priority_aging_s)
     return Scheduler(sched_config, policy, PageAllocator(c.num_device_pages, c.page_size, "device"),
                      PageAllocator(c.num_host_pages, c.page_size, "host"), cost)
 
