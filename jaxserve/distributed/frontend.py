@@ -22,6 +22,7 @@ from urllib.parse import urlencode
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import TypeAdapter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,6 +50,7 @@ _STORED_ID = re.compile(r'"(?:id|output_file_id|error_file_id)":\s*'
 # lists merged over the replicas: path -> (what the list is, in error messages; whether it takes ``order``)
 _MERGED_LISTS = {"/v1/files": ("your files", True), "/v1/batches": ("your batches", False)}
 _PAGE = 100   # items per page asked of a replica while merging (the most a list route gives)
+_INT = TypeAdapter(int)   # a query's integer as the replicas' FastAPI reads it ("1.0" is 1)
 _HELD_PATH = re.compile(r"^/v1/(?:files|batches)/([^/]+)(/content|/cancel)?$")   # a file's or a batch's routes
 # (Ray Serve's proxy sets ``x-request-id`` itself: the client's own id, or a new one, which it also passes
 # on in the request, so the replica answers and logs the same id)
@@ -323,10 +325,10 @@ class Frontend:
             if isinstance(answer, Response):
                 return answer
         items = list(heapq.merge(*lists, key=lambda item: item.get("created_at") or 0))
-        default_limit, default_order = (100, "desc") if takes_order else (20, "desc")
+        limit = _INT.validate_python(params.get("limit", 100 if takes_order else 20))   # (the probe took it)
+        order = params.get("order", "desc") if takes_order else "desc"   # (batches list newest first)
         try:
-            page = items_page(items, int(params.get("limit", default_limit)), params.get("order", default_order)
-                              if takes_order else default_order, params.get("after"), where)
+            page = items_page(items, limit, order, params.get("after"), where)
         except APIError as e:
             body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
             return JSONResponse(body, status_code=e.status, headers={REPLICA_HEADER: ",".join(up)})
