@@ -78,10 +78,11 @@ class Scheduler:
         self._ranked = RankedQueue()            # ``waiting`` in admission order (``_rank_key``)
         self._classed = 0                       # live requests of a priority class other than 0
         self.classes_in_use = False             # whether there are any (``_count_class``)
-        # Aging (``config.priority_aging_s``): (due time, seq, request) of each waiting request above
-        # class 0, a min-heap; an entry is current while ``_aging_due`` maps its request to its time.
-        self._aging: list[tuple[float, int, Request]] = []
-        self._aging_due: dict[str, float] = {}
+        # Aging (``config.priority_aging_s``): (due time, seq, request id) of each waiting request
+        # above class 0, a min-heap; an entry is current while ``_aging_due`` maps its id to its seq
+        # (stale ones are skipped when they come due, or dropped when they outnumber current ones).
+        self._aging: list[tuple[float, int, str]] = []
+        self._aging_due: dict[str, int] = {}
         self._aging_seq = itertools.count()
         # Back from an API call straight into ``running`` (Preserve resumed, swap-in done), not yet
         # given a chunk: the first step that runs it marks its call resumed (see _schedule_running).
@@ -203,18 +204,23 @@ class Scheduler:
         if request.priority <= 0:
             self._aging_due.pop(request.request_id, None)
             return
-        due = since + aging_s
-        self._aging_due[request.request_id] = due
-        heapq.heappush(self._aging, (due, next(self._aging_seq), request))
+        seq = next(self._aging_seq)
+        self._aging_due[request.request_id] = seq
+        heapq.heappush(self._aging, (since + aging_s, seq, request.request_id))
+        if len(self._aging) > 2 * len(self._aging_due) + 64:   # (mostly stale: requests admitted, ended)
+            due_of = self._aging_due
+            self._aging = [entry for entry in self._aging if due_of.get(entry[2]) == entry[1]]
+            heapq.heapify(self._aging)
 
     def _age(self, now: float) -> None:
         """Move each waiting request whose aging time has come one class lower (``set_priority``:
         re-filed in the queue; its next move is filed while it is above class 0)."""
-        aging, due_of = self._aging, self._aging_due
-        while aging and aging[0][0] <= now:
-            due, _, request = heapq.heappop(aging)
-            if due_of.get(request.request_id) != due:
-                continue   # (ended, or filed again since)
+        due_of = self._aging_due
+        while self._aging and self._aging[0][0] <= now:
+            _, seq, request_id = heapq.heappop(self._aging)
+            if due_of.get(request_id) != seq:
+                continue   # (admitted, ended, or filed again since)
+            request = self.requests[request_id]
             request.priority_aged += 1
             self.set_priority(request, request.priority - 1)   # (files its next move, from now)
 
@@ -993,3 +999,7 @@ class Scheduler:
                 f"{r.request_id}: decoding with {r.num_uncomputed_tokens} tokens to compute"
             assert r in self._page_due or not self.kv.pages_needed(r, 1), \
                 f"{r.request_id}: its next token needs a page and it is not due one"
+        assert self._classed == sum(1 for r in live if r.priority), "class count out of step"
+        if self.config.priority_aging_s is not None:
+            assert set(self._aging_due) == {r.request_id for r in self.waiting if r.priority > 0}, \
+                "aging filed for other requests than the waiting ones above class 0"

@@ -20,6 +20,10 @@ client's ``files`` and ``batches``).
   exists once it has a line. ``request_counts`` follows the run.
 - ``POST /v1/batches/{id}/cancel`` stops it: ``cancelling``, then ``cancelled`` with
   the files of what had ended.
+- It has its ``completion_window`` (24 hours) from creation (``expires_at``): then
+  its lines in flight are cancelled, those not answered go to the error file as
+  ``batch_expired``, and it ends ``expired`` (also at once when resumed after a
+  restart past its window).
 
 Files and batches are kept in memory, per API key (a key sees only its own), within
 ``max_bytes`` of file content. With the server's state file (``--response-store``,
@@ -335,19 +339,18 @@ class Batches:
                 requests = [r for r in requests if r.custom_id not in done]
             if job.status != "in_progress":
                 self._become(job, "in_progress")
-            if job.expires_at <= time.time():
-                raise TimeoutError   # (resumed after its window: no line is served)
-            async with asyncio.timeout(job.expires_at - time.time()):
-                await run_batch(self.app, requests, write, self.concurrency, gate=self._gate,
-                                scope_extra={TRUSTED_OWNERS: job.owners})
-        except TimeoutError:   # (the window ended: the lines in flight were cancelled, as by ``cancel``)
-            done = {json.loads(line)["custom_id"] for line in outputs + errors}
-            for request in requests:
-                if request.custom_id not in done:
-                    write(_expired(request))
-            log.warning("batch %s expired: %d of its %d lines not answered in its %s window", job.id,
-                        job.total - len(done), job.total, job.completion_window)
-            self._finish(job, outputs, errors, "expired")
+            if job.expires_at > time.time():   # (else resumed after its window: no line is served)
+                window = asyncio.timeout(job.expires_at - time.time())
+                try:
+                    async with window:
+                        await run_batch(self.app, requests, write, self.concurrency, gate=self._gate,
+                                        scope_extra={TRUSTED_OWNERS: job.owners})
+                except TimeoutError:
+                    if not window.expired():
+                        raise   # (not the window's: a failure like any other)
+            if job.expires_at <= time.time():   # (the lines in flight at its end were cancelled, as by ``cancel``)
+                self._expire(job, requests, outputs, errors)
+                return
         except asyncio.CancelledError:
             if not (self._stopping and self._state is not None):   # (else it runs on after the restart)
                 self._finish(job, outputs, errors, "cancelled")
@@ -360,6 +363,18 @@ class Batches:
         else:
             job.become("finalizing")
             self._finish(job, outputs, errors, "completed")
+
+    def _expire(self, job: BatchJob, requests: list[BatchRequest], outputs: list[bytes],
+                errors: list[bytes]) -> None:
+        """End ``job`` ``expired``: each of ``requests`` not answered goes to the error file as
+        ``batch_expired`` (straight into it: ``_finish`` stores it in one transaction)."""
+        done = {json.loads(line)["custom_id"] for line in outputs + errors}
+        late = [r for r in requests if r.custom_id not in done]
+        errors += [json.dumps(_expired(r)).encode() + b"\n" for r in late]
+        job.failed_count += len(late)
+        log.warning("batch %s expired: %d of its %d lines not answered in its %s window", job.id, len(late),
+                    job.total, job.completion_window)
+        self._finish(job, outputs, errors, "expired")
 
     def _settle(self, job: BatchJob, task: asyncio.Task) -> None:
         """A batch whose task ended without ending it (cancelled before its first step) ends

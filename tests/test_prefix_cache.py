@@ -618,7 +618,8 @@ def test_simulator_models_the_host_tier_and_charges_its_copies():
 
 
 def run_random_agents(seed: int, policy: str, handling, num_pages: int, seqs: int, budget: int, classes: bool,
-                      cache: bool = True, host_cache: bool = True) -> dict[str, list[int]]:
+                      cache: bool = True, host_cache: bool = True,
+                      priority_aging_s: float | None = None) -> dict[str, list[int]]:
     """40 randomized agent requests (a shared system prompt, tool calls, staggered arrivals,
     priority classes 0-2 when ``classes``) on ``PagedModel``: every step must read back
     exactly each request's own context, the scheduler's invariants must hold, and all must
@@ -626,7 +627,7 @@ def run_random_agents(seed: int, policy: str, handling, num_pages: int, seqs: in
     ps = 4
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, swap_budget_tokens=8,
                                       handling=handling, enable_prefix_caching=cache, host_cache=host_cache,
-                                      max_model_len=num_pages * ps),
+                                      max_model_len=num_pages * ps, priority_aging_s=priority_aging_s),
                       make_policy(policy), PageAllocator(num_pages, ps), PageAllocator(8, ps, "host"), COST)
     model, rng = PagedModel(ps), random.Random(seed)
     system = [rng.randint(3, 99) for _ in range(13)]
@@ -674,11 +675,12 @@ def test_a_completed_swap_in_gets_its_pages_from_an_idle_holder_at_once(seed, po
 @pytest.mark.parametrize("seed", range(40))
 def test_random_agents_answer_the_same_in_one_class_or_three(seed):
     """Random policies, handlings, pools, batch sizes and budgets, with the prefix cache
-    and its host tier on or off: each run reads back only its own KV, and priority
-    classes change when requests run, never what they answer."""
+    and its host tier on or off and classes aging or not: each run reads back only its
+    own KV, and priority classes change when requests run, never what they answer."""
     rng = random.Random(seed * 7)
     settings = dict(policy=rng.choice(["fcfs", "infercept", "sjf", "lamps", "autellix", "continuum"]),
                     handling=rng.choice([None, Handling.PRESERVE, Handling.SWAP, Handling.DISCARD]),
                     cache=rng.random() < 0.7, host_cache=rng.random() < 0.5, num_pages=rng.choice([8, 9, 10, 12]),
-                    seqs=rng.choice([2, 3, 8]), budget=rng.choice([8, 24, 64]))
+                    seqs=rng.choice([2, 3, 8]), budget=rng.choice([8, 24, 64]),
+                    priority_aging_s=rng.choice([None, None, 0.02, 0.1]))
     assert run_random_agents(seed, classes=True, **settings) == run_random_agents(seed, classes=False, **settings)

@@ -200,6 +200,26 @@ class Frontend:
             replica, reason = self.router.choose(hints)
         except RuntimeError:
             return _error(503, "no replica is up; retry later", "no_replica")
+        query, headers = request.url.query.encode(), [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+        asking = [replica]
+        if hints.stored_response is not None and reason != "stored":
+            # Its holder is unknown (this front restarted, or the state was made past it): a 404
+            # did nothing, so the other replicas up are asked in turn, and the holder remembered.
+            asking += [r for r in self.router.replicas if r != replica and self.router.alive[r]]
+        for i, name in enumerate(asking):
+            answer = await self._serve_on(name, hints if i == 0 else RoutingHints(), request.method, path, query,
+                                          headers, body, pass_404=i < len(asking) - 1)
+            if answer is not None:
+                if i > 0 and 200 <= answer.status_code < 300:
+                    self.router.stored(name, [hints.stored_response])
+                return answer
+        raise AssertionError("the last replica asked always answers")   # (pass_404 is off for it)
+
+    async def _serve_on(self, replica: str, hints: RoutingHints, method: str, path: str, query: bytes,
+                        headers: list, body: bytes, pass_404: bool) -> Response | None:
+        """The request served by ``replica``: its whole answer, or its stream relayed as it
+        comes; a 503 JSON body when it fails before answering. ``pass_404``: None instead of
+        a 404 answer (another replica is asked)."""
         self.router.routed(replica, hints)
         released = False
 
@@ -209,11 +229,9 @@ class Frontend:
                 released = True
                 self.router.finished(replica)
 
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
         stream = None
         try:
-            stream = self.handles[replica].options(stream=True).handle.remote(
-                request.method, path, request.url.query.encode(), headers, body)
+            stream = self.handles[replica].options(stream=True).handle.remote(method, path, query, headers, body)
             head = await stream.__anext__()
         except asyncio.CancelledError:   # the client left while the replica was starting
             if stream is not None:
@@ -241,11 +259,8 @@ class Frontend:
             finally:
                 release()
             content = b"".join(chunks)
-            if head["status"] == 404 and hints.stored_response is not None and reason != "stored":
-                found = await self._ask_others(replica, hints.stored_response, request.method, path,
-                                               request.url.query.encode(), headers, body)
-                if found is not None:
-                    return found
+            if pass_404 and head["status"] == 404:
+                return None
             if not path.endswith("/content"):   # (a file's content is the client's data, not this replica's state)
                 self._note_tool_calls(replica, content)
             return Response(content, status_code=head["status"], headers=out_headers)
@@ -278,100 +293,89 @@ class Frontend:
 
         return _RelayResponse(relay(), close, status_code=head["status"], headers=out_headers)
 
-    async def _ask_others(self, asked: str, held_id: str, method: str, path: str, query: bytes, headers: list,
-                          body: bytes) -> Response | None:
-        """A request naming stored state (``held_id``: a response, conversation, file or
-        batch) whose holder the router does not know (this front restarted, or the
-        state was made past it) that ``asked`` answered 404: put it to the other
-        replicas up in turn; the first answer but a 404 is the answer, and its replica
-        is remembered as ``held_id``'s holder. None when every one answers 404 (the
-        first 404 stands). A 404 did nothing, so asking again is safe."""
-        for replica in [r for r in self.router.replicas if r != asked and self.router.alive[r]]:
-            self.router.routed(replica, RoutingHints())
-            try:
-                answer = await self._call(replica, method, path, query, headers, body)
-            finally:
-                self.router.finished(replica)
-            if isinstance(answer, Response):
-                continue   # (it failed: the 404 stands unless another has it)
-            status, out_headers, content = answer
-            if status == 404:
-                continue
-            self.router.stored(replica, [held_id])
-            if not path.endswith("/content"):
-                self._note_tool_calls(replica, content)
-            return Response(content, status_code=status, headers=out_headers)
-        return None
-
     async def merged_list(self, request: Request, path: str) -> Response:
         """``GET /v1/files`` or ``/v1/batches`` over every replica up: each one's whole list
         (the caller's, by its own key), merged by ``created_at`` (a replica's own order kept
         within a second) and paged with the caller's ``limit``, ``order`` and ``after``, as
         one server pages its list. The caller's query (but ``after``, an item maybe held
         elsewhere) is first put to one replica: a refusal (a bad key, a bad ``limit``) is
-        answered as that replica gave it."""
+        answered as that replica gave it. A replica that fails is left out (its items with it),
+        and ``x-jaxserve-replica`` names those listed."""
         where, takes_order = _MERGED_LISTS[path]
         up = [r for r in self.router.replicas if self.router.alive[r]]
-        if not up:
-            return _error(503, "no replica is up; retry later", "no_replica")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
         params = dict(request.query_params)
-        probe = await self._listing(up[0], path, {k: v for k, v in params.items() if k != "after"}, headers)
-        if isinstance(probe, Response):
-            return probe
+        probe = None
+        for replica in up:   # (one that fails is passed over)
+            probe = await self._listing(replica, path, {k: v for k, v in params.items() if k != "after"}, headers)
+            if isinstance(probe, Response):
+                return probe
+            if probe is not None:
+                break
+        if probe is None:
+            return _error(503, "no replica is up; retry later", "no_replica")
         fixed = {k: v for k, v in params.items() if k not in ("after", "limit", "order")}
         lists = await asyncio.gather(*(self._whole_list(r, path, fixed, takes_order, headers) for r in up))
         for answer in lists:
             if isinstance(answer, Response):
                 return answer
-        items = list(heapq.merge(*lists, key=lambda item: item.get("created_at") or 0))
+        asked = [name for name, answer in zip(up, lists) if answer is not None]   # (one that failed is left out)
+        items = list(heapq.merge(*[a for a in lists if a is not None], key=lambda item: item.get("created_at") or 0))
         limit = _INT.validate_python(params.get("limit", 100 if takes_order else 20))   # (the probe took it)
         order = params.get("order", "desc") if takes_order else "desc"   # (batches list newest first)
         try:
             page = items_page(items, limit, order, params.get("after"), where)
         except APIError as e:
             body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-            return JSONResponse(body, status_code=e.status, headers={REPLICA_HEADER: ",".join(up)})
-        return JSONResponse(page, headers={REPLICA_HEADER: ",".join(up)})
+            return JSONResponse(body, status_code=e.status, headers={REPLICA_HEADER: ",".join(asked)})
+        return JSONResponse(page, headers={REPLICA_HEADER: ",".join(asked)})
 
     async def _whole_list(self, replica: str, path: str, query: dict, takes_order: bool,
-                          headers: list) -> list[dict] | Response:
-        """Every item of ``replica``'s list at ``path``, oldest first (a refusal: its answer)."""
+                          headers: list) -> list[dict] | Response | None:
+        """Every item of ``replica``'s list at ``path``, oldest first (a refusal: its answer;
+        None when it fails)."""
         items, after = [], None
         while True:
             page = await self._listing(replica, path, {**query, "limit": str(_PAGE),
                                                     **({"order": "asc"} if takes_order else {}),
                                                     **({"after": after} if after else {})}, headers)
-            if isinstance(page, Response):
+            if page is None or isinstance(page, Response):
                 return page
             items += page["data"]
             if not page["has_more"] or not page["data"]:
                 return items if takes_order else items[::-1]   # (batches list newest first)
             after = page["last_id"]
 
-    async def _listing(self, replica: str, path: str, query: dict, headers: list) -> dict | Response:
+    async def _listing(self, replica: str, path: str, query: dict, headers: list) -> dict | Response | None:
         """``GET path?query`` on ``replica``: its JSON body when it answers 200, else its
-        answer as a response (a replica that fails: a 503)."""
+        answer as a response; None when it fails."""
         answer = await self._call(replica, "GET", path, urlencode(query).encode(), headers, b"")
-        if isinstance(answer, Response):
-            return answer
+        if answer is None:
+            return None
         status, out_headers, content = answer
         if status != 200:
             return Response(content, status_code=status, headers=out_headers)
         return json.loads(content)
 
     async def _call(self, replica: str, method: str, path: str, query: bytes, headers: list,
-                    body: bytes) -> tuple[int, dict, bytes] | Response:
-        """One whole (not streamed) answer of ``replica``: ``(status, headers, body)``, or
-        a 503 response when the replica fails."""
+                    body: bytes) -> tuple[int, dict, bytes] | None:
+        """One whole (not streamed) answer of ``replica``: ``(status, headers, body)``; None
+        when the replica fails. Counted in flight on it meanwhile."""
+        self.router.routed(replica, RoutingHints())
+        stream = None
         try:
             stream = self.handles[replica].options(stream=True).handle.remote(method, path, query, headers, body)
             head = await stream.__anext__()
             content = b"".join([chunk async for chunk in stream])
+        except asyncio.CancelledError:   # the client left: the replica's app sees a disconnect
+            if stream is not None:
+                stream.cancel()
+            raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed while answering
             log.warning("replica %s failed while serving %s %s: %s", replica, method, path, e)
-            return _error(503, f"replica {replica} failed while serving this request ({type(e).__name__}); retry",
-                          "replica_failed", replica)
+            return None
+        finally:
+            self.router.finished(replica)
         return head["status"], {k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS}, content
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
