@@ -17,7 +17,8 @@ client's ``files`` and ``batches``).
   OpenAI's batches do; within it the engine's policy ranks them like any request.
 - Output lines (``server.batch.serve_request``'s, OpenAI's format) go to the batch's
   output file when their status is below 400, to its error file otherwise; each file
-  exists once it has a line. ``request_counts`` follows the run.
+  exists once it has a line. ``request_counts`` and ``usage`` (the answered lines'
+  tokens, summed) follow the run.
 - ``POST /v1/batches/{id}/cancel`` stops it: ``cancelling``, then ``cancelled`` with
   the files of what had ended.
 - It has its ``completion_window`` (24 hours) from creation (``expires_at``): then
@@ -145,6 +146,11 @@ class BatchJob:
     total: int = 0
     completed: int = 0
     failed_count: int = 0
+    # tokens of its answered lines, summed (its ``usage``: OpenAI's ``BatchUsage``)
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict] | None = None
@@ -160,6 +166,25 @@ class BatchJob:
     @property
     def ended(self) -> bool:
         return self.status in ENDED
+
+    def count(self, line: dict, bad: bool) -> None:
+        """Count an answered output line: as completed or failed, and the tokens its
+        answer's ``usage`` reports (chat and completions: ``prompt_tokens``...; the
+        Responses API: ``input_tokens``...)."""
+        if bad:
+            self.failed_count += 1
+        else:
+            self.completed += 1
+        body = (line.get("response") or {}).get("body")
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(usage, dict):
+            return
+        given = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        made = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+        self.input_tokens += usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+        self.cached_tokens += given.get("cached_tokens") or 0
+        self.output_tokens += usage.get("completion_tokens", usage.get("output_tokens")) or 0
+        self.reasoning_tokens += made.get("reasoning_tokens") or 0
 
     def record(self) -> str:
         """The job as the state file keeps it: its fields but the task (a running job's
@@ -181,7 +206,12 @@ class BatchJob:
                 "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
                 "created_at": self.created_at, "expires_at": self.expires_at, **times,
                 "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed_count},
-                "usage": None, "metadata": self.metadata}
+                "usage": {"input_tokens": self.input_tokens,
+                          "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                          "output_tokens": self.output_tokens,
+                          "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                          "total_tokens": self.input_tokens + self.output_tokens},
+                "metadata": self.metadata}
 
 
 class Batches:
@@ -231,12 +261,15 @@ class Batches:
             self._start(job, source.data, outputs, errors)
 
     def _answered(self, job: BatchJob) -> tuple[list[bytes], list[bytes]]:
-        """The output and error lines the state file holds for ``job`` (its counts set from them)."""
+        """The output and error lines the state file holds for ``job`` (its counts and usage set
+        from them)."""
         outputs, errors = [], []
+        job.completed = job.failed_count = job.input_tokens = job.cached_tokens = job.output_tokens = 0
+        job.reasoning_tokens = 0
         for bad, line in self._state.rows("SELECT bad, line FROM batch_lines WHERE batch_id = ? ORDER BY rowid",
                                           job.id):
             (errors if bad else outputs).append(line)
-        job.completed, job.failed_count = len(outputs), len(errors)
+            job.count(json.loads(line), bool(bad))
         return outputs, errors
 
     def _become(self, job: BatchJob, status: str) -> None:
@@ -316,10 +349,7 @@ class Batches:
             bad = failed(line) or line["response"]["status_code"] >= 400
             text = json.dumps(line).encode() + b"\n"
             (errors if bad else outputs).append(text)
-            if bad:
-                job.failed_count += 1
-            else:
-                job.completed += 1
+            job.count(line, bad)
             if self._state is not None:
                 self._state.write("INSERT INTO batch_lines (batch_id, bad, line) VALUES (?, ?, ?)", job.id, bad, text)
 

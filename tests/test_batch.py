@@ -172,7 +172,9 @@ def test_batches_on_the_server_share_one_concurrency_limit_and_always_end():
             seen["most"] = max(seen["most"], seen["now"])
             await asyncio.sleep(0.01)
             seen["now"] -= 1
-            return {"choices": []}
+            return {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                                             "prompt_tokens_details": {"cached_tokens": 4},
+                                             "completion_tokens_details": {"reasoning_tokens": 1}}}
 
         files = FileStore()
         batches = Batches(files, "m", concurrency=3)
@@ -184,6 +186,9 @@ def test_batches_on_the_server_share_one_concurrency_limit_and_always_end():
         await asyncio.wait({j.task for j in jobs})
         assert [(j.status, j.completed, j.failed_count) for j in jobs] == [("completed", 10, 0)] * 3
         assert seen["most"] == 3   # all three batches together, not three each
+        assert jobs[0].object()["usage"] == {"input_tokens": 70, "input_tokens_details": {"cached_tokens": 40},
+                                             "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 10},
+                                             "total_tokens": 90}   # (OpenAI's BatchUsage: the lines' sums)
         out = files.get(jobs[0].output_file_id, "me")
         assert out.purpose == "batch_output" and len(out.data.splitlines()) == 10
         early = batches.create("me", None, source.id, "/v1/completions", "24h", None)
@@ -262,8 +267,9 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
                 return
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body",
-                        "body": json.dumps({"choices": [{"text": body["prompt"].upper()}]}).encode()})
+            await send({"type": "http.response.body", "body": json.dumps({
+                "choices": [{"text": body["prompt"].upper()}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()})
         return app
 
     def open_state():
@@ -299,6 +305,8 @@ def test_files_and_a_running_batch_outlive_a_restart_with_a_state_file(tmp_path)
         assert served == [("s2", None, creator)]
         assert b"Bearer creator" not in path.read_bytes() + path.with_name(path.name + "-wal").read_bytes()
         assert (job.status, job.completed, job.failed_count, job.total) == ("completed", 6, 0, 6)
+        usage = job.object()["usage"]   # (the 5 lines answered before the stop read back from the file, then 1)
+        assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (18, 6, 24)
         lines = [json.loads(x) for x in files.get(job.output_file_id, "me").data.splitlines()]
         assert sorted(x["custom_id"] for x in lines) == [f"r{i}" for i in range(6)]
         assert all(x["response"]["body"]["choices"][0]["text"] == f"S{x['custom_id'][1:]}" for x in lines)

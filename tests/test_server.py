@@ -720,6 +720,12 @@ def test_the_batch_api_runs_an_uploaded_file_on_the_server(servers, tools):
         assert x["response"]["body"]["choices"][0]["message"]["content"] == CALC_ANSWER   # the tool ran inside
     [refused] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
     assert refused["custom_id"] == "cold" and refused["response"]["status_code"] == 400
+    usages = [x["response"]["body"]["usage"] for x in done]   # the batch's usage: its answers' summed
+    assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (
+        sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages),
+        sum(u["total_tokens"] for u in usages)) and batch.usage.output_tokens > 0
+    assert batch.usage.input_tokens_details.cached_tokens == sum(
+        (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
     assert client.batches.list().data[0].id == batch.id
     assert upload.id in {f.id for f in client.files.list(purpose="batch").data}
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
