@@ -553,8 +553,17 @@ def test_a_request_moved_up_by_aging_is_a_member_of_its_new_class():
     assert [c.request for c in plan.chunks] == [aged] and (aged.priority, aged.priority_aged) == (0, 1)
 
 
-def test_priority_aging_is_validated():
+def test_priority_aging_is_validated_and_reaches_the_engines_scheduler():
+    import argparse
+
+    from jaxserve import LLMEngine
     from jaxserve.config import EngineConfig
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    assert EngineConfig.from_cli(parser.parse_args(["--priority-aging-s", "60"])).priority_aging_s == 60.0
+    assert EngineConfig().priority_aging_s is None   # (off: strict classes)
+    engine = LLMEngine("demo", warmup=False, num_pages=32, max_model_len=512, priority_aging_s=30)
+    assert engine.scheduler.config.priority_aging_s == 30.0
     for bad in (0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="priority_aging_s"):
             EngineConfig(priority_aging_s=bad)
