@@ -49,7 +49,7 @@ from server.protocol import (AllowedToolsChoice, BatchCreateRequest, ChatComplet
                              DetokenizeRequest, ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest,
                              TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
-from server.listing import items_page
+from server.listing import MAX_FILES_LIMIT, items_page
 from server.responses import ResponsesWire, chat_request, input_messages, responses_error
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
@@ -299,8 +299,8 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         return state.files.add(_owner(request, None), file.filename or "upload.jsonl", purpose, data).object()
 
     @app.get("/v1/files")
-    async def list_files(request: Request, purpose: str | None = None, limit: int = 100, order: str = "desc",
-                         after: str | None = None):
+    async def list_files(request: Request, purpose: str | None = None, limit: int = MAX_FILES_LIMIT,
+                         order: str = "desc", after: str | None = None):
         return state.files.page(_owner(request, None), purpose, limit, order, after)
 
     @app.get("/v1/files/{file_id}")

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
 from server.errors import APIError
 from server.middleware import TRUSTED_OWNERS, owner_of
-from server.listing import items_page
+from server.listing import MAX_FILES_LIMIT, items_page
 from server.state_file import StateFile
 
 log = logging.getLogger("jaxserve.server")
@@ -127,7 +127,7 @@ class FileStore:
     def page(self, owner: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
         files = [f.object() for f in self._files.values()
                  if f.owner == owner and (purpose is None or f.purpose == purpose)]
-        return items_page(files, limit, order, after, "your files")
+        return items_page(files, limit, order, after, "your files", max_limit=MAX_FILES_LIMIT)
 
 
 @dataclass

@@ -397,3 +397,19 @@ def test_a_batch_not_done_in_its_window_expires_with_its_answered_lines_kept(tmp
 
     asyncio.run(in_memory())
     asyncio.run(stopped_then_late())
+
+
+def test_the_files_list_takes_openais_limits():
+    """``GET /v1/files`` pages up to 10,000 files (OpenAI's largest and default
+    ``limit``); other lists stay at 1-100 (batches: ``Batches.page``)."""
+    files = FileStore()
+    ids = [files.add("me", f"f{i}.jsonl", "batch", b"{}\n").id for i in range(150)]
+    page = files.page("me", None, 10_000, "asc", None)
+    assert [f["id"] for f in page["data"]] == ids and not page["has_more"]
+    assert files.page("me", "batch", 100, "desc", None)["has_more"]
+    for bad in (0, 10_001):
+        with pytest.raises(APIError) as refused:
+            files.page("me", None, bad, "desc", None)
+        assert refused.value.param == "limit" and "10000" in refused.value.message
+    with pytest.raises(APIError, match=r"\[1, 100\]"):
+        Batches(files, "m", concurrency=1).page("me", 101, None)

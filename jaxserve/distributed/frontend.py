@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.distributed.replica import REPLICA_HEADER
 from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints, stored_state
 from server.errors import APIError
-from server.listing import items_page
+from server.listing import MAX_FILES_LIMIT, items_page
 
 log = logging.getLogger("jaxserve.distributed")
 
@@ -47,9 +47,9 @@ _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_
 # a stored response's, a conversation's, a file's (a batch's output files' too), a batch's
 _STORED_ID = re.compile(r'"(?:id|output_file_id|error_file_id)":\s*'
                         r'"((?:resp|conv|batch)_[A-Za-z0-9]+|file-[A-Za-z0-9]+)"')
-# lists merged over the replicas: path -> (what the list is, in error messages; whether it takes ``order``)
-_MERGED_LISTS = {"/v1/files": ("your files", True), "/v1/batches": ("your batches", False)}
-_PAGE = 100   # items per page asked of a replica while merging (the most a list route gives)
+# lists merged over the replicas: path -> (what the list is, in error messages; whether it takes ``order``;
+# its default and largest ``limit``)
+_MERGED_LISTS = {"/v1/files": ("your files", True, MAX_FILES_LIMIT), "/v1/batches": ("your batches", False, 100)}
 _INT = TypeAdapter(int)   # a query's integer as the replicas' FastAPI reads it ("1.0" is 1)
 _HELD_PATH = re.compile(r"^/v1/(?:files|batches)/([^/]+)(/content|/cancel)?$")   # a file's or a batch's routes
 # (Ray Serve's proxy sets ``x-request-id`` itself: the client's own id, or a new one, which it also passes
@@ -301,7 +301,7 @@ class Frontend:
         elsewhere) is first put to one replica: a refusal (a bad key, a bad ``limit``) is
         answered as that replica gave it. A replica that fails is left out (its items with it),
         and ``x-jaxserve-replica`` names those listed."""
-        where, takes_order = _MERGED_LISTS[path]
+        where, takes_order, max_limit = _MERGED_LISTS[path]
         up = [r for r in self.router.replicas if self.router.alive[r]]
         headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
         params = dict(request.query_params)
@@ -315,28 +315,28 @@ class Frontend:
         if probe is None:
             return _error(503, "no replica is up; retry later", "no_replica")
         fixed = {k: v for k, v in params.items() if k not in ("after", "limit", "order")}
-        lists = await asyncio.gather(*(self._whole_list(r, path, fixed, takes_order, headers) for r in up))
+        lists = await asyncio.gather(*(self._whole_list(r, path, fixed, takes_order, max_limit, headers) for r in up))
         for answer in lists:
             if isinstance(answer, Response):
                 return answer
         asked = [name for name, answer in zip(up, lists) if answer is not None]   # (one that failed is left out)
         items = list(heapq.merge(*[a for a in lists if a is not None], key=lambda item: item.get("created_at") or 0))
-        limit = _INT.validate_python(params.get("limit", 100 if takes_order else 20))   # (the probe took it)
+        limit = _INT.validate_python(params.get("limit", max_limit if takes_order else 20))   # (the probe took it)
         order = params.get("order", "desc") if takes_order else "desc"   # (batches list newest first)
         try:
-            page = items_page(items, limit, order, params.get("after"), where)
+            page = items_page(items, limit, order, params.get("after"), where, max_limit)
         except APIError as e:
             body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
             return JSONResponse(body, status_code=e.status, headers={REPLICA_HEADER: ",".join(asked)})
         return JSONResponse(page, headers={REPLICA_HEADER: ",".join(asked)})
 
-    async def _whole_list(self, replica: str, path: str, query: dict, takes_order: bool,
+    async def _whole_list(self, replica: str, path: str, query: dict, takes_order: bool, max_limit: int,
                           headers: list) -> list[dict] | Response | None:
-        """Every item of ``replica``'s list at ``path``, oldest first (a refusal: its answer;
-        None when it fails)."""
+        """Every item of ``replica``'s list at ``path``, oldest first, ``max_limit`` a call (a
+        refusal: its answer; None when it fails)."""
         items, after = [], None
         while True:
-            page = await self._listing(replica, path, {**query, "limit": str(_PAGE),
+            page = await self._listing(replica, path, {**query, "limit": str(max_limit),
                                                     **({"order": "asc"} if takes_order else {}),
                                                     **({"after": after} if after else {})}, headers)
             if page is None or isinstance(page, Response):
