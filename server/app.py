@@ -44,8 +44,9 @@ from server.logprobs import TokenSpellings
 from server.metrics import ServerMetrics
 from server.middleware import TRUSTED_OWNERS, CatchAllMiddleware, GuardMiddleware, RequestIdMiddleware, owner_of
 from server.parked import ParkedContexts, Spelling
-from server.protocol import (AllowedToolsChoice, BatchCreateRequest, ChatCompletionRequest, CompletionRequest,
-                             ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest,
+from server.protocol import (FILE_EXPIRY_RANGE_S, AllowedToolsChoice, BatchCreateRequest, ChatCompletionRequest,
+                             CompletionRequest, ConversationCreateRequest, ConversationItemsRequest,
+                             ConversationUpdateRequest,
                              DetokenizeRequest, ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest,
                              TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
@@ -288,15 +289,19 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/files")
-    async def upload_file(request: Request, file: UploadFile = File(), purpose: str = Form()):
+    async def upload_file(request: Request, file: UploadFile = File(), purpose: str = Form(),
+                          anchor: str | None = Form(None, alias="expires_after[anchor]"),
+                          seconds: str | None = Form(None, alias="expires_after[seconds]")):
         if purpose not in FILE_PURPOSES:
             raise APIError(400, f"purpose: this server takes files for {', '.join(FILE_PURPOSES)}, got {purpose!r}",
                            param="purpose")
+        expires_after_s = _file_expiry(anchor, seconds)
         data = await file.read()
         if len(data) > max_upload_bytes:
             raise APIError(413, f"file: {len(data)} bytes; this server takes files of at most {max_upload_bytes} "
                            f"bytes (--max-upload-bytes)", param="file", code="request_too_large")
-        return state.files.add(_owner(request, None), file.filename or "upload.jsonl", purpose, data).object()
+        return state.files.add(_owner(request, None), file.filename or "upload.jsonl", purpose, data,
+                               expires_after_s=expires_after_s).object()
 
     @app.get("/v1/files")
     async def list_files(request: Request, purpose: str | None = None, limit: int = MAX_FILES_LIMIT,
@@ -317,8 +322,10 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None, ma
 
     @app.post("/v1/batches")
     async def create_batch(body: BatchCreateRequest, request: Request):
+        expiry = body.output_expires_after
         return state.batches.create(_owner(request, None), request.headers.get("authorization"), body.input_file_id,
-                                    body.endpoint, body.completion_window, body.metadata).object()
+                                    body.endpoint, body.completion_window, body.metadata,
+                                    None if expiry is None else expiry.seconds).object()
 
     @app.get("/v1/batches")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None):
@@ -694,6 +701,20 @@ async def _cancel_response(state: ServerState, response_id: str, owner: str) -> 
         return entry.response
     raise APIError(400, f"response {response_id!r} was not created with background: true; only background "
                    "responses can be cancelled", param="response_id")
+
+
+def _file_expiry(anchor: str | None, seconds: str | None) -> int | None:
+    """An upload's ``expires_after[anchor]`` and ``expires_after[seconds]`` form fields
+    (OpenAI's): the seconds it is kept, None when neither is sent; else a 400 naming
+    ``expires_after``."""
+    if anchor is None and seconds is None:
+        return None
+    low, high = FILE_EXPIRY_RANGE_S
+    if anchor != "created_at" or seconds is None or not seconds.strip().isdigit() or \
+            not low <= int(seconds) <= high:
+        raise APIError(400, f"expires_after: needs anchor 'created_at' and seconds in [{low}, {high}], got "
+                       f"anchor {anchor!r}, seconds {seconds!r}", param="expires_after")
+    return int(seconds)
 
 
 def _input_items_page(state: ServerState, response_id: str, owner: str, limit: int, order: str,

@@ -77,54 +77,85 @@ class StoredFile:
     purpose: str
     data: bytes
     created_at: int = field(default_factory=lambda: int(time.time()))
+    expires_at: int | None = None   # when it is deleted (Unix seconds; None: kept until deleted)
 
     def object(self) -> dict:
         return {"id": self.id, "object": "file", "bytes": len(self.data), "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
-                "status_details": None}
+                "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "expires_at": self.expires_at, "status_details": None}
 
 
 class FileStore:
     """Files by id, per owner, within ``max_bytes`` of content (an upload past it is a 413;
-    deleting files makes room); written to ``state`` too when given (and read back from it)."""
+    deleting files makes room); written to ``state`` too when given (and read back from it).
+    A file given an expiry (``expires_after``) is deleted once it passes (when the store is
+    next used)."""
 
     def __init__(self, max_bytes: int = MAX_FILE_STORE_BYTES, state: StateFile | None = None) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._files: OrderedDict[str, StoredFile] = OrderedDict()
         self._state = state
-        for row in state.rows("SELECT id, owner, filename, purpose, data, created_at FROM files ORDER BY rowid") \
-                if state is not None else ():
-            self._files[row[0]] = StoredFile(*row)
-            self.num_bytes += len(row[4])
+        self._next_expiry: float | None = None   # the earliest ``expires_at`` held (None: none expires)
+        for row in state.rows("SELECT id, owner, filename, purpose, data, created_at, expires_at FROM files "
+                              "ORDER BY rowid") if state is not None else ():
+            self._keep(StoredFile(*row))
 
-    def add(self, owner: str, filename: str, purpose: str, data: bytes, force: bool = False) -> StoredFile:
-        """Store ``data``; past ``max_bytes`` a 413, unless ``force`` (a batch's results, which
-        are never dropped: the uploads after them are refused until files are deleted)."""
+    def _keep(self, stored: StoredFile) -> None:
+        self._files[stored.id] = stored
+        self.num_bytes += len(stored.data)
+        if stored.expires_at is not None and (self._next_expiry is None or stored.expires_at < self._next_expiry):
+            self._next_expiry = stored.expires_at
+
+    def _drop_expired(self) -> None:
+        """Delete the files whose ``expires_at`` has passed."""
+        if self._next_expiry is None or time.time() < self._next_expiry:
+            return
+        now, self._next_expiry = time.time(), None
+        for stored in list(self._files.values()):
+            if stored.expires_at is None:
+                continue
+            if stored.expires_at <= now:
+                self._drop(stored)
+            elif self._next_expiry is None or stored.expires_at < self._next_expiry:
+                self._next_expiry = stored.expires_at
+
+    def _drop(self, stored: StoredFile) -> None:
+        del self._files[stored.id]
+        self.num_bytes -= len(stored.data)
+        if self._state is not None:
+            self._state.write("DELETE FROM files WHERE id = ?", stored.id)
+
+    def add(self, owner: str, filename: str, purpose: str, data: bytes, force: bool = False,
+            expires_after_s: int | None = None) -> StoredFile:
+        """Store ``data`` (deleted ``expires_after_s`` seconds after now when given); past
+        ``max_bytes`` a 413, unless ``force`` (a batch's results, which are never dropped:
+        the uploads after them are refused until files are deleted)."""
+        self._drop_expired()
         if not force and self.num_bytes + len(data) > self.max_bytes:
             raise APIError(413, f"file: the server keeps at most {self.max_bytes} bytes of files and holds "
                            f"{self.num_bytes}; delete files to make room", param="file", code="file_store_full")
         stored = StoredFile(f"file-{uuid.uuid4().hex}", owner, filename, purpose, data)
-        self._files[stored.id] = stored
-        self.num_bytes += len(data)
+        if expires_after_s is not None:
+            stored.expires_at = stored.created_at + int(expires_after_s)
+        self._keep(stored)
         if self._state is not None:
-            self._state.write("INSERT INTO files (id, owner, filename, purpose, created_at, data) VALUES "
-                              "(?, ?, ?, ?, ?, ?)", stored.id, owner, filename, purpose, stored.created_at, data)
+            self._state.write("INSERT INTO files (id, owner, filename, purpose, created_at, data, expires_at) VALUES "
+                              "(?, ?, ?, ?, ?, ?, ?)", stored.id, owner, filename, purpose, stored.created_at, data,
+                              stored.expires_at)
         return stored
 
     def get(self, file_id: str, owner: str) -> StoredFile:
-        """The file, or a 404 (also for another key's)."""
+        """The file, or a 404 (also for another key's, and for one that expired)."""
+        self._drop_expired()
         return _owned(self._files, file_id, owner, "file")
 
     def delete(self, file_id: str, owner: str) -> dict:
-        stored = self.get(file_id, owner)
-        del self._files[file_id]
-        self.num_bytes -= len(stored.data)
-        if self._state is not None:
-            self._state.write("DELETE FROM files WHERE id = ?", file_id)
+        self._drop(self.get(file_id, owner))
         return {"id": file_id, "object": "file", "deleted": True}
 
     def page(self, owner: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
+        self._drop_expired()
         files = [f.object() for f in self._files.values()
                  if f.owner == owner and (purpose is None or f.purpose == purpose)]
         return items_page(files, limit, order, after, "your files", max_limit=MAX_FILES_LIMIT)
@@ -156,6 +187,7 @@ class BatchJob:
     errors: list[dict] | None = None
     owners: dict[str, str] | None = None   # while it runs: its lines' owners by ``user`` (TRUSTED_OWNERS; not shown)
     window_s: float = COMPLETION_WINDOWS["24h"]   # its completion window's length, seconds
+    output_expires_after_s: int | None = None     # its output and error files are deleted this long after made
     task: asyncio.Task | None = None
 
     @property
@@ -283,10 +315,12 @@ class Batches:
                               "job = excluded.job", job.id, job.record())   # (its row keeps its place: creation order)
 
     def create(self, owner: str, authorization: str | None, input_file_id: str, endpoint: str,
-               completion_window: str, metadata: dict | None) -> BatchJob:
+               completion_window: str, metadata: dict | None,
+               output_expires_after_s: int | None = None) -> BatchJob:
         """A batch on ``input_file_id``, ``validating`` its file (off the event loop), then
-        ``failed`` if it has bad lines, else ``in_progress``. Bad arguments are 400s naming
-        them; an unknown file a 404."""
+        ``failed`` if it has bad lines, else ``in_progress``; its output and error files are
+        deleted ``output_expires_after_s`` after they are made (None: kept). Bad arguments
+        are 400s naming them; an unknown file a 404."""
         if endpoint not in BATCH_URLS:
             raise APIError(400, f"endpoint: must be one of {', '.join(BATCH_URLS)}, got {endpoint!r}",
                            param="endpoint")
@@ -298,7 +332,8 @@ class Batches:
             raise APIError(400, f"input_file_id: {input_file_id} was uploaded for {source.purpose!r}, not 'batch'",
                            param="input_file_id")
         job = BatchJob(f"batch_{uuid.uuid4().hex}", owner, self.model_name, endpoint, input_file_id, completion_window,
-                       metadata, window_s=self.windows[completion_window])
+                       metadata, window_s=self.windows[completion_window],
+                       output_expires_after_s=output_expires_after_s)
         self._forget_old()
         self._jobs[job.id] = job
         self._save(job)
@@ -427,8 +462,8 @@ class Batches:
             for lines, attr in ((outputs, "output_file_id"), (errors, "error_file_id")):
                 if lines:
                     name = f"{job.id}_{attr.removesuffix('_file_id')}.jsonl"
-                    setattr(job, attr, self.files.add(job.owner, name, "batch_output", b"".join(lines),
-                                                      force=True).id)
+                    setattr(job, attr, self.files.add(job.owner, name, "batch_output", b"".join(lines), force=True,
+                                                      expires_after_s=job.output_expires_after_s).id)
             self._become(job, status)
             if self._state is not None:
                 self._state.write("DELETE FROM batch_lines WHERE batch_id = ?", job.id)

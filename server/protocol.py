@@ -558,14 +558,26 @@ class ConversationCreateRequest(_Request):
     metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
 
 
+FILE_EXPIRY_RANGE_S = (3600, 30 * 24 * 3600)   # the ``expires_after.seconds`` OpenAI takes: an hour to 30 days
+
+
+class ExpiresAfter(_Request):
+    """OpenAI's file expiry: deleted ``seconds`` (an hour to 30 days) after its creation."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=FILE_EXPIRY_RANGE_S[0], le=FILE_EXPIRY_RANGE_S[1])
+
+
 class BatchCreateRequest(_Request):
     """``POST /v1/batches``: a batch of the requests in a file uploaded for ``"batch"``, all to
-    ``endpoint``, with OpenAI's ``completion_window`` ("24h") and ``metadata``."""
+    ``endpoint``, with OpenAI's ``completion_window`` ("24h"), ``metadata`` and
+    ``output_expires_after`` (the expiry of its output and error files)."""
 
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: Metadata | None = Field(default=None, max_length=MAX_STORED_METADATA)
+    output_expires_after: ExpiresAfter | None = None
 
 
 class ConversationUpdateRequest(_Request):

@@ -11,7 +11,7 @@ lock beside it); replicas each keep their own (``server.build``). The folder and
 file are the server user's only (0700 and 0600): they hold every API key's data.
 A local file system only (SQLite's WAL needs shared memory, which network file
 systems do not give). A file of version 1 (responses only) gains the other tables
-when opened.
+when opened, and one of version 2 its files' ``expires_at``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Iterator
 
 log = logging.getLogger("jaxserve.server")
 
-SCHEMA_VERSION = 2   # ``PRAGMA user_version``; 1: the ``responses`` table alone
+SCHEMA_VERSION = 3   # ``PRAGMA user_version``; 1: the ``responses`` table alone; 2: files without ``expires_at``
 TABLES = (
     "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, used INTEGER NOT NULL, "
     "entry TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, "
-    "purpose TEXT NOT NULL, created_at INTEGER NOT NULL, data BLOB NOT NULL)",
+    "purpose TEXT NOT NULL, created_at INTEGER NOT NULL, data BLOB NOT NULL, expires_at INTEGER)",
     "CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, job TEXT NOT NULL)",
     # a running batch's answered lines, in the order they ended (``bad``: for its error file)
     "CREATE TABLE IF NOT EXISTS batch_lines (batch_id TEXT NOT NULL, bad INTEGER NOT NULL, line BLOB NOT NULL)",
@@ -66,13 +66,15 @@ class StateFile:
             self._db = db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if tables and (version not in (1, SCHEMA_VERSION) or "responses" not in tables):
+            if tables and (version not in (1, 2, SCHEMA_VERSION) or "responses" not in tables):
                 raise ValueError(f"response store {path}: not a jaxserve response store of version "
-                                 f"{SCHEMA_VERSION} or 1 (user_version {version}, tables {sorted(tables)})")
+                                 f"{SCHEMA_VERSION}, 2 or 1 (user_version {version}, tables {sorted(tables)})")
             db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = NORMAL")
             for table in TABLES:
                 db.execute(table)
+            if "expires_at" not in {row[1] for row in db.execute("PRAGMA table_info(files)")}:   # (version 2)
+                db.execute("ALTER TABLE files ADD COLUMN expires_at INTEGER")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as e:
             raise ValueError(f"response store {path}: unreadable ({type(e).__name__}: {e})") from None

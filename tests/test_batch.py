@@ -413,3 +413,61 @@ def test_the_files_list_takes_openais_limits():
         assert refused.value.param == "limit" and "10000" in refused.value.message
     with pytest.raises(APIError, match=r"\[1, 100\]"):
         Batches(files, "m", concurrency=1).page("me", 101, None)
+
+
+def test_files_with_an_expiry_are_deleted_once_it_passes_and_old_state_files_still_open(tmp_path):
+    """A file given ``expires_after`` says when (``expires_at``) and is gone after it, from
+    memory and from the state file; a batch's ``output_expires_after`` applies to its
+    output file; a state file of version 2 (files without ``expires_at``) opens, its
+    files kept until deleted."""
+    import sqlite3
+
+    from server.state_file import StateFile
+
+    old = tmp_path / "v2" / "responses.sqlite3"
+    old.parent.mkdir()
+    db = sqlite3.connect(old)
+    db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, used INTEGER NOT NULL, "
+               "entry TEXT NOT NULL)")
+    db.execute("CREATE TABLE files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, "
+               "purpose TEXT NOT NULL, created_at INTEGER NOT NULL, data BLOB NOT NULL)")
+    db.execute("INSERT INTO files VALUES ('file-old', 'me', 'a.jsonl', 'batch', 1, x'7b7d0a')")
+    db.execute("PRAGMA user_version = 2")
+    db.commit()
+    db.close()
+    state = StateFile(old)
+    files = FileStore(state=state)
+    assert files.get("file-old", "me").data == b"{}\n" and files.get("file-old", "me").object()["expires_at"] is None
+
+    brief = files.add("me", "brief.jsonl", "batch", b"{}\n", expires_after_s=1)
+    kept = files.add("me", "kept.jsonl", "batch", b"{}\n")
+    assert brief.object()["expires_at"] == brief.created_at + 1
+    time.sleep(max(0.0, brief.expires_at - time.time()) + 0.05)
+    with pytest.raises(APIError) as gone:
+        files.get(brief.id, "me")
+    assert gone.value.status == 404
+    assert [f["id"] for f in files.page("me", None, 100, "asc", None)["data"]] == ["file-old", kept.id]
+    state.close()
+    state = StateFile(old)
+    assert [row[0] for row in state.rows("SELECT id FROM files ORDER BY rowid")] == ["file-old", kept.id]
+
+    async def batch_with_expiring_output():
+        async def app(scope, receive, send):
+            await receive()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"choices": []}'})
+        files = FileStore(state=state)
+        batches = Batches(files, "m", concurrency=1, state=state)
+        batches.app = app
+        source = files.add("me", "in.jsonl", "batch", json.dumps(
+            {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
+        ).encode() + b"\n")
+        job = batches.create("me", None, source.id, "/v1/completions", "24h", None, output_expires_after_s=7200)
+        await asyncio.wait({job.task})
+        output = files.get(job.output_file_id, "me")
+        assert job.status == "completed" and output.expires_at == output.created_at + 7200
+        assert source.expires_at is None
+
+    asyncio.run(batch_with_expiring_output())
+    state.close()

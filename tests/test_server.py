@@ -729,6 +729,24 @@ def test_the_batch_api_runs_an_uploaded_file_on_the_server(servers, tools):
     assert client.batches.list().data[0].id == batch.id
     assert upload.id in {f.id for f in client.files.list(purpose="batch").data}
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert upload.expires_at is None and client.files.retrieve(batch.output_file_id).expires_at is None
+
+    # OpenAI's expiry: an upload's expires_after, a batch's output_expires_after (an hour to 30 days).
+    brief = client.files.create(file=("brief.jsonl", jsonl(rows[:1])), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    assert brief.expires_at == brief.created_at + 3600
+    with pytest.raises(openai.BadRequestError) as too_short:
+        client.files.create(file=("x.jsonl", jsonl(rows[:1])), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 60})
+    assert too_short.value.body["param"] == "expires_after"
+    expiring = settle(client.batches.create(input_file_id=brief.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h",
+                                            output_expires_after={"anchor": "created_at", "seconds": 7200}))
+    output = client.files.retrieve(expiring.output_file_id)
+    assert expiring.status == "completed" and output.expires_at == output.created_at + 7200
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=brief.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "last_active_at", "seconds": 7200})
 
     # A file the batch cannot run: failed at once, each bad line named, nothing run.
     bad = client.files.create(file=("bad.jsonl", jsonl([line("a", chat(CALC_USER)),
