@@ -1463,7 +1463,7 @@ def test_a_version_1_store_file_is_opened_and_gains_the_files_and_batches_tables
     store = ResponseStore(path=path)
     assert store.get("r", "o").response == {"id": "r"}
     tables = {row[0] for row in store.file.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert {"files", "batches", "batch_lines"} <= tables and store.file.rows("PRAGMA user_version") == [(2,)]
+    assert {"files", "batches", "batch_lines"} <= tables and store.file.rows("PRAGMA user_version") == [(3,)]
     store.close()
     newer = sqlite3.connect(path)
     newer.execute("PRAGMA user_version = 7")
