@@ -211,12 +211,12 @@ class BatchJob:
         usage = body.get("usage") if isinstance(body, dict) else None
         if not isinstance(usage, dict):
             return
-        given = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        made = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
-        self.input_tokens += usage.get("prompt_tokens", usage.get("input_tokens")) or 0
-        self.cached_tokens += given.get("cached_tokens") or 0
-        self.output_tokens += usage.get("completion_tokens", usage.get("output_tokens")) or 0
-        self.reasoning_tokens += made.get("reasoning_tokens") or 0
+        given = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        made = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
+        self.input_tokens += _count(usage, "prompt_tokens") or _count(usage, "input_tokens")
+        self.cached_tokens += _count(given, "cached_tokens")
+        self.output_tokens += _count(usage, "completion_tokens") or _count(usage, "output_tokens")
+        self.reasoning_tokens += _count(made, "reasoning_tokens")
 
     def record(self) -> str:
         """The job as the state file keeps it: its fields but the task (a running job's
@@ -487,6 +487,12 @@ def _parse(data: bytes, model_name: str, endpoint: str) -> tuple[list[BatchReque
     requests, problems = parse_batch(text, model_name, endpoint)
     return [r if r.body.get("priority") is not None or r.body.get("service_tier") not in (None, "auto")
             else replace(r, body={**r.body, "priority": BATCH_PRIORITY}) for r in requests], problems
+
+
+def _count(fields, name: str) -> int:
+    """``fields[name]`` when ``fields`` is a dict and it is a count (an int >= 0), else 0."""
+    value = fields.get(name) if isinstance(fields, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _expired(request: BatchRequest) -> dict:

@@ -471,3 +471,21 @@ def test_files_with_an_expiry_are_deleted_once_it_passes_and_old_state_files_sti
 
     asyncio.run(batch_with_expiring_output())
     state.close()
+
+
+def test_a_batchs_usage_counts_only_what_answers_report_as_counts():
+    """Chat and completions ``usage`` (``prompt_tokens``...) and the Responses API's
+    (``input_tokens``...) both add up; a line without usage, with ``usage: null`` or with
+    values that are no counts adds nothing (and never stops the batch)."""
+    from server.batches import BatchJob
+    job = BatchJob("batch_1", "me", "m", "/v1/responses", "file-1", "24h", None)
+    for body in ({"usage": {"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}},
+                 {"usage": {"input_tokens": 5, "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 3}}},
+                 {"usage": None}, "not json", {"usage": {"prompt_tokens": "3", "completion_tokens": True,
+                                                          "prompt_tokens_details": [1]}}, {"choices": []}):
+        job.count({"response": {"status_code": 200, "body": body}}, False)
+    job.count({"response": None, "error": {"code": "batch_expired"}}, True)
+    assert (job.completed, job.failed_count) == (6, 1)
+    assert job.object()["usage"] == {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 1},
+                                     "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 3},
+                                     "total_tokens": 14}
