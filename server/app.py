@@ -710,11 +710,14 @@ def _file_expiry(anchor: str | None, seconds: str | None) -> int | None:
     if anchor is None and seconds is None:
         return None
     low, high = FILE_EXPIRY_RANGE_S
-    if anchor != "created_at" or seconds is None or not seconds.strip().isdigit() or \
-            not low <= int(seconds) <= high:
+    try:
+        value = int(seconds) if seconds is not None and len(seconds) <= 32 else None
+    except ValueError:
+        value = None
+    if anchor != "created_at" or value is None or not low <= value <= high:
         raise APIError(400, f"expires_after: needs anchor 'created_at' and seconds in [{low}, {high}], got "
                        f"anchor {anchor!r}, seconds {seconds!r}", param="expires_after")
-    return int(seconds)
+    return value
 
 
 def _input_items_page(state: ServerState, response_id: str, owner: str, limit: int, order: str,

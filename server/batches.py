@@ -48,6 +48,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -89,14 +90,16 @@ class FileStore:
     """Files by id, per owner, within ``max_bytes`` of content (an upload past it is a 413;
     deleting files makes room); written to ``state`` too when given (and read back from it).
     A file given an expiry (``expires_after``) is deleted once it passes (when the store is
-    next used)."""
+    next used), unless ``in_use`` names it (a running batch's input: deleted once the batch
+    has ended, ``recheck``)."""
 
     def __init__(self, max_bytes: int = MAX_FILE_STORE_BYTES, state: StateFile | None = None) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._files: OrderedDict[str, StoredFile] = OrderedDict()
         self._state = state
-        self._next_expiry: float | None = None   # the earliest ``expires_at`` held (None: none expires)
+        self._next_expiry: float | None = None   # the earliest ``expires_at`` to act on (None: none)
+        self.in_use: Callable[[], Collection[str]] = frozenset   # ids kept past their expiry (``Batches`` sets it)
         for row in state.rows("SELECT id, owner, filename, purpose, data, created_at, expires_at FROM files "
                               "ORDER BY rowid") if state is not None else ():
             self._keep(StoredFile(*row))
@@ -111,14 +114,19 @@ class FileStore:
         """Delete the files whose ``expires_at`` has passed."""
         if self._next_expiry is None or time.time() < self._next_expiry:
             return
-        now, self._next_expiry = time.time(), None
+        now, self._next_expiry, kept = time.time(), None, self.in_use()
         for stored in list(self._files.values()):
             if stored.expires_at is None:
                 continue
             if stored.expires_at <= now:
-                self._drop(stored)
+                if stored.id not in kept:
+                    self._drop(stored)
             elif self._next_expiry is None or stored.expires_at < self._next_expiry:
                 self._next_expiry = stored.expires_at
+
+    def recheck(self) -> None:
+        """A file ``in_use`` named may be free now: look for expired files at the next use."""
+        self._next_expiry = 0.0
 
     def _drop(self, stored: StoredFile) -> None:
         del self._files[stored.id]
@@ -188,6 +196,7 @@ class BatchJob:
     owners: dict[str, str] | None = None   # while it runs: its lines' owners by ``user`` (TRUSTED_OWNERS; not shown)
     window_s: float = COMPLETION_WINDOWS["24h"]   # its completion window's length, seconds
     output_expires_after_s: int | None = None     # its output and error files are deleted this long after made
+    usage_known: bool = True   # False: kept by a version that did not count tokens (``usage`` null, as OpenAI's)
     task: asyncio.Task | None = None
 
     @property
@@ -238,7 +247,7 @@ class BatchJob:
                 "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
                 "created_at": self.created_at, "expires_at": self.expires_at, **times,
                 "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed_count},
-                "usage": {"input_tokens": self.input_tokens,
+                "usage": None if not self.usage_known else {"input_tokens": self.input_tokens,
                           "input_tokens_details": {"cached_tokens": self.cached_tokens},
                           "output_tokens": self.output_tokens,
                           "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
@@ -262,7 +271,14 @@ class Batches:
         self._state = state
         self._stopping = False   # ``close`` was called: with a state file, running batches stay running there
         for batch_id, record in state.rows("SELECT id, job FROM batches ORDER BY rowid") if state is not None else ():
-            self._jobs[batch_id] = BatchJob(**json.loads(record))
+            fields = json.loads(record)
+            fields.setdefault("usage_known", "input_tokens" in fields)   # (a record from before usage was counted)
+            self._jobs[batch_id] = BatchJob(**fields)
+        files.in_use = self._inputs_in_use
+
+    def _inputs_in_use(self) -> set[str]:
+        """The input files of the batches not ended (kept past their expiry until they end)."""
+        return {job.input_file_id for job in self._jobs.values() if not job.ended}
 
     def resume(self) -> None:
         """Run on the batches the state file held as running (from the event loop, once
@@ -297,7 +313,7 @@ class Batches:
         from them)."""
         outputs, errors = [], []
         job.completed = job.failed_count = job.input_tokens = job.cached_tokens = job.output_tokens = 0
-        job.reasoning_tokens = 0
+        job.reasoning_tokens, job.usage_known = 0, True   # (counted afresh from its answered lines)
         for bad, line in self._state.rows("SELECT bad, line FROM batch_lines WHERE batch_id = ? ORDER BY rowid",
                                           job.id):
             (errors if bad else outputs).append(line)
@@ -308,6 +324,8 @@ class Batches:
         """``job.become(status)``, kept in the state file."""
         job.become(status)
         self._save(job)
+        if job.ended:
+            self.files.recheck()   # (its input file may have expired while it ran)
 
     def _save(self, job: BatchJob) -> None:
         if self._state is not None:

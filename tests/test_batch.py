@@ -489,3 +489,65 @@ def test_a_batchs_usage_counts_only_what_answers_report_as_counts():
     assert job.object()["usage"] == {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 1},
                                      "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 3},
                                      "total_tokens": 14}
+
+
+def test_a_running_batchs_input_file_outlives_its_expiry_until_the_batch_ends(tmp_path):
+    """An input file whose ``expires_at`` passes while its batch runs (or while the server
+    is down mid-batch) is kept until the batch ends, so the batch resumes and completes;
+    then it is deleted at the next use of the store. A batch record from before usage was
+    counted shows ``usage: null``."""
+    from server.state_file import StateFile
+
+    path = tmp_path / "state.sqlite3"
+    stall = {"on": True}
+
+    async def app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        while stall["on"] and body["prompt"] == "slow":
+            if (await receive())["type"] == "http.disconnect":
+                return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"choices": []}'})
+
+    data = b"".join(json.dumps({"custom_id": p, "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "m", "prompt": p}}).encode() + b"\n" for p in ("a", "slow", "b"))
+
+    async def first_life():
+        state = StateFile(path)
+        files = FileStore(state=state)
+        batches = Batches(files, "m", concurrency=1, state=state)
+        batches.app = app
+        source = files.add("me", "in.jsonl", "batch", data, expires_after_s=1)
+        job = batches.create("me", None, source.id, "/v1/completions", "24h", None)
+        while job.completed < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(max(0.0, source.expires_at - time.time()) + 0.05)
+        assert files.get(source.id, "me") is source   # (past its expiry: its batch runs)
+        await batches.close()
+        state.close()
+        return source.id, job.id
+
+    async def second_life(source_id, job_id):
+        state = StateFile(path)
+        files = FileStore(state=state)
+        batches = Batches(files, "m", concurrency=1, state=state)
+        batches.app = app
+        stall["on"] = False
+        batches.resume()
+        job = batches.get(job_id, "me")
+        await asyncio.wait({job.task})
+        assert (job.status, job.completed) == ("completed", 3)
+        with pytest.raises(APIError):
+            files.get(source_id, "me")   # (its batch ended: expired now)
+        assert files.get(job.output_file_id, "me").expires_at is None
+        state.close()
+
+    asyncio.run(second_life(*asyncio.run(first_life())))
+    state = StateFile(path)
+    [(record,)] = state.rows("SELECT job FROM batches")
+    old = {k: v for k, v in json.loads(record).items()
+           if k not in ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens", "usage_known")}
+    state.write("UPDATE batches SET job = ?", json.dumps(old))
+    assert Batches(FileStore(state=state), "m", concurrency=1, state=state).page("me", 20, None)["data"][0]["usage"] \
+        is None
+    state.close()

@@ -1477,3 +1477,19 @@ def test_the_version_route_names_the_installed_package():
     import importlib.metadata
     with _client(_ScriptedEngine()) as client:
         assert client.get("/version").json() == {"version": importlib.metadata.version("jaxserve")}
+
+
+def test_an_uploads_expiry_fields_are_read_as_openai_sends_them():
+    """``expires_after[anchor]`` and ``expires_after[seconds]`` (the official client's form
+    fields): both or neither; ``created_at`` and an hour to 30 days; anything else, odd
+    digits and huge numbers included, a 400 naming ``expires_after`` (never a 500)."""
+    from server.app import _file_expiry
+    from server.errors import APIError
+    assert _file_expiry(None, None) is None
+    assert _file_expiry("created_at", "3600") == 3600 and _file_expiry("created_at", " 2592000 ") == 2592000
+    for anchor, seconds in (("created_at", None), (None, "3600"), ("last_active_at", "3600"),
+                            ("created_at", "3599"), ("created_at", "2592001"), ("created_at", "1.5e4"),
+                            ("created_at", "²"), ("created_at", "9" * 5000), ("created_at", "")):
+        with pytest.raises(APIError) as refused:
+            _file_expiry(anchor, seconds)
+        assert refused.value.status == 400 and refused.value.param == "expires_after"

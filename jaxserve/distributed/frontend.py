@@ -7,9 +7,12 @@ the body. ``/health`` asks every replica; ``/metrics`` merges the replicas'
 metrics, each sample labelled ``replica="<name>"``, with the front's own
 (replicas up, routing decisions); ``GET /v1/files`` and ``GET /v1/batches``
 merge the lists of every replica up (a file lives on the replica it was
-uploaded to, a batch on its input file's) into one, paged as one server pages it. A replica that fails before its response
-started gives a 503 JSON error body; one that fails while streaming ends the
-stream with an SSE error event, as the single server does for in-band errors.
+uploaded to, a batch on its input file's) into one, paged as one server pages
+it. A request naming stored state whose holder the front does not know is
+asked of the other replicas after a 404. A replica that fails before its
+response started gives a 503 JSON error body; one that fails while streaming
+ends the stream with an SSE error event, as the single server does for
+in-band errors.
 """
 
 import asyncio
@@ -307,7 +310,8 @@ class Frontend:
         params = dict(request.query_params)
         probe = None
         for replica in up:   # (one that fails is passed over)
-            probe = await self._listing(replica, path, {k: v for k, v in params.items() if k != "after"}, headers)
+            probe = await self._listing(replica, path, {"limit": "1", **{k: v for k, v in params.items()
+                                                                        if k != "after"}}, headers)
             if isinstance(probe, Response):
                 return probe
             if probe is not None:
