@@ -185,8 +185,14 @@ class Scheduler:
         self._enqueue(request, now)
 
     def set_priority(self, request: Request, priority: int) -> None:
-        """Move live ``request`` to class ``priority`` (re-filed if it is waiting; one
-        already in that class keeps its place)."""
+        """Move live ``request`` to class ``priority``, the caller's choice: it counts as the
+        class it asked for from now (``priority_aged`` back to 0)."""
+        request.priority_aged = 0
+        self._move_class(request, priority)
+
+    def _move_class(self, request: Request, priority: int) -> None:
+        """Put ``request`` in class ``priority`` (re-filed if it is waiting; one already in
+        that class keeps its place)."""
         if priority == request.priority:
             return
         self._count_class(bool(priority) - bool(request.priority))
@@ -213,7 +219,7 @@ class Scheduler:
             heapq.heapify(self._aging)
 
     def _age(self, now: float) -> None:
-        """Move each waiting request whose aging time has come one class lower (``set_priority``:
+        """Move each waiting request whose aging time has come one class lower (``_move_class``:
         re-filed in the queue; its next move is filed while it is above class 0)."""
         due_of = self._aging_due
         while self._aging and self._aging[0][0] <= now:
@@ -222,7 +228,7 @@ class Scheduler:
                 continue   # (admitted, ended, or filed again since)
             request = self.requests[request_id]
             request.priority_aged += 1
-            self.set_priority(request, request.priority - 1)   # (files its next move, from now)
+            self._move_class(request, request.priority - 1)   # (files its next move, from now)
 
     def _count_class(self, change: int) -> None:
         """Live requests of a class other than 0 changed by ``change``: while there are

@@ -535,6 +535,8 @@ def test_aging_moves_starved_classes_lower_until_they_run(aging_s):
     assert not sched.classes_in_use   # (all in class 0 now: the simulator's decode runs may resume)
     sched.check_invariants()
     assert request_metrics(bulk).priority == 2
+    sched.set_priority(bulk, 1)   # (a caller's own choice, as a resume's ``priority``: the class it asks for now)
+    assert (bulk.priority, bulk.priority_aged, request_metrics(bulk).priority) == (1, 0, 1)
 
 
 def test_a_request_moved_up_by_aging_is_a_member_of_its_new_class():
