@@ -27,6 +27,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.constraints import StructuredOutput
@@ -46,9 +47,8 @@ from server.middleware import TRUSTED_OWNERS, CatchAllMiddleware, GuardMiddlewar
 from server.parked import ParkedContexts, Spelling
 from server.protocol import (FILE_EXPIRY_RANGE_S, AllowedToolsChoice, BatchCreateRequest, ChatCompletionRequest,
                              CompletionRequest, ConversationCreateRequest, ConversationItemsRequest,
-                             ConversationUpdateRequest,
-                             DetokenizeRequest, ModelCard, ModelList, ResponsesInputTokensRequest, ResponsesRequest,
-                             TokenizeRequest, ToolChoice)
+                             ConversationUpdateRequest, DetokenizeRequest, ExpiresAfter, ModelCard, ModelList,
+                             ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
 from server.listing import MAX_FILES_LIMIT, items_page
 from server.responses import ResponsesWire, chat_request, input_messages, responses_error
@@ -709,15 +709,12 @@ def _file_expiry(anchor: str | None, seconds: str | None) -> int | None:
     ``expires_after``."""
     if anchor is None and seconds is None:
         return None
-    low, high = FILE_EXPIRY_RANGE_S
-    try:
-        value = int(seconds) if seconds is not None and len(seconds) <= 32 else None
-    except ValueError:
-        value = None
-    if anchor != "created_at" or value is None or not low <= value <= high:
+    try:   # (form fields are text: read leniently, as FastAPI reads a query's integer)
+        return ExpiresAfter.model_validate({"anchor": anchor, "seconds": seconds}, strict=False).seconds
+    except ValidationError:
+        low, high = FILE_EXPIRY_RANGE_S
         raise APIError(400, f"expires_after: needs anchor 'created_at' and seconds in [{low}, {high}], got "
-                       f"anchor {anchor!r}, seconds {seconds!r}", param="expires_after")
-    return value
+                       f"anchor {anchor!r}, seconds {seconds!r}", param="expires_after") from None
 
 
 def _input_items_page(state: ServerState, response_id: str, owner: str, limit: int, order: str,

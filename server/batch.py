@@ -191,10 +191,11 @@ async def serve_request(app, request: BatchRequest, on_retry: Callable[[], None]
             "error": None}
 
 
-def _failed(request: BatchRequest, error: BaseException) -> dict:
-    """The output line of a request whose serving raised (not an HTTP answer)."""
+def error_line(request: BatchRequest, code: str, message: str) -> dict:
+    """The output line of a request that got no HTTP answer (OpenAI's ``error`` lines:
+    ``server_error`` when its serving raised, ``batch_expired`` past its batch's window)."""
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": None,
-            "error": {"code": "server_error", "message": f"{type(error).__name__}: {error}"}}
+            "error": {"code": code, "message": message}}
 
 
 async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], None],
@@ -219,7 +220,7 @@ async def run_batch(app, requests: list[BatchRequest], write: Callable[[dict], N
                     line = await serve_request(app, request, retried, headers, scope_extra)
             except Exception as e:   # noqa: BLE001 - one request's failure is its line, not the batch's end
                 log.exception("batch request %s (line %d) failed", request.custom_id, request.line)
-                line = _failed(request, e)
+                line = error_line(request, "server_error", f"{type(e).__name__}: {e}")
             statuses[line["response"]["status_code"] if line["response"] else "error"] += 1
             write(line)
 

@@ -52,7 +52,7 @@ from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
-from server.batch import BATCH_URLS, BatchRequest, failed, parse_batch, run_batch
+from server.batch import BATCH_URLS, BatchRequest, error_line, failed, parse_batch, run_batch
 from server.errors import APIError
 from server.middleware import TRUSTED_OWNERS, owner_of
 from server.listing import MAX_FILES_LIMIT, items_page
@@ -418,7 +418,7 @@ class Batches:
                 users = {r.body["user"] for r in requests if isinstance(r.body.get("user"), str)} | {""}
                 job.owners = {user: owner_of(authorization, user) for user in users}
             if outputs or errors:   # (after a restart: the lines answered before it are not served again)
-                done = {json.loads(line)["custom_id"] for line in outputs + errors}
+                done = _answered_ids(outputs, errors)
                 requests = [r for r in requests if r.custom_id not in done]
             if job.status != "in_progress":
                 self._become(job, "in_progress")
@@ -451,10 +451,13 @@ class Batches:
                 errors: list[bytes]) -> None:
         """End ``job`` ``expired``: each of ``requests`` not answered goes to the error file as
         ``batch_expired`` (straight into it: ``_finish`` stores it in one transaction)."""
-        done = {json.loads(line)["custom_id"] for line in outputs + errors}
+        done = _answered_ids(outputs, errors)
         late = [r for r in requests if r.custom_id not in done]
-        errors += [json.dumps(_expired(r)).encode() + b"\n" for r in late]
-        job.failed_count += len(late)
+        for request in late:
+            line = error_line(request, "batch_expired",
+                              "This request could not be executed before the completion window expired.")
+            errors.append(json.dumps(line).encode() + b"\n")
+            job.count(line, True)
         log.warning("batch %s expired: %d of its %d lines not answered in its %s window", job.id, len(late),
                     job.total, job.completion_window)
         self._finish(job, outputs, errors, "expired")
@@ -513,12 +516,9 @@ def _count(fields, name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def _expired(request: BatchRequest) -> dict:
-    """The error-file line of a request not answered before its batch's window ended
-    (OpenAI's ``batch_expired``)."""
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": None,
-            "error": {"code": "batch_expired",
-                      "message": "This request could not be executed before the completion window expired."}}
+def _answered_ids(outputs: list[bytes], errors: list[bytes]) -> set[str]:
+    """The ``custom_id`` of each output and error line written."""
+    return {json.loads(line)["custom_id"] for line in outputs + errors}
 
 
 def _line_error(problem: str) -> dict:

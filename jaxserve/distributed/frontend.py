@@ -203,7 +203,7 @@ class Frontend:
             replica, reason = self.router.choose(hints)
         except RuntimeError:
             return _error(503, "no replica is up; retry later", "no_replica")
-        query, headers = request.url.query.encode(), [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+        query, headers = request.url.query.encode(), _forwarded_headers(request)
         asking = [replica]
         if hints.stored_response is not None and reason != "stored":
             # Its holder is unknown (this front restarted, or the state was made past it): a 404
@@ -306,7 +306,7 @@ class Frontend:
         and ``x-jaxserve-replica`` names those listed."""
         where, takes_order, max_limit = _MERGED_LISTS[path]
         up = [r for r in self.router.replicas if self.router.alive[r]]
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+        headers = _forwarded_headers(request)
         params = dict(request.query_params)
         probe = None
         for replica in up:   # (one that fails is passed over)
@@ -330,8 +330,7 @@ class Frontend:
         try:
             page = items_page(items, limit, order, params.get("after"), where, max_limit)
         except APIError as e:
-            body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-            return JSONResponse(body, status_code=e.status, headers={REPLICA_HEADER: ",".join(asked)})
+            return JSONResponse(e.body(), status_code=e.status, headers={REPLICA_HEADER: ",".join(asked)})
         return JSONResponse(page, headers={REPLICA_HEADER: ",".join(asked)})
 
     async def _whole_list(self, replica: str, path: str, query: dict, takes_order: bool, max_limit: int,
@@ -351,24 +350,13 @@ class Frontend:
             after = page["last_id"]
 
     async def _listing(self, replica: str, path: str, query: dict, headers: list) -> dict | Response | None:
-        """``GET path?query`` on ``replica``: its JSON body when it answers 200, else its
-        answer as a response; None when it fails."""
-        answer = await self._call(replica, "GET", path, urlencode(query).encode(), headers, b"")
-        if answer is None:
-            return None
-        status, out_headers, content = answer
-        if status != 200:
-            return Response(content, status_code=status, headers=out_headers)
-        return json.loads(content)
-
-    async def _call(self, replica: str, method: str, path: str, query: bytes, headers: list,
-                    body: bytes) -> tuple[int, dict, bytes] | None:
-        """One whole (not streamed) answer of ``replica``: ``(status, headers, body)``; None
-        when the replica fails. Counted in flight on it meanwhile."""
+        """``GET path?query`` on ``replica`` (counted in flight on it meanwhile): its JSON body
+        when it answers 200, else its answer as a response; None when it fails."""
         self.router.routed(replica, RoutingHints())
         stream = None
         try:
-            stream = self.handles[replica].options(stream=True).handle.remote(method, path, query, headers, body)
+            stream = self.handles[replica].options(stream=True).handle.remote(
+                "GET", path, urlencode(query).encode(), headers, b"")
             head = await stream.__anext__()
             content = b"".join([chunk async for chunk in stream])
         except asyncio.CancelledError:   # the client left: the replica's app sees a disconnect
@@ -376,11 +364,14 @@ class Frontend:
                 stream.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed while answering
-            log.warning("replica %s failed while serving %s %s: %s", replica, method, path, e)
+            log.warning("replica %s failed while listing %s: %s", replica, path, e)
             return None
         finally:
             self.router.finished(replica)
-        return head["status"], {k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS}, content
+        if head["status"] != 200:
+            return Response(content, status_code=head["status"],
+                            headers={k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS})
+        return json.loads(content)
 
     def _hints(self, path: str, method: str, headers: dict[str, str], body: bytes) -> RoutingHints:
         conversation = _CONVERSATION_PATH.match(path)
@@ -421,6 +412,11 @@ class Frontend:
                 self.router.parked(replica, ids)
         if any(prefix in content for prefix in (b'"resp_', b'"conv_', b'"file-', b'"batch_')):
             self.router.stored(replica, list(dict.fromkeys(_STORED_ID.findall(content.decode("utf-8", "replace")))))
+
+
+def _forwarded_headers(request: Request) -> list[tuple[str, str]]:
+    """The client's headers as a replica gets them (its own ``host``)."""
+    return [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
 
 
 class _RelayResponse(StreamingResponse):
