@@ -40,28 +40,48 @@ class _AppendOverEnv(argparse._AppendAction):
         super().__call__(parser, namespace, values, option_string)
 
 
-def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
-    """Let ``JAXSERVE_<FLAG>`` set the default of every long option of ``parser``."""
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None,
+                       root: argparse.ArgumentParser | None = None) -> None:
+    """Let ``JAXSERVE_<FLAG>`` set the default of every long option of ``parser`` (and of
+    its subcommands'); a value the option would refuse is ``root``'s (default ``parser``)
+    usage error, exit status 2."""
     environ = os.environ if environ is None else environ
+    root = parser if root is None else root
     for action in parser._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.dest == "help":
             continue
-        value = environ.get(env_var_for(longs[0]))
+        name = env_var_for(longs[0])
+        value = environ.get(name)
         if value is None:
             continue
         if action.nargs == 0:  # store_true / store_false
             action.default = value.strip().lower() in ("1", "true", "yes", "on")
         elif type(action) is argparse._AppendAction:   # a repeatable option: the variable is one value
-            action.default = [action.type(value) if action.type else value]
+            action.default = [_env_value(root, action, name, value)]
             action.__class__ = _AppendOverEnv
         else:
-            action.default = action.type(value) if action.type else value
+            action.default = _env_value(root, action, name, value)
         action.required = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                apply_env_defaults(sub, environ)
+                apply_env_defaults(sub, environ, root)
+
+
+def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, value: str):
+    """``value`` of the variable ``name`` as ``action`` reads its argument: converted by its
+    type and one of its choices, else ``parser``'s usage error (exit status 2), as the same
+    value on the command line gets."""
+    try:
+        converted = action.type(value) if action.type else value
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        type_name = getattr(action.type, "__name__", "")
+        reason = str(e) if isinstance(e, argparse.ArgumentTypeError) or not type_name else f"invalid {type_name} value"
+        parser.error(f"{name}: {reason}: {value!r}")
+    if action.choices is not None and converted not in action.choices:
+        parser.error(f"{name}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+    return converted
 
 
 def build_parser() -> argparse.ArgumentParser:

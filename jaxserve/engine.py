@@ -389,18 +389,24 @@ class LLMEngine:
         request = self.scheduler.requests.get(request_id)
         if request is None or not self.api.is_waiting_external(request_id):
             raise KeyError(f"request {request_id!r} is not paused on an external API call")
+        # Everything is checked before anything changes: a refused resume leaves the request as it was.
         if token_ids is not None:
             token_ids = list(token_ids)
             self._check_token_ids(token_ids, "token_ids")
-            if request.reasoning is not None and self._ends_with_think(token_ids):
-                request.reasoning.reopen_inside()   # the client's template opened the next turn's reasoning
         elif not (isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
             raise ValueError("text must be a string or a non-empty list of strings")
+        elif isinstance(text, list) and request.pending_tool_calls and len(text) != len(request.pending_tool_calls):
+            raise ValueError(f"text: {len(text)} results for the {len(request.pending_tool_calls)} call(s) of "
+                             "the turn (one per call, in call order; or one string for them all)")
+        params = None
         if max_tokens is not None:   # a new turn: min_tokens and presence/frequency count from here
-            request.max_tokens = request.num_generated + max_tokens
-            request.sampling_params = dataclasses.replace(   # (a shorter budget ends it first: length)
-                request.sampling_params, max_tokens=request.max_tokens,
+            params = dataclasses.replace(   # (validates; a shorter budget ends it first: length)
+                request.sampling_params, max_tokens=request.num_generated + max_tokens,
                 min_tokens=min(request.sampling_params.min_tokens, max_tokens))
+        if token_ids is not None and request.reasoning is not None and self._ends_with_think(token_ids):
+            request.reasoning.reopen_inside()   # the client's template opened the next turn's reasoning
+        if params is not None:
+            request.sampling_params, request.max_tokens = params, params.max_tokens
             if request.logit_adjuster is not None:
                 request.logit_adjuster.new_turn(request.num_generated)
             if request.reasoning is not None:   # counted and shown per continuation, as its tokens are

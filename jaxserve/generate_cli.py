@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 from jaxserve.config import EngineConfig
@@ -74,6 +75,12 @@ def tokenize_returns(calls: list, tokenizer) -> list:
                                 if tokenizer else []) for call, text in calls]
 
 
+def _refused(error: Exception) -> int:
+    """A user error: one line on stderr, exit status 2 (as ``serve`` and ``run-batch``)."""
+    print(f"jaxserve generate: {error}", file=sys.stderr)
+    return 2
+
+
 def main(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
@@ -87,8 +94,11 @@ def main(args: argparse.Namespace) -> int:
         if args.prompt is not None and not all(args.prompt):
             raise ValueError("--prompt must not be empty")
     except ValueError as e:
-        raise SystemExit(f"jaxserve generate: {e}") from None
-    llm = LLM(config=EngineConfig.from_cli(args))
+        return _refused(e)
+    try:
+        llm = LLM(config=EngineConfig.from_cli(args))
+    except (ValueError, OSError) as e:   # a bad engine flag, a model that is not there or does not load
+        return _refused(e)
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -100,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
                             api_calls=[calls] * len(prompts) if calls else None)
     except ValueError as e:   # e.g. a prompt longer than the context window
         llm.engine.shutdown()
-        raise SystemExit(f"jaxserve generate: {e}") from None
+        return _refused(e)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outs):
         if args.json:

@@ -60,13 +60,17 @@ def main(args: argparse.Namespace) -> int:
             return refuse("--resume continues an output file, not standard output")
     elif not output.parent.is_dir():
         return refuse(f"--output: no directory {output.parent}")
+    elif output.is_dir():
+        return refuse(f"--output {output} is a directory: name a file")
     elif output.exists() and output.stat().st_size:
         if not args.resume:
             return refuse(f"--output {output} exists: pass --resume to continue it, or remove it")
         try:
             done = keep_finished(output)
-        except ValueError as e:
+        except ValueError as e:   # not a batch output
             return refuse(str(e))
+        except OSError as e:   # unreadable, or not rewritable
+            return refuse(f"--output {output}: {e}")
     todo = [r for r in requests if r.custom_id not in done]
     if done:
         print(f"jaxserve run-batch: resuming: {len(requests) - len(todo)} of {len(requests)} requests are "

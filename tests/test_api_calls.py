@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from jaxserve import LLM, ApiCall, SamplingParams
+from jaxserve import LLM, ApiCall, SamplingParams, StructuredOutput
 from scheduler import RequestState
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -133,6 +133,39 @@ def test_resume_errors_and_bad_api_calls_leave_engine_serving():
         engine.resume(done[0].request_id, text="late")
     assert llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(max_tokens=3, **GREEDY))[0].token_ids \
         == done[0].token_ids
+
+
+def test_a_refused_resume_leaves_the_paused_request_as_it_was():
+    """A resume that fails its checks changes nothing: a ``max_tokens`` past the limit
+    once left the new budget on the request, so the next valid resume ran to the
+    context limit; results for more calls than the turn made went into the context."""
+    llm = LLM("demo", page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=256, warmup=False)
+    engine = llm.engine
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0,
+                            structured=StructuredOutput.tool_call({"ext": empty}, name="ext", parallel=False))
+
+    def until_done(rid: str):
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.finish_reason:
+                    return out
+
+    engine.add_request("r", "call ext", params, parse_tool_calls=True)
+    paused = until_done("r")
+    assert paused.finish_reason == "tool_calls" and len(paused.tool_calls) == 1
+    request = engine.scheduler.requests["r"]
+    before = (request.max_tokens, request.sampling_params, len(request.token_ids))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.resume("r", text="ok", max_tokens=2**31 - 10)
+    with pytest.raises(ValueError, match="3 results for the 1 call"):
+        engine.resume("r", text=["one", "two", "three"])
+    assert (request.max_tokens, request.sampling_params, len(request.token_ids)) == before
+    assert engine.api.is_waiting_external("r")
+    engine.resume("r", text=["the result"])   # one per call: accepted, and the request's own budget holds
+    done = until_done("r")
+    assert done.finish_reason in ("stop", "length", "tool_calls")
+    assert request.num_generated <= params.max_tokens
 
 
 def test_swapping_compiles_each_shape_once():

@@ -82,6 +82,27 @@ def test_a_batch_file_is_checked_whole_and_every_bad_line_is_named(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_run_batch_refuses_an_output_that_is_a_directory_or_not_its_own(tmp_path, capsys):
+    """Before any model loads, one line and status 2: a directory as ``--output`` was
+    called an existing output (and with ``--resume`` a traceback); a file that is not a
+    batch output is named."""
+    from jaxserve import cli
+
+    source = tmp_path / "in.jsonl"
+    write_jsonl(source, [line("a", "/v1/completions", {"prompt": "hi"})])
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.txt").write_text("not a batch output\n")
+    for output, resume, message in [("adir", [], "--output {} is a directory: name a file"),
+                                     ("adir", ["--resume"], "--output {} is a directory: name a file"),
+                                     ("notes.txt", ["--resume"], "--resume: {} line 1 is not a batch output line")]:
+        path = tmp_path / output
+        assert cli.main(["run-batch", "/no/such/checkpoint", "-i", str(source), "-o", str(path),
+                         "--served-model-name", "tool-model", *resume]) == 2
+        err = capsys.readouterr().err
+        assert err == f"jaxserve run-batch: {message.format(path)}\n"
+    assert (tmp_path / "notes.txt").read_text() == "not a batch output\n"
+
+
 def test_run_batch_serves_each_line_with_server_side_tools_and_resumes_after_a_kill(tmp_path, tool_checkpoint):
     ckpt, _ = tool_checkpoint
     rows = [line(f"calc-{i}", "/v1/chat/completions", chat(CALC_USER)) for i in range(6)]

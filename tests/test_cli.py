@@ -84,12 +84,41 @@ def test_bench_runs_with_the_default_dtype(capsys):
     (["generate", "demo", "--presence-penalty", "3"], "jaxserve generate: presence_penalty must be"),
     (["generate", "demo", "--min-tokens", "64"], "jaxserve generate: min_tokens must be"),
 ])
-def test_generate_refuses_bad_options_in_one_line_before_loading_a_model(argv, message, monkeypatch):
+def test_generate_refuses_bad_options_in_one_line_before_loading_a_model(argv, message, monkeypatch, capsys):
     import jaxserve.llm
     monkeypatch.setattr(jaxserve.llm, "LLM", None)   # a model load would fail loudly: none must happen
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("jaxserve generate: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "demo", "--num-pages", "0"], "num_pages must be a positive integer"),
+    (["generate", "demo", "--page-size", "3"], "page_size must be a positive power of two"),
+    (["generate", "demo", "--policy", "nope"], "unknown policy 'nope'"),
+    (["generate", "/no/such/model"], "model '/no/such/model' is neither a built-in name"),
+])
+def test_generate_refuses_a_bad_engine_flag_or_model_in_one_line(argv, message, capsys):
+    """As ``serve`` and ``run-batch`` do: status 2 and one line, not a traceback (the
+    engine's settings and the model were read outside the command's error handling)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("jaxserve generate: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"JAXSERVE_MAX_NUM_SEQS": "lots"}, "JAXSERVE_MAX_NUM_SEQS: invalid int value: 'lots'"),
+    ({"JAXSERVE_LOG_LEVEL": "loud"}, "JAXSERVE_LOG_LEVEL: invalid choice 'loud'"),
+])
+def test_a_bad_env_var_is_a_usage_error_for_every_subcommand(environ, message, capsys):
+    """A value the flag would refuse on the command line is refused from its variable too,
+    as argparse refuses (status 2, the message), before any subcommand runs (it was a
+    traceback from every subcommand, ``--help`` included)."""
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert str(exit_info.value).startswith(message) or message in str(exit_info.value)
+        cli.apply_env_defaults(cli.build_parser(), environ)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"jaxserve: error: {message}" in err
 
 
 @pytest.mark.parametrize("argv", [["profile", "--repeats", "0"], ["profile", "--copy-mib", "0"],
