@@ -353,8 +353,12 @@ def main(args: argparse.Namespace) -> int:
     else:
         from jaxserve.model_source import resolve_model
         from jaxserve.weights import read_config
-        model_dir, load_format = str(resolve_model(args.model)), "safetensors"
-        vocab = read_config(Path(model_dir)).vocab_size   # (a checkpoint directory or a .gguf file)
+        from jaxserve.cli import refuse
+        try:
+            model_dir, load_format = str(resolve_model(args.model)), "safetensors"
+            vocab = read_config(Path(model_dir)).vocab_size   # (a checkpoint directory or a .gguf file)
+        except (ValueError, OSError) as e:
+            return refuse("bench", e)
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
     if args.logprobs is not None or args.prompt_logprobs is not None or args.penalties:

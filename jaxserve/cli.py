@@ -25,6 +25,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def refuse(command: str, error: Exception | str) -> int:
+    """A user error of ``jaxserve COMMAND`` (a bad setting, a model that is not there): one
+    line on stderr; returns the exit status, 2 (argparse's for a usage error)."""
+    print(f"jaxserve {command}: {error}", file=sys.stderr)
+    return 2
+
+
 def env_var_for(option: str) -> str:
     """``--max-model-len`` -> ``JAXSERVE_MAX_MODEL_LEN``."""
     return "JAXSERVE_" + option.lstrip("-").replace("-", "_").upper()

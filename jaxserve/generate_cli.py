@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 
 from jaxserve.config import EngineConfig
@@ -75,14 +74,9 @@ def tokenize_returns(calls: list, tokenizer) -> list:
                                 if tokenizer else []) for call, text in calls]
 
 
-def _refused(error: Exception) -> int:
-    """A user error: one line on stderr, exit status 2 (as ``serve`` and ``run-batch``)."""
-    print(f"jaxserve generate: {error}", file=sys.stderr)
-    return 2
-
-
 def main(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
+    from jaxserve.cli import refuse
 
     try:   # what can be checked without the model, before it loads
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -94,11 +88,11 @@ def main(args: argparse.Namespace) -> int:
         if args.prompt is not None and not all(args.prompt):
             raise ValueError("--prompt must not be empty")
     except ValueError as e:
-        return _refused(e)
+        return refuse("generate", e)
     try:
         llm = LLM(config=EngineConfig.from_cli(args))
     except (ValueError, OSError) as e:   # a bad engine flag, a model that is not there or does not load
-        return _refused(e)
+        return refuse("generate", e)
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -110,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
                             api_calls=[calls] * len(prompts) if calls else None)
     except ValueError as e:   # e.g. a prompt longer than the context window
         llm.engine.shutdown()
-        return _refused(e)
+        return refuse("generate", e)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outs):
         if args.json:

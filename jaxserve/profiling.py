@@ -254,9 +254,13 @@ def print_profile(cost) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from jaxserve.cli import refuse
     from jaxserve.engine import LLMEngine
 
-    engine = LLMEngine(config=EngineConfig.from_cli(args, warmup=True))
+    try:
+        engine = LLMEngine(config=EngineConfig.from_cli(args, warmup=True))
+    except (ValueError, OSError) as e:   # a bad setting, a model that is not there or does not load
+        return refuse("profile", e)
     try:
         cost = measure_profile(engine, args.repeats, args.copy_mib, model=str(args.model), dtype=args.dtype)
     finally:

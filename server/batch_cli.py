@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TextIO
 
+from jaxserve.cli import refuse as refuse_command
 from jaxserve.config import EngineConfig
 from server.batch import MAX_LISTED_ERRORS, BatchRequest, keep_finished, parse_batch, run_batch, summary
 from server.build import add_app_arguments, build_app, served_model_name
@@ -38,8 +39,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def refuse(message: str) -> int:
-        print(f"jaxserve run-batch: {message}", file=sys.stderr)
-        return 2
+        return refuse_command("run-batch", message)
 
     if args.num_processes > 1:
         return refuse("runs in one process (its devices may split the model: --tensor-parallel-size); "

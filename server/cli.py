@@ -17,6 +17,7 @@ import argparse
 import logging
 import sys
 
+from jaxserve.cli import refuse
 from jaxserve.config import EngineConfig
 from server.build import add_app_arguments, build_app, load_tools  # noqa: F401 - load_tools: part of this module's API
 
@@ -66,8 +67,7 @@ def main(args: argparse.Namespace) -> int:
         protocol = guarded_h11_protocol(args.header_timeout, args.max_connections)
         engine, app = build_app(args)
     except ValueError as e:
-        print(f"jaxserve serve: {e}", file=sys.stderr)
-        return 2
+        return refuse("serve", e)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
                     http=protocol, timeout_keep_alive=args.keep_alive_timeout)
@@ -85,8 +85,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         engine = LLMEngine(config=EngineConfig.from_cli(args))
     except ValueError as e:
-        print(f"jaxserve serve: {e}", file=sys.stderr)
-        return 2
+        return refuse("serve", e)
     log.info("worker process %d: following process 0", args.process_id)
     try:
         serve_worker(engine.executor)

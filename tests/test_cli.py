@@ -97,13 +97,16 @@ def test_generate_refuses_bad_options_in_one_line_before_loading_a_model(argv, m
     (["generate", "demo", "--page-size", "3"], "page_size must be a positive power of two"),
     (["generate", "demo", "--policy", "nope"], "unknown policy 'nope'"),
     (["generate", "/no/such/model"], "model '/no/such/model' is neither a built-in name"),
+    (["profile", "--page-size", "3"], "page_size must be a positive power of two"),
+    (["bench", "--model", "/no/such/model"], "model '/no/such/model' is neither a built-in name"),
 ])
-def test_generate_refuses_a_bad_engine_flag_or_model_in_one_line(argv, message, capsys):
-    """As ``serve`` and ``run-batch`` do: status 2 and one line, not a traceback (the
-    engine's settings and the model were read outside the command's error handling)."""
+def test_a_bad_engine_flag_or_model_is_refused_in_one_line(argv, message, capsys):
+    """As ``serve``, ``run-batch`` and ``replay`` do: status 2 and one line, not a
+    traceback (the engine's settings and the model were read outside the command's
+    error handling)."""
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and err.startswith("jaxserve generate: ") and len(err.splitlines()) == 1
+    assert message in err and err.startswith(f"jaxserve {argv[0]}: ") and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("environ, message", [

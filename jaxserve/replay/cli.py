@@ -210,13 +210,13 @@ def build_config(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
+    from jaxserve.cli import refuse
     from jaxserve.replay.experiment import simulate, write_outputs
     from jaxserve.replay.trace import load_trace, resolve_trace_path, scale_entries
     from jaxserve.profiles import load_profile
 
     if args.model is not None and args.simulate:
-        print("jaxserve replay: give --simulate or --model, not both", file=sys.stderr)
-        return 2
+        return refuse("replay", "give --simulate or --model, not both")
     try:
         engine, config = build_config(args)
         trace_path = resolve_trace_path(args.trace)
@@ -229,8 +229,7 @@ def main(args: argparse.Namespace) -> int:
         profile = args.profile or (DEFAULT_PROFILE if args.model is None else None)
         cost = load_profile(profile) if profile else None
     except (ValueError, FileNotFoundError) as e:
-        print(f"jaxserve replay: {e}", file=sys.stderr)
-        return 2
+        return refuse("replay", e)
     start = time.perf_counter()
     title = f"{trace_path.name}, " + (f"simulated on {cost.name}" if args.model is None else f"model {args.model}")
     try:
@@ -240,8 +239,7 @@ def main(args: argparse.Namespace) -> int:
             from jaxserve.replay.engine_replay import EngineOptions, run_engine
             runs = run_engine(entries, config, EngineOptions(engine), cost=cost, progress=not args.quiet)
     except ValueError as e:
-        print(f"jaxserve replay: {e}", file=sys.stderr)
-        return 2
+        return refuse("replay", e)
     paths = write_outputs(runs, args.out, title=title, plots=not args.no_plots)
     wall = time.perf_counter() - start
     print(paths["summary"].read_text())
