@@ -190,11 +190,14 @@ def check_schema(schema, param: str, what: str = "schema") -> None:
         raise ValueError(f"{param}: {what} must be valid Unicode (no lone surrogates)") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{param}: {what} is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{param}: {what} is not a valid JSON Schema at (root): {TOO_DEEP}") from None
     error = _schema_error(key)
     if error is not None:
         raise ValueError(f"{param}: {what} is not a valid JSON Schema at {error}")
 
 
+TOO_DEEP = "nested too deeply to check (a few hundred levels at most)"
 SCHEMA_CHECKS_KEPT = 1024   # schemas whose check is remembered
 _schema_checks: OrderedDict[bytes, str | None] = OrderedDict()   # SHA-256 of the sorted JSON -> ``_schema_error``
 _schema_checks_lock = threading.Lock()   # (requests are validated on several threads)
@@ -216,6 +219,8 @@ def _schema_error(schema_json: str) -> str | None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         error = f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message[:300]}"
+    except RecursionError:   # (the metaschema check recurses a few frames per level)
+        error = f"(root): {TOO_DEEP}"
     with _schema_checks_lock:
         _schema_checks[digest] = error
         if len(_schema_checks) > SCHEMA_CHECKS_KEPT:

@@ -372,6 +372,36 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
         assert error["param"] == param and message in error["message"], error
 
 
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("depth", [400, 2000])
+@pytest.mark.parametrize("path, field, body", [
+    ("/v1/chat/completions", "response_format", lambda s: {
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}),
+    ("/v1/chat/completions", "tools", lambda s: {
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                               "properties": {"a": s}}}}]}),
+    ("/v1/completions", "guided_json", lambda s: {"prompt": "hi", "guided_json": s}),
+    ("/v1/responses", "text", lambda s: {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                            "schema": s}}}),
+])
+def test_a_schema_nested_too_deeply_to_check_is_a_400_naming_its_field(path, field, body, depth):
+    """Every route checks schemas against the metaschema, which recurses a few frames a
+    level: past ~370 levels that was a ``RecursionError`` and a 500 (past ~1,000 already
+    in writing the schema as JSON)."""
+    with _client(_ScriptedEngine()) as client:
+        error = _error(client.post(path, content=json.dumps({"model": "m", **body(_nested_schema(depth))}),
+                                   headers={"content-type": "application/json"}), 400)
+        assert error["param"].split(".")[0] == field and "nested too deeply" in error["message"], error
+
+
 @pytest.mark.parametrize("path, field, value", [("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "x")])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
     """Fields this server does not implement but that change what a client gets back
