@@ -314,6 +314,17 @@ def test_openai_client_chat_answer_is_english(gguf_path, tmp_path, llm):
                                for c in chunks if c.choices)
                 reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 assert (text, reasons) == (content, ["stop"]), (stop, include, stream)
+        # "Now answer without tools": a conversation holding a call and its result, continued with
+        # tool_choice "none", renders on this template (no tool support) with the call as text, as with
+        # "auto" (a call message without content reached the template, which refused it: a 400)
+        history = [{"role": "user", "content": "What is the weather in Paris?"},
+                   {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+        for tool_choice in ("none", "auto"):
+            answer = client.chat.completions.create(model="smollm2-135m", messages=history, tools=TOOLS,
+                                                    tool_choice=tool_choice, max_tokens=8, temperature=0)
+            assert answer.usage.prompt_tokens > 20 and answer.choices[0].message.content, tool_choice
         assert "Traceback" not in server.log_tail() and "WARNING" not in server.log_tail()
     finally:
         server.stop()

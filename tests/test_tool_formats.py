@@ -212,6 +212,23 @@ def test_template_without_tools_gets_definitions_in_a_system_message(name):
     assert messages[1]["content"] is None        # the caller's messages are not modified
 
 
+def test_a_conversation_with_calls_renders_when_no_tools_are_offered():
+    """``tool_choice: "none"`` offers no tools, but the conversation may hold calls and
+    results: on a template without tool support they become text as when tools are
+    offered (a call message with no content reached the template, which refused it),
+    and no tool prompt is added."""
+    fmt = get_format("hermes")
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    out, tools = prepare_chat(messages, None, fmt, NO_TOOLS_TEMPLATE)
+    assert tools is None and [m["role"] for m in out] == ["user", "assistant", "tool"]
+    [call] = fmt.parser().feed(out[1]["content"])
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert out[2] == {"role": "tool", "content": "sunny"} and "tool_calls" in messages[1]
+
+
 def test_system_message_is_extended_and_tool_templates_are_left_alone():
     fmt = get_format("hermes")
     out, _ = prepare_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],

@@ -56,13 +56,15 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat
                  chat_template: str | None) -> tuple[list[dict], list[dict] | None]:
     """``(messages, tools)`` to hand to ``apply_chat_template``.
 
-    A template with tool support gets them unchanged. Otherwise the tool
-    definitions go into the system message (``fmt.system_prompt``, appended to
-    an existing one), assistant ``tool_calls`` become text in the format
-    (``fmt.render_calls``) and ``tool`` messages keep their role with their
-    content as text; ``tools`` comes back ``None``.
+    A template with tool support gets them unchanged. Otherwise assistant
+    ``tool_calls`` become text in the format (``fmt.render_calls``) and
+    ``tool`` messages keep their role with their content as text, tools
+    offered or not (a conversation with calls in it, continued with
+    ``tool_choice: "none"``, offers none), and the tool definitions, if any,
+    go into the system message (``fmt.system_prompt``, appended to an existing
+    one); ``tools`` comes back ``None``.
     """
-    if not tools or template_supports_tools(chat_template):
+    if template_supports_tools(chat_template):
         return messages, tools
     out = []
     for m in messages:
@@ -75,6 +77,8 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
+    if not tools:
+        return out, None
     prompt = fmt.system_prompt(tools)
     if out and out[0]["role"] in ("system", "developer"):
         out[0] = {**out[0], "role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
