@@ -289,13 +289,39 @@ def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[st
     ``opener`` replaces the turn's first opening markup (``ToolFormat.forced_call_grammar``)."""
     alternatives, rules = [], []
     for i, tool in enumerate(spec.tools):
-        call = {"type": "object", "properties": {"name": {"const": tool.name}, fmt.args_key: tool.parameters},
+        parameters = _rebased_refs(tool.parameters, f"#/properties/{fmt.args_key}")
+        call = {"type": "object", "properties": {"name": {"const": tool.name}, fmt.args_key: parameters},
                 "required": ["name", fmt.args_key], "additionalProperties": False,
                 "x-guidance": _JSON_OPTIONS}
         alternatives.append(f"call_{i}")
         rules.append(f"call_{i}: %json {json.dumps(call)}")
     return "\n".join([fmt.forced_call_grammar("call", spec.parallel, markup, opener),
                       f"call: {' | '.join(alternatives)}", *rules])
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})   # values there are data, not schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased_refs(schema, prefix: str):
+    """``schema`` with its local references (``$ref`` "#..."; pydantic's and
+    ``openai.pydantic_function_tool``'s ``#/$defs/...``) rebased to ``prefix``, the
+    JSON pointer of where it sits inside a larger schema (a copy)."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):   # names (maybe "enum", "$ref") -> schemas
+            out[key] = {name: _rebased_refs(sub, prefix) for name, sub in value.items()}
+        else:
+            out[key] = _rebased_refs(value, prefix)
+    return out
 
 
 def optional_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[str], str],

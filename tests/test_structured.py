@@ -342,6 +342,43 @@ def test_forced_call_grammar_takes_exactly_what_render_calls_writes(llm, name):
 
 
 @pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
+def test_forced_call_grammar_follows_refs_to_the_tools_own_defs(llm, name):
+    """Parameters as pydantic (and ``openai.pydantic_function_tool``) write them, a nested
+    model in ``$defs`` behind a ``$ref``: the call grammar nests them in a wrapper schema,
+    where "#/$defs/..." named nothing and every forced call was a 400."""
+    import pydantic
+
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+
+    class Location(pydantic.BaseModel):
+        city: str
+
+    class Trip(pydantic.BaseModel):
+        start: Location
+        stops: list[Location]
+
+    parameters = Trip.model_json_schema()
+    assert "$defs" in parameters and parameters["properties"]["start"] == {"$ref": "#/$defs/Location"}
+    fmt, tok = get_format(name), llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, fmt)
+    spec = StructuredOutput.tool_call([{"type": "function", "function": {"name": "plan", "parameters": parameters}}],
+                                      "plan")
+
+    def takes(arguments: str) -> bool:
+        grammar = decoding.start(spec)
+        if any(grammar.accept(t) is not None for t in tok.encode(fmt.render_calls([("plan", arguments)]),
+                                                                  add_special_tokens=False)):
+            return False
+        if grammar.ends_with_eos and grammar.active:
+            grammar.accept(min(llm.engine.eos_token_ids))
+        return grammar.turn_complete
+
+    assert takes('{"start": {"city": "Paris"}, "stops": [{"city": "Lyon"}]}')
+    assert not takes('{"start": {"town": "Paris"}, "stops": []}')   # the $defs schema holds
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
 def test_optional_call_grammar_takes_text_or_calls_to_the_allowed_tools_only(llm, name):
     """``allowed_tools`` in mode ``auto`` (``StructuredOutput.tool_call(..., optional=True)``),
     per format, on the demo tokenizer (Hermes tags are special tokens there, Mistral's marker
