@@ -103,9 +103,12 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed"}.get(
+        # (FastAPI's only 400 here: a body its JSON reading failed on otherwise than as bad JSON
+        # text: bytes that are not UTF-8, an integer past Python's 4,300 digits)
+        message = {400: f"request body could not be read as JSON ({exc.detail})",
+                   404: f"no route {request.url.path}", 405: f"method {request.method} not allowed"}.get(
             exc.status_code, str(exc.detail))
-        param = {404: "path", 405: "method"}.get(exc.status_code)
+        param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)
         return APIError(exc.status_code, message, param=param, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)

@@ -148,9 +148,14 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
 def responses_error(error: APIError) -> APIError:
     """``error`` (raised for the chat request) naming the Responses API's fields."""
     if error.param is not None:
-        head = error.param.partition(".")[0]
+        chat_param = error.param
+        head = chat_param.partition(".")[0]
         if head in _RESPONSES_PARAMS:
             error.param = _RESPONSES_PARAMS[head]
+            for named in (chat_param, head):   # the message's leading field name too ("messages: ...")
+                if error.message.startswith(named + ":"):
+                    error.message = error.param + error.message[len(named):]
+                    break
     for chat_name in ("max_completion_tokens", "max_tokens"):
         error.message = error.message.replace(chat_name, "max_output_tokens")
     return error

@@ -372,6 +372,18 @@ def test_bad_chat_fields_are_400s_that_name_the_field(body, param, message):
         assert error["param"] == param and message in error["message"], error
 
 
+@pytest.mark.parametrize("content, detail", [(b'{"model": "m", "prompt": "\xff\xfe"}', None),
+                                             (b'{"model": "m", "prompt": [' + b"9" * 5000 + b"]}", None),
+                                             (b'{"model": "m", "prompt": ', "not valid JSON")])
+def test_a_body_that_is_not_json_is_a_400_naming_the_body(content, detail):
+    """Bytes that are not UTF-8 and an integer too long for Python reached FastAPI's own
+    400 with ``param`` null; bad JSON text was already the body's."""
+    with _client(_ScriptedEngine()) as client:
+        error = _error(client.post("/v1/completions", content=content,
+                                   headers={"content-type": "application/json"}), 400)
+        assert error["param"] == "body" and (detail or "could not be read as JSON") in error["message"], error
+
+
 def _nested_schema(depth: int) -> dict:
     schema: dict = {}
     for _ in range(depth):
@@ -923,7 +935,9 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
         r = client.post("/v1/responses", json={**body, "truncation": "auto"})
         assert r.status_code == 200, r.text
         assert sent == [from_second] and r.json()["truncation"] == "auto"
-        assert _error(client.post("/v1/responses", json=body), 400)["code"] == "context_length_exceeded"
+        error = _error(client.post("/v1/responses", json=body), 400)
+        assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+        assert error["message"].startswith("input: the prompt has ")   # the Responses API's name, not chat's
     with _client(engine, max_model_len=len(last) + 7) as client:
         r = client.post("/v1/responses", json={**body, "truncation": "auto"})
         assert _error(r, 400)["code"] == "context_length_exceeded" and len(sent) == 1
