@@ -47,13 +47,26 @@ class _AppendOverEnv(argparse._AppendAction):
         super().__call__(parser, namespace, values, option_string)
 
 
-def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None,
-                       root: argparse.ArgumentParser | None = None) -> None:
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class RefusedEnvValue:
+    """A ``JAXSERVE_<FLAG>`` value its option refuses, kept as the option's default: only
+    the subcommand that runs with it refuses it (``check_env_values``; an option of the
+    same name in another subcommand may take it)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"<refused: {self.message}>"
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
     """Let ``JAXSERVE_<FLAG>`` set the default of every long option of ``parser`` (and of
-    its subcommands'); a value the option would refuse is ``root``'s (default ``parser``)
-    usage error, exit status 2."""
+    its subcommands'), read as the option reads its argument (a ``RefusedEnvValue`` where
+    it would refuse it)."""
     environ = os.environ if environ is None else environ
-    root = parser if root is None else root
     for action in parser._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.dest == "help":
@@ -62,33 +75,43 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] 
         value = environ.get(name)
         if value is None:
             continue
-        if action.nargs == 0:  # store_true / store_false
-            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        if action.nargs == 0:  # store_true / store_false / --flag/--no-flag: the variable says whether it is on
+            word = value.strip().lower()
+            action.default = word in TRUE_WORDS if word in TRUE_WORDS + FALSE_WORDS else RefusedEnvValue(
+                f"{name}: {value!r} is not one of {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS[:-1])}")
         elif type(action) is argparse._AppendAction:   # a repeatable option: the variable is one value
-            action.default = [_env_value(root, action, name, value)]
+            action.default = [_env_value(action, name, value)]
             action.__class__ = _AppendOverEnv
         else:
-            action.default = _env_value(root, action, name, value)
+            action.default = _env_value(action, name, value)
         action.required = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                apply_env_defaults(sub, environ, root)
+                apply_env_defaults(sub, environ)
 
 
-def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, value: str):
+def _env_value(action: argparse.Action, name: str, value: str):
     """``value`` of the variable ``name`` as ``action`` reads its argument: converted by its
-    type and one of its choices, else ``parser``'s usage error (exit status 2), as the same
-    value on the command line gets."""
+    type and one of its choices, else a ``RefusedEnvValue`` saying why."""
     try:
         converted = action.type(value) if action.type else value
     except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
         type_name = getattr(action.type, "__name__", "")
         reason = str(e) if isinstance(e, argparse.ArgumentTypeError) or not type_name else f"invalid {type_name} value"
-        parser.error(f"{name}: {reason}: {value!r}")
+        return RefusedEnvValue(f"{name}: {reason}: {value!r}")
     if action.choices is not None and converted not in action.choices:
-        parser.error(f"{name}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+        return RefusedEnvValue(f"{name}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
     return converted
+
+
+def check_env_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser``'s usage error (exit status 2) if a setting of ``args`` is a
+    ``JAXSERVE_<FLAG>`` value its option refuses (``apply_env_defaults``)."""
+    for value in vars(args).values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, RefusedEnvValue):
+                parser.error(item.message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
+    check_env_values(parser, args)
     return int(importlib.import_module(args._module).main(args) or 0)
 
 

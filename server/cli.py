@@ -98,12 +98,14 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def _standalone(argv: list[str] | None = None) -> int:
-    from jaxserve.cli import apply_env_defaults
+    from jaxserve.cli import apply_env_defaults, check_env_values
 
     parser = argparse.ArgumentParser(prog="jaxserve serve", description=__doc__.splitlines()[0])
     add_arguments(parser)
     apply_env_defaults(parser)
-    return main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    check_env_values(parser, args)
+    return main(args)
 
 
 if __name__ == "__main__":

@@ -109,19 +109,34 @@ def test_a_bad_engine_flag_or_model_is_refused_in_one_line(argv, message, capsys
     assert message in err and err.startswith(f"jaxserve {argv[0]}: ") and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("environ, message", [
-    ({"JAXSERVE_MAX_NUM_SEQS": "lots"}, "JAXSERVE_MAX_NUM_SEQS: invalid int value: 'lots'"),
-    ({"JAXSERVE_LOG_LEVEL": "loud"}, "JAXSERVE_LOG_LEVEL: invalid choice 'loud'"),
+@pytest.mark.parametrize("variable, value, message", [
+    ("JAXSERVE_MAX_NUM_SEQS", "lots", "JAXSERVE_MAX_NUM_SEQS: invalid int value: 'lots'"),
+    ("JAXSERVE_HANDLING", "keep", "JAXSERVE_HANDLING: invalid choice 'keep'"),
+    ("JAXSERVE_IGNORE_EOS", "ture", "JAXSERVE_IGNORE_EOS: 'ture' is not one of 1/true/yes/on or 0/false/no/off"),
 ])
-def test_a_bad_env_var_is_a_usage_error_for_every_subcommand(environ, message, capsys):
-    """A value the flag would refuse on the command line is refused from its variable too,
-    as argparse refuses (status 2, the message), before any subcommand runs (it was a
-    traceback from every subcommand, ``--help`` included)."""
+def test_a_bad_env_var_is_a_usage_error_of_the_subcommand_that_reads_it(variable, value, message, monkeypatch,
+                                                                       capsys):
+    """A value the flag would refuse on the command line is refused from its variable too
+    (status 2, the message), before the subcommand runs: it was a traceback, or for a
+    switch any word but true/yes/on/1 quietly meant off."""
+    monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exit_info:
-        cli.apply_env_defaults(cli.build_parser(), environ)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert f"jaxserve: error: {message}" in err
+        cli.main(["generate", "demo"])
+    assert exit_info.value.code == 2 and f"jaxserve: error: {message}" in capsys.readouterr().err
+
+
+def test_an_env_var_one_subcommand_refuses_is_left_to_the_others(monkeypatch, capsys):
+    """``--max-tokens`` is any integer to ``generate`` but at least 1 to ``bench``: 0 in
+    ``JAXSERVE_MAX_TOKENS`` stops ``bench`` only (it stopped every subcommand)."""
+    monkeypatch.setenv("JAXSERVE_MAX_TOKENS", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench"])
+    assert exit_info.value.code == 2 and "JAXSERVE_MAX_TOKENS: must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["generate", "demo"]) == 2   # generate reads it, then refuses max_tokens 0 as it always did
+    assert "jaxserve generate: max_tokens must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["replay", "--help"])
+    assert exit_info.value.code == 0
 
 
 @pytest.mark.parametrize("argv", [["profile", "--repeats", "0"], ["profile", "--copy-mib", "0"],
