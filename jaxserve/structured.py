@@ -304,16 +304,18 @@ _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definit
 
 
 def _rebased_refs(schema, prefix: str):
-    """``schema`` with its local references (``$ref`` "#..."; pydantic's and
-    ``openai.pydantic_function_tool``'s ``#/$defs/...``) rebased to ``prefix``, the
-    JSON pointer of where it sits inside a larger schema (a copy)."""
+    """``schema`` with its JSON-pointer references to its own root (``$ref`` "#" and
+    "#/..."; pydantic's and ``openai.pydantic_function_tool``'s ``#/$defs/...``)
+    rebased to ``prefix``, the pointer of where it sits inside a larger schema (a
+    copy). Anchors ("#name") are left alone, as is a subschema with an ``$id``: its
+    references resolve against itself, wherever it sits."""
     if isinstance(schema, list):
         return [_rebased_refs(item, prefix) for item in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = prefix + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value

@@ -376,6 +376,16 @@ def test_forced_call_grammar_follows_refs_to_the_tools_own_defs(llm, name):
 
     assert takes('{"start": {"city": "Paris"}, "stops": [{"city": "Lyon"}]}')
     assert not takes('{"start": {"town": "Paris"}, "stops": []}')   # the $defs schema holds
+    # Refs that are not pointers to the parameters' root stay as they are: an anchor, and
+    # anything inside a subschema with its own $id (it resolves against itself)
+    for parameters in ({"type": "object", "properties": {"a": {"$ref": "#city"}},
+                        "$defs": {"C": {"$anchor": "city", "type": "string"}}},
+                       {"$id": "https://example.com/trip", "type": "object", "properties": {"a": {"$ref": "#/$defs/C"}},
+                        "$defs": {"C": {"type": "string"}}}):
+        grammar = decoding.start(StructuredOutput.tool_call(
+            [{"type": "function", "function": {"name": "plan", "parameters": parameters}}], "plan"))
+        written = tok.encode(fmt.render_calls([("plan", '{"a": "Lyon"}')]), add_special_tokens=False)
+        assert all(grammar.accept(t) is None for t in written)
 
 
 @pytest.mark.parametrize("name", sorted(PARALLEL_TURN))
