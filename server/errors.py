@@ -92,6 +92,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
+FASTAPI_BODY_ERROR = "There was an error parsing the body"   # FastAPI's 400 when reading the body raised
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -103,12 +106,11 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        # (FastAPI's only 400 here: a body its JSON reading failed on otherwise than as bad JSON
-        # text: bytes that are not UTF-8, an integer past Python's 4,300 digits)
-        message = {400: f"request body could not be read as JSON ({exc.detail})",
-                   404: f"no route {request.url.path}", 405: f"method {request.method} not allowed"}.get(
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed"}.get(
             exc.status_code, str(exc.detail))
-        param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)
+        if exc.detail == FASTAPI_BODY_ERROR:   # JSON reading failed otherwise than on bad JSON text
+            message = "request body could not be read as JSON (bytes that are not UTF-8, a number too long, ...)"
+        param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)   # (400s: the body's; a multipart's)
         return APIError(exc.status_code, message, param=param, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)

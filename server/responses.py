@@ -148,14 +148,12 @@ def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict])
 def responses_error(error: APIError) -> APIError:
     """``error`` (raised for the chat request) naming the Responses API's fields."""
     if error.param is not None:
-        chat_param = error.param
-        head = chat_param.partition(".")[0]
+        head = error.param.partition(".")[0]
         if head in _RESPONSES_PARAMS:
             error.param = _RESPONSES_PARAMS[head]
-            for named in (chat_param, head):   # the message's leading field name too ("messages: ...")
-                if error.message.startswith(named + ":"):
-                    error.message = error.param + error.message[len(named):]
-                    break
+    named, colon, rest = error.message.partition(":")   # the message's leading field ("messages.0.content: ...")
+    if colon and named.partition(".")[0] in _RESPONSES_PARAMS and " " not in named:
+        error.message = _RESPONSES_PARAMS[named.partition(".")[0]] + colon + rest
     for chat_name in ("max_completion_tokens", "max_tokens"):
         error.message = error.message.replace(chat_name, "max_output_tokens")
     return error
@@ -468,6 +466,7 @@ class ResponsesWire:
     def error(self, error: APIError | Exception) -> list[str]:
         if not isinstance(error, APIError):
             error = APIError(500, f"generation failed: {type(error).__name__}: {error}")
+        error = responses_error(error)
         failed = self._object("failed", [])
         failed["error"] = {"code": error.code or error.type, "message": error.message}
         self.final = failed

@@ -382,6 +382,9 @@ def test_a_body_that_is_not_json_is_a_400_naming_the_body(content, detail):
         error = _error(client.post("/v1/completions", content=content,
                                    headers={"content-type": "application/json"}), 400)
         assert error["param"] == "body" and (detail or "could not be read as JSON") in error["message"], error
+        # an upload's multipart body that cannot be read is the body's 400 too, in its own words
+        error = _error(client.post("/v1/files", content=b"x", headers={"content-type": "multipart/form-data"}), 400)
+        assert error["param"] == "body" and "multipart" in error["message"] and "JSON" not in error["message"]
 
 
 def _nested_schema(depth: int) -> dict:
@@ -941,6 +944,23 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
     with _client(engine, max_model_len=len(last) + 7) as client:
         r = client.post("/v1/responses", json={**body, "truncation": "auto"})
         assert _error(r, 400)["code"] == "context_length_exceeded" and len(sent) == 1
+
+
+@pytest.mark.parametrize("message, param, expected", [
+    ("prompt: this request needs 9 KV pages", "input", ("input", "input: this request needs 9 KV pages")),
+    ("messages.1.content: too long", "messages", ("input", "input: too long")),
+    ("max_tokens: must be at least 1", "max_tokens", ("max_output_tokens", "max_output_tokens: must be at least 1")),
+    ("temperature: must be in [0, 2]", "temperature", ("temperature", "temperature: must be in [0, 2]")),
+    ("the engine said: no", None, (None, "the engine said: no")),
+])
+def test_a_responses_error_names_the_responses_fields(message, param, expected):
+    """Errors raised for the chat request a response runs as (or by the engine, which
+    calls a prompt a prompt) name the Responses API's fields, in the message as in
+    ``param``; streamed ones too (``ResponsesWire.error``)."""
+    from server.errors import APIError
+    from server.responses import responses_error
+    error = responses_error(APIError(400, message, param=param))
+    assert (error.param, error.message) == expected
 
 
 def test_a_responses_input_items_are_listed_in_pages():
