@@ -110,7 +110,8 @@ def install_handlers(app: FastAPI) -> None:
             exc.status_code, str(exc.detail))
         if exc.detail == FASTAPI_BODY_ERROR:   # JSON reading failed otherwise than on bad JSON text
             message = "request body could not be read as JSON (bytes that are not UTF-8, a number too long, ...)"
-        param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)   # (400s: the body's; a multipart's)
+        # (a 400 raised here is about the body: JSON FastAPI could not read, an upload's multipart form)
+        param = {400: "body", 404: "path", 405: "method"}.get(exc.status_code)
         return APIError(exc.status_code, message, param=param, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
