@@ -54,9 +54,10 @@ class RequestGrammar:
     blocks: after a block, another may follow); otherwise when its text is.
     ``close_token``: in a parallel turn, the token that ends it after a complete
     call (EOS for Hermes blocks, ``]`` for a list); at such a point, when the
-    tokens left would not fit another call of the average size so far, the next
-    token is forced to it (``forced_token``), so a model that keeps calling still
-    returns its complete calls. ``active`` is False once the turn is complete or
+    tokens left would not fit another call of the average size so far and its
+    close before the last token, the next token is forced to it
+    (``forced_token``), so a model that keeps calling still returns its
+    complete calls. ``active`` is False once the turn is complete or
     the matcher stopped; inactive grammars constrain no row. ``dormant``: the grammar
     waits for the model's reasoning to end (``sleep``, then ``wake``); until then it is
     inactive and takes no token. ``thinks_first``: the grammar itself lets the turn open
@@ -124,7 +125,9 @@ class RequestGrammar:
         self._tokens += 1
         if self.close_token is not None and tokens_left is not None and self._at_call_boundary():
             self._boundaries += 1
-            if tokens_left < self._tokens / self._boundaries + 1:
+            # room for another call of the average size, its close, and a token after that (a close
+            # that is the last token allowed ends the request "length" before the grammar sees it)
+            if tokens_left < self._tokens / self._boundaries + 2:
                 self.forced_token = self.close_token
         return None
 

@@ -241,6 +241,25 @@ def test_client_side_parallel_turn_is_resumed_with_one_result_per_call(llm):
     engine.abort(rid)   # it may have paused on a free-text call after the results
 
 
+def test_a_forced_parallel_turn_ends_with_its_calls_at_any_budget(llm):
+    """The turn is closed for the model before a call that would not fit, leaving the close
+    a token that is not the last allowed: where the forced close (Hermes: EOS) was the last
+    token, the request ended "length" and every complete call was lost."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}}
+    def run(max_tokens: int):
+        spec = StructuredOutput.tool_call([weather], parallel=True)
+        return llm.generate(["Weather in Paris?"], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=2,
+                                                                  structured=spec))[0]
+
+    whole = run(400)
+    assert whole.finish_reason == "tool_calls" and len(whole.tool_calls) >= 3   # (this seed keeps calling)
+    n = len(whole.token_ids)
+    for budget in range(n - 40, n + 2):
+        out = run(budget)
+        assert out.finish_reason == "tool_calls" and out.tool_calls, (budget, n, out.finish_reason)
+
+
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
 def test_forced_parallel_turn_in_list_formats_runs_every_call(parser):
     """With the Llama 3 JSON or Mistral format, the forced turn is a list of calls: the
