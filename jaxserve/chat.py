@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from jaxserve.constraints import check_schema
 from jaxserve.tool_format import ToolFormat, prepare_chat
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -83,7 +84,7 @@ def function_tool(name: str, description: str | None = None, parameters: dict | 
 def function_tools(tools, field: str = "tools") -> list[dict]:
     """OpenAI tool dicts (``{"type": "function", "function": {"name", "description"?,
     "parameters"?}}``, names as OpenAI allows them, each once) as ``function_tool`` writes
-    them; ``ValueError`` naming ``field`` otherwise."""
+    them, with ``parameters`` a valid JSON Schema; ``ValueError`` naming ``field`` otherwise."""
     if not isinstance(tools, list):
         raise ValueError(f"{field}: a list of tools, got {type(tools).__name__}")
     out, seen = [], set()
@@ -94,6 +95,8 @@ def function_tools(tools, field: str = "tools") -> list[dict]:
                 or not isinstance(fn.get("parameters", {}), (dict, type(None))):
             raise ValueError(f"{field}[{i}]: expected {{'type': 'function', 'function': {{'name': 1-64 of "
                              f"A-Za-z0-9_.-, 'description'?: str, 'parameters'?: JSON Schema}}}}, got {tool!r}"[:300])
+        if fn.get("parameters") is not None:   # (the server's check: a schema its grammar could compile)
+            check_schema(fn["parameters"], f"{field}[{i}].function.parameters", "parameters")
         if fn["name"] in seen:
             raise ValueError(f"{field}[{i}]: a second tool named {fn['name']!r}")
         seen.add(fn["name"])

@@ -68,6 +68,10 @@ def test_chat_renders_each_conversation_as_the_server_does(tool_checkpoint, tmp_
     for kwargs, match in [(dict(tools=[WEATHER_TOOL, {"type": "function"}]), r"^tools\[1\]"),
                           (dict(tools=[WEATHER_TOOL, WEATHER_TOOL]), r"^tools\[1\]: a second tool"),
                           (dict(tools=WEATHER_TOOL), r"^tools: a list"),
+                          # a schema the server refuses (400) is refused here too, not put in the prompt
+                          (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                              "type": "object", "properties": {"a": {"type": "strin"}}}}}]),
+                           r"^tools\[0\]\.function\.parameters: parameters is not a valid JSON Schema at properties/a"),
                           (dict(chat_template_kwargs={"tools": []}), r"^chat_template_kwargs: tools"),
                           (dict(tool_choice="required"), r"^tool_choice"),
                           (dict(continue_final_message=True), r"^continue_final_message")]:
