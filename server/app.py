@@ -419,7 +419,8 @@ async def _serve(state: ServerState, request: Request, body, chat: bool, wire=No
             await state.token_spellings.ready()
         merger = ChoiceMerger(state.engine, jobs)
         choices = [ChoiceState(i, job, new_timer(state.metrics, job, start),
-                               hide_tool_markup=chat and job.parse_tool_calls, tool_format=state.tool_format)
+                               hide_tool_markup=chat and job.parse_tool_calls, tool_format=state.tool_format,
+                               server_tools=frozenset(state.tools))
                    for i, job in enumerate(jobs)]
         if getattr(wire, "background", False):
             try:
@@ -1031,6 +1032,9 @@ async def _stream(state: ServerState, request: Request, wire, merger: ChoiceMerg
                 text, logprobs = c.job.echo + text, c.prompt_logprobs + logprobs
             if text or logprobs or reasoning:
                 for event in wire.text(c, text, logprobs, reasoning):
+                    yield event
+            if c.new_calls:
+                for event in wire.calls(c, c.new_calls):
                     yield event
             if c.finish_reason is not None:
                 for event in wire.finish(c):

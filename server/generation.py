@@ -23,6 +23,7 @@ from server.logprobs import TextOffsets
 from server.metrics import ResponseTimer, ServerMetrics
 from server.parked import ParkedContext
 from jaxserve.tool_format import ToolFormat, get_format
+from jaxserve.tool_format.call_stream import CallStream
 
 
 def sampling_key(params: SamplingParams) -> tuple:
@@ -141,8 +142,22 @@ class ChoiceMerger:
 
 @dataclass
 class ToolCallOut:
+    """A call the response returns (or, while streaming, the part of one sent so far)."""
+
     id: str
     name: str
+    arguments: str   # JSON text (while streaming: the part sent so far)
+    index: int = 0   # its ``tool_calls`` index in a stream (its position, unless a call streamed before broke)
+    sent: int | None = None   # argument characters a stream sent before the turn ended (None: not even its name)
+
+
+@dataclass
+class CallDelta:
+    """What one output added to a streamed call: ``opened``, its name is new (send the
+    call's id and name first); ``arguments``, the next piece of its arguments."""
+
+    call: ToolCallOut
+    opened: bool
     arguments: str
 
 
@@ -159,16 +174,25 @@ class ChoiceState:
     completion_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)   # the turn's calls it paused on
+    server_tools: frozenset[str] = frozenset()   # the server's tools: their calls are run, not shown
+    new_calls: list[CallDelta] = field(default_factory=list)   # what the last output added to streamed calls
     server_calls: int = 0        # server-side tool calls completed in this response
     last: RequestOutput | None = None
     settled: bool = False        # a paused tool call was parked for the follow-up, or aborted
     tool_format: ToolFormat = field(default_factory=lambda: get_format("hermes"))
     text_offsets: TextOffsets | None = None   # with logprobs, completions: where each token starts in the text
     _filter: object | None = None   # the format's markup filter when hiding markup
+    _calls: CallStream | None = None   # reads the calls the filter hides as they are written
+    _streamed: list[ToolCallOut] = field(default_factory=list)   # this turn's calls sent so far
+    _indices_used: int = 0          # stream indices given to calls so far (every turn)
+    _api_calls_seen: int = 0        # the request's API calls as of the last output
 
     def __post_init__(self) -> None:
         if self.hide_tool_markup:
             self._filter = self.tool_format.markup_filter()
+            self._calls = self.tool_format.call_stream(self.server_tools)
+        if self.job.resume_from is not None:
+            self._api_calls_seen = self.job.resume_from.calls_seen + 1
         if self.job.params.logprobs is not None:
             self.text_offsets = TextOffsets(self.job.params.skip_special_tokens)
 
@@ -229,17 +253,57 @@ class ChoiceState:
         if out.delta_reasoning:
             self.reasoning_parts.append(out.delta_reasoning)
         text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
+        self.new_calls = self._stream_calls(out) if self._calls else []
         if out.finished:
             if self._filter:
                 text += self._filter.flush()
             self.finish_reason = out.finish_reason
             if out.finish_reason == "tool_calls":
-                self.tool_calls = [ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", call["name"],
-                                               call.get("arguments") or "{}") for call in out.tool_calls]
+                self.tool_calls = self._final_calls(out.tool_calls)
             self.timer.on_end(self.finish_reason, time.monotonic())
         if text:
             self.text_parts.append(text)
         return text
+
+    def _stream_calls(self, out: RequestOutput) -> list[CallDelta]:
+        """Read the calls the markup filter hid so far; returns what they added since the last
+        output. A turn whose calls went to the server's tools (the request made another API
+        call and goes on) starts the next turn's calls afresh."""
+        self._calls.update(self._filter.spans)
+        deltas = []
+        for position, call in enumerate(self._calls.calls):
+            opened = position == len(self._streamed)
+            if opened:
+                self._streamed.append(ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", call.name, "",
+                                                  index=self._indices_used))
+                self._indices_used += 1
+            sent = self._streamed[position]
+            piece = call.arguments[len(sent.arguments):]
+            if opened or piece:
+                sent.arguments += piece
+                deltas.append(CallDelta(sent, opened, piece))
+        if len(out.api_calls) > self._api_calls_seen:
+            self._api_calls_seen = len(out.api_calls)
+            if out.finish_reason != "tool_calls":
+                self._calls.new_turn()
+                self._streamed = []
+        return deltas
+
+    def _final_calls(self, calls: list[dict]) -> list[ToolCallOut]:
+        """The calls the turn paused on (``RequestOutput.tool_calls``), each with its id and
+        stream index: those of a call already streamed when it is the same call (same name,
+        its arguments so far a prefix of the parsed ones), else new ones after all used."""
+        final = []
+        for position, call in enumerate(calls):
+            arguments = call.get("arguments") or "{}"
+            sent = self._streamed[position] if position < len(self._streamed) else None
+            if sent is not None and sent.name == call["name"] and arguments.startswith(sent.arguments):
+                final.append(ToolCallOut(sent.id, sent.name, arguments, sent.index, len(sent.arguments)))
+            else:
+                final.append(ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", call["name"], arguments,
+                                         self._indices_used))
+                self._indices_used += 1
+        return final
 
     def parkable_context(self) -> list[int] | None:
         """The paused request's context ids when it can be resumed by a follow-up,

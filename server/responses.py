@@ -31,7 +31,7 @@ from typing import Callable
 from pydantic import BaseModel, ValidationError
 
 from server.errors import APIError
-from server.generation import ChoiceState
+from server.generation import CallDelta, ChoiceState, ToolCallOut
 from server.logprobs import TokenSpellings, chat_logprobs
 from server.protocol import (ChatCompletionRequest, ResponseAllowedTools, ResponseInputItem, ResponsesRequest,
                              ResponseToolChoiceFunction, reasoning_token)
@@ -188,6 +188,9 @@ class ResponsesWire:
         self._later_reasoning_id = f"rs_{uuid.uuid4().hex}"   # reasoning that came after the message started
         self._sequence = 0
         self._message_open = False    # its output item has been announced
+        self._message_done = False    # and closed (a call opened after it, or the response ended)
+        self._open_calls: list[ToolCallOut] = []   # the call being streamed (its item added, not done)
+        self._done_calls: set[str] = set()          # ids of the calls whose items are done
         self._reasoning_open = False  # a reasoning item is being streamed (before the message)
         self._reasoning_streamed = ""  # its text so far (reasoning that comes after the message opened is not)
 
@@ -420,32 +423,67 @@ class ResponsesWire:
                                      output_index=self._message_index, content_index=0, delta=text,
                                      logprobs=self._logprobs(records) or [])]
 
+    def _close_message(self, c: ChoiceState, item_status: str) -> list[str]:
+        """The events that close the open message (its text is complete), if one is open."""
+        if not self._message_open or self._message_done:
+            return []
+        self._message_done = True
+        index, part = self._message_index, self._text_part(c)
+        return [self._event("response.output_text.done", item_id=self._message_id, output_index=index,
+                            content_index=0, text=c.text, logprobs=part.get("logprobs", [])),
+                self._event("response.content_part.done", item_id=self._message_id, output_index=index,
+                            content_index=0, part=part),
+                self._event("response.output_item.done", output_index=index, item=self._message_item(c, item_status))]
+
+    def _first_call_index(self) -> int:
+        """``output_index`` of the first call: after the message, when one was announced."""
+        return self._message_index + 1 if self._message_open else self._message_index
+
+    def _call_done(self, call: ToolCallOut, arguments: str) -> list[str]:
+        """The events that close call ``call`` (its ``arguments`` complete)."""
+        self._done_calls.add(call.id)
+        index, item_id = self._first_call_index() + call.index, f"fc_{call.id}"
+        return [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                            name=call.name, arguments=arguments),
+                self._event("response.output_item.done", output_index=index,
+                            item=self._call_item(call, "completed", arguments=arguments))]
+
+    def calls(self, c: ChoiceState, deltas: list[CallDelta]) -> list[str]:
+        """Events of calls as they are written: a call's item when it opens (the reasoning
+        and the message before it are complete then), then each piece of its arguments."""
+        events = []
+        for delta in deltas:
+            call, index = delta.call, self._first_call_index() + delta.call.index
+            if delta.opened:
+                events += self._close_reasoning() + self._close_message(c, "completed")
+                for earlier in self._open_calls:   # (written in full: the model has moved on)
+                    events += self._call_done(earlier, earlier.arguments)
+                self._open_calls = [call]
+                events.append(self._event("response.output_item.added", output_index=index,
+                                          item=self._call_item(call, "in_progress", arguments="")))
+            if delta.arguments:
+                events.append(self._event("response.function_call_arguments.delta", item_id=f"fc_{call.id}",
+                                          output_index=index, delta=delta.arguments))
+        return events
+
     def finish(self, c: ChoiceState) -> list[str]:
         status, _ = self._outcome(c)
         item_status = "incomplete" if status == "incomplete" else "completed"
         events = self._close_reasoning()
         if not self._message_open and not c.tool_calls:
             events += self._open_message()   # an empty answer still has its message
-        index = self._message_index
-        if self._message_open:
-            part = self._text_part(c)
-            events += [self._event("response.output_text.done", item_id=self._message_id, output_index=index,
-                                   content_index=0, text=c.text, logprobs=part.get("logprobs", [])),
-                       self._event("response.content_part.done", item_id=self._message_id, output_index=index,
-                                   content_index=0, part=part),
-                       self._event("response.output_item.done", output_index=index,
-                                   item=self._message_item(c, item_status))]
-        first = index + 1 if self._message_open else index
-        for index, call in enumerate(c.tool_calls, start=first):
-            item_id = f"fc_{call.id}"
-            events.append(self._event("response.output_item.added", output_index=index,
-                                      item=self._call_item(call, "in_progress", arguments="")))
+        events += self._close_message(c, item_status)
+        first = self._first_call_index()
+        for call in c.tool_calls:   # what was not streamed of each call, and its end
+            if call.id in self._done_calls:
+                continue
+            index, item_id = first + call.index, f"fc_{call.id}"
+            if call.sent is None:
+                events.append(self._event("response.output_item.added", output_index=index,
+                                          item=self._call_item(call, "in_progress", arguments="")))
             events += [self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                                   delta=piece) for piece in argument_fragments(call.arguments)]
-            events += [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                                   name=call.name, arguments=call.arguments),
-                       self._event("response.output_item.done", output_index=index,
-                                   item=self._call_item(call, "completed"))]
+                                   delta=piece) for piece in argument_fragments(call.arguments[call.sent or 0:])]
+            events += self._call_done(call, call.arguments)
         _, later = self._reasoning_parts(c)
         if later:   # (not streamed as it came: the message had started)
             index, item_id = first + len(c.tool_calls), self._later_reasoning_id

@@ -14,11 +14,11 @@ import time
 import uuid
 
 from server.errors import APIError, sse_error_event
-from server.generation import ChoiceState
+from server.generation import CallDelta, ChoiceState, ToolCallOut
 from server.logprobs import TokenSpellings, chat_logprobs, completion_logprobs
 from server.protocol import CompletionTokensDetails, PromptTokensDetails, Usage
 
-ARGUMENT_FRAGMENT_CHARS = 16   # streamed tool-call arguments arrive in pieces of this size
+ARGUMENT_FRAGMENT_CHARS = 16   # tool-call arguments sent at the end of a turn go in pieces of this size
 
 
 def usage_of(choices: list[ChoiceState]) -> Usage:
@@ -111,14 +111,32 @@ class ChatWire:
             piece["logprobs"] = self._logprobs(c, logprobs)
         return [self._chunk(piece)]
 
+    def calls(self, c: ChoiceState, deltas: list[CallDelta]) -> list[str]:
+        """Chunks of calls as they are written: a call's id and name when it opens, then
+        each piece of its arguments (``tool_calls[i]`` of the message, ``i`` its index)."""
+        events = []
+        for delta in deltas:
+            if delta.opened:
+                events.append(self._call_opened(c, delta.call))
+            if delta.arguments:
+                events.append(self._call_arguments(c, delta.call, delta.arguments))
+        return events
+
+    def _call_opened(self, c: ChoiceState, call: ToolCallOut) -> str:
+        return self._chunk({"index": c.index, "delta": {"tool_calls": [{
+            "index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
+
+    def _call_arguments(self, c: ChoiceState, call: ToolCallOut, piece: str) -> str:
+        return self._chunk({"index": c.index, "delta": {"tool_calls": [
+            {"index": call.index, "function": {"arguments": piece}}]}})
+
     def finish(self, c: ChoiceState) -> list[str]:
         events = []
-        for position, call in enumerate(c.tool_calls if self.chat else []):   # tool_calls[i] of the message
-            events.append(self._chunk({"index": c.index, "delta": {"tool_calls": [{
-                "index": position, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}]}}))
-            events += [self._chunk({"index": c.index, "delta": {"tool_calls": [
-                {"index": position, "function": {"arguments": piece}}]}}) for piece in argument_fragments(call.arguments)]
+        for call in c.tool_calls if self.chat else []:   # what was not streamed of each call
+            if call.sent is None:
+                events.append(self._call_opened(c, call))
+            events += [self._call_arguments(c, call, piece)
+                       for piece in argument_fragments(call.arguments[call.sent or 0:])]
         final = {"index": c.index, "delta": {}} if self.chat else {"index": c.index, "text": ""}
         final["finish_reason"] = c.finish_reason
         return events + [self._chunk(final)]

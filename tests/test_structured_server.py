@@ -100,8 +100,10 @@ def test_forced_tool_calls_streamed_and_not(client, tool_choice):
     events = stream(client, "/v1/chat/completions", req)
     deltas = [d for e in events[:-1] if e["choices"] for d in e["choices"][0]["delta"].get("tool_calls", [])]
     assert deltas[0]["function"]["name"] == call["function"]["name"] and deltas[0]["id"].startswith("call_")
-    args = "".join(d["function"].get("arguments", "") for d in deltas)
-    assert len(deltas) > 2 and json.loads(args) == json.loads(call["function"]["arguments"])
+    pieces = [d["function"]["arguments"] for d in deltas[1:]]
+    assert "".join(pieces) == call["function"]["arguments"]   # the very text the response without stream has
+    # sent piece by piece as the model wrote them (not cut from the whole at the end, 16 characters a piece)
+    assert len(pieces) > -(-len(call["function"]["arguments"]) // 16) + 2 and "" not in pieces
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -141,11 +143,47 @@ def test_parallel_tool_calls_several_in_one_turn_streamed_and_not_with_the_opena
             entry = by_index.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
             entry["arguments"] += d.function.arguments or ""
     assert sorted(by_index) == list(range(len(calls)))
-    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(by_index.items())] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert [(e["name"], e["arguments"]) for _, e in sorted(by_index.items())] == \
+        [(c.function.name, c.function.arguments) for c in calls]
     assert len({e["id"] for e in by_index.values()}) == len(calls)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)   # no markup leaks
+
+
+def test_a_turn_of_calls_streams_through_the_responses_api_call_by_call(client):
+    """The Responses stream of a forced parallel turn: each call's item is added, its
+    arguments arrive piece by piece as written and the item is done before the next call's
+    is added; the pieces join into the ``done`` arguments and into the final response's,
+    at the ``output_index`` each has there; the same calls as without ``stream``."""
+    api = openai_client(client)
+    req = dict(model="demo", input="Wake me up twice", temperature=0, max_output_tokens=160,
+               tools=[{"type": "function", **t["function"]} for t in TOOLS], tool_choice="required")
+    whole = api.responses.create(**req)
+    events = list(api.responses.create(**req, stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert len(calls) >= 2 and [(c.name, c.arguments) for c in calls] == \
+        [(item.name, item.arguments) for item in whole.output if item.type == "function_call"]
+    open_index, pieces, order = None, {}, []
+    for event in events:
+        if event.type == "response.output_item.added" and event.item.type == "function_call":
+            assert open_index is None   # the previous call is done
+            open_index = event.output_index
+            pieces[open_index] = []
+            order.append(open_index)
+        elif event.type == "response.function_call_arguments.delta":
+            assert event.output_index == open_index
+            pieces[open_index].append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            assert event.output_index == open_index and event.arguments == "".join(pieces[open_index])
+        elif event.type == "response.output_item.done" and event.item.type == "function_call":
+            assert event.output_index == open_index
+            item = final.output[open_index]
+            assert (event.item.call_id, event.item.arguments) == (item.call_id, item.arguments)
+            open_index = None
+    assert open_index is None and order == [final.output.index(c) for c in calls]
+    assert all(len(pieces[i]) > -(-len(final.output[i].arguments) // 16) + 2 for i in order)
 
 
 def test_parallel_tool_calls_false_gives_exactly_one_call_sampled_n8(client):

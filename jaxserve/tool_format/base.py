@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from jaxserve.tool_format.call_stream import CallStream
+
 CHATML_START = "<|im_start|>"
 
 
@@ -115,6 +117,7 @@ class TaggedMarkupFilter:
         self._inside = False
         self._span: list[str] = []   # the open span's text already out of ``_pending``
         self._after_span = False   # a span just ended: whitespace up to the next one is hidden
+        self.spans: list[str] = []   # each span's text between the tags (the last growing while open)
 
     def feed(self, delta: str) -> str:
         """Next text delta in -> the part a chat client may see now."""
@@ -126,8 +129,10 @@ class TaggedMarkupFilter:
                 if end == -1:
                     cut = max(0, len(self._pending) - (len(self.end) - 1))   # (the rest could start the end tag)
                     self._span.append(self._pending[:cut])
+                    self.spans[-1] += self._pending[:cut]
                     self._pending = self._pending[cut:]
                     break
+                self.spans[-1] += self._pending[:end]
                 self._pending = self._pending[end + len(self.end):]
                 self._inside, self._after_span, self._span = False, True, []
                 continue
@@ -143,6 +148,7 @@ class TaggedMarkupFilter:
                 out.append(self._pending[:start])
                 self._pending = self._pending[start + len(self.start):]
                 self._inside, self._span = True, [self.start]
+                self.spans.append("")
                 continue
             hold = partial_suffix(self._pending, self.start)
             out.append(self._pending[:len(self._pending) - hold])
@@ -184,6 +190,7 @@ class JsonMarkupFilter:
         self._in_json = False     # _pending starts with the JSON of a span being decided
         self._bare_span = False   # that span opened a turn without a marker
         self._marker_held = ""    # the marker of that span, held back with it ("" for a bare span)
+        self.spans: list[str] = []   # each span's text after its marker (the last growing while open)
 
     def feed(self, delta: str) -> str:
         """Next text delta in -> the part a chat client may see now."""
@@ -193,6 +200,7 @@ class JsonMarkupFilter:
             if self._in_json:
                 end = json_extent(self._pending, 0)
                 if end is None:          # the JSON may still close (a call) or never (no call): hold it
+                    self.spans[-1] = self._pending
                     break
                 self._in_json, marker, self._marker_held = False, self._marker_held, ""
                 if end == -1:            # a marker not followed by JSON: the text after it is released
@@ -200,6 +208,7 @@ class JsonMarkupFilter:
                         out.append(marker)
                     continue
                 body, self._pending = self._pending[:end], self._pending[end:]
+                self.spans[-1] = body
                 if self._bare_span and not self._is_call_json(body):
                     out.append(body)     # plain JSON content, not a call
                 else:
@@ -213,12 +222,14 @@ class JsonMarkupFilter:
                 if stripped[0] in "{[":
                     out.append(self._pending[:len(self._pending) - len(stripped)])
                     self._pending, self._in_json, self._bare_span = stripped, True, True
+                    self.spans.append("")
                     continue
             at = self._pending.find(self.marker)
             if at != -1:
                 out.append(self._pending[:at])
                 self._pending = self._pending[at + len(self.marker):]
                 self._in_json, self._bare_span, self._marker_held = True, False, self.marker
+                self.spans.append("")
                 continue
             hold = partial_suffix(self._pending, self.marker)
             out.append(self._pending[:len(self._pending) - hold])
@@ -263,6 +274,10 @@ class ToolFormat:
     # Rust regexes (whole text, llguidance's dialect) of the texts in which the parser may
     # find a call: text that matches none of them holds no call.
     call_starts: tuple[str, ...] = ()
+    # The keys the parser reads a call's arguments from, in its order, and whether a turn's
+    # calls may come as one JSON list (both for ``call_stream``).
+    call_args_keys: tuple[str, ...] = ("arguments",)
+    calls_as_list: bool = True
 
     def parser(self):
         """A fresh per-request parser: ``feed(delta) -> list[ParsedToolCall]``, the calls
@@ -288,8 +303,14 @@ class ToolFormat:
         return False
 
     def markup_filter(self):
-        """A fresh per-response filter: ``feed(delta) -> visible str``, ``flush() -> str``."""
+        """A fresh per-response filter: ``feed(delta) -> visible str``, ``flush() -> str``, and
+        ``spans``: the text of each call it hid, after the opening markup."""
         raise NotImplementedError
+
+    def call_stream(self, hidden: frozenset[str] = frozenset()) -> CallStream:
+        """A fresh per-response reader of the calls in a markup filter's ``spans`` as they are
+        written (``hidden``: server-side tools' names, whose turns are not streamed)."""
+        return CallStream(self.call_args_keys, self.calls_as_list, hidden)
 
     def wrap_results(self, texts: list[str], chat_template: str | None) -> str:
         """Context text that returns the outputs ``texts`` of one turn's calls (in call

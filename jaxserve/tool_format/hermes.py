@@ -47,6 +47,7 @@ class HermesFormat(ToolFormat):
     template_markers = (START,)
     call_opener = START
     call_starts = (contains(START),)
+    calls_as_list = False
 
     def parser(self) -> HermesParser:
         return HermesParser()

@@ -64,6 +64,7 @@ class Llama3Format(ToolFormat):
     name = "llama3_json"
     template_markers = (PYTHON_TAG, "ipython")
     args_key = "parameters"
+    call_args_keys = ("parameters", "arguments")
     # JSON opening the turn (after what ``str.isspace`` skips, as ``json_extent`` does: Unicode's spaces
     # and the separators \x1c-\x1f), or the tag anywhere
     call_starts = (r"(?s:[\s\x1c-\x1f]*[\[{].*)", contains(PYTHON_TAG))
@@ -80,7 +81,7 @@ class Llama3Format(ToolFormat):
     def markup_filter(self) -> JsonMarkupFilter:
         # (arguments looked up as the parser does; a tag not followed by JSON is no call to the parser: shown)
         return JsonMarkupFilter(PYTHON_TAG, bare_at_turn_start=True, marker_alone_is_call=False,
-                                args_keys=("parameters", "arguments"))
+                                args_keys=self.call_args_keys)
 
     def wrap_results(self, texts: list[str], chat_template: str | None) -> str:
         if CHATML_START in (chat_template or ""):
