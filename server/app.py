@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from jaxserve.async_engine import EngineDeadError
-from jaxserve.constraints import StructuredOutput
+from jaxserve.constraints import TOO_DEEP, StructuredOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.chat import advertised_tools, render_chat
 from jaxserve.tool_format import get_format
@@ -813,6 +813,8 @@ def _vllm_structured(body) -> StructuredOutput | None:
                 value = json.loads(value)
             except ValueError:
                 raise APIError(400, f"{field}: not a JSON Schema (the text is not JSON)", param=field) from None
+            except RecursionError:
+                raise APIError(400, f"{field}: not a valid JSON Schema: {TOO_DEEP}", param=field) from None
         return StructuredOutput("json_schema", schema=value, field=field)
     if kind == "json_object":
         return StructuredOutput("json_object", field=field)

@@ -7,8 +7,11 @@ import asyncio
 import json
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect, Request
 
+from jaxserve.distributed.asgi_bridge import call_app
 from jaxserve.distributed.frontend import Frontend
 
 
@@ -198,3 +201,69 @@ def test_counting_a_follow_up_goes_to_the_replica_that_holds_its_conversation():
     assert hints.stored_response == "resp_abc" and not hints.page_hashes
     assert front.router.choose(hints)[0] == "r1"
     assert front._hints("/v1/responses/resp_abc", "POST", {}, b"{}").stored_response is None   # (no such route)
+
+
+class AppReplica(ReplicaHandle):
+    """A replica stand-in that serves with a real ASGI app, through the bridge replicas use."""
+
+    def __init__(self, app) -> None:
+        self.app, self.health = app, self.Health()
+
+    def remote(self, method, path, query, headers, body):
+        return BridgedStream(call_app(self.app, method, path, query, headers, body))
+
+
+class BridgedStream:
+    def __init__(self, items) -> None:
+        self.items = items
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.items.__anext__()
+
+    def cancel(self) -> None:
+        pass
+
+
+def _raw_request(path: str, body: bytes, host: str) -> Request:
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"", "scheme": "http",
+             "headers": [(b"content-type", b"application/json"), (b"host", host.encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    return Request(scope, receive)
+
+
+def test_the_replica_answers_for_the_front_the_client_called():
+    """What the replica's app answers reaches the client as the single server's would: a
+    redirect names the front's host (it named ``127.0.0.1:0``, the bridge's), and a body
+    nested too deeply for the front to read for routing goes to a replica to judge (it was
+    a plain-text 500 from the front)."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return JSONResponse({"read": len(await request.body())}, status_code=400)
+
+    front = Frontend({"r0": AppReplica(app)}, {"model": "smollm2-135m", "page_size": 16})
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + \
+        b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    async def run():
+        moved = await front.forward_request(_raw_request("/v1/chat/completions/", b"{}", "front.example:8000"))
+        answered = await front.forward_request(_raw_request("/v1/chat/completions", deep, "front.example:8000"))
+        return moved, answered
+
+    moved, answered = asyncio.run(run())
+    assert moved.status_code == 307 and moved.headers["location"] == "http://front.example:8000/v1/chat/completions"
+    assert answered.status_code == 400 and json.loads(answered.body) == {"read": len(deep)}

@@ -132,3 +132,60 @@ def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it(
     finally:
         decode.shutdown()
         prefill_side.engine.shutdown()
+
+
+def test_a_prefill_deployment_that_stops_answering_costs_only_speed():
+    """Ray Serve holds a call to a deployment with no replica running until one starts
+    again (maybe never): a decode replica whose prefill call is still pending asks the
+    deployment's health, and computes the prompt itself when that goes unanswered
+    (counted as a fallback), with the same answer; a slow prefill whose deployment
+    answers its health check is waited for."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.distributed.kv_transfer import DisaggregatedEngine, PrefillReplica, TransferMetrics
+    from prometheus_client import CollectorRegistry
+
+    prefill_side = PrefillReplica.__new__(PrefillReplica)   # (its constructor reads CLI settings)
+    prefill_side.engine = AsyncEngine(engine=LLMEngine("demo", **SETTINGS))
+    state = {"up": False}
+
+    class Prefill:
+        async def remote(self, token_ids, skip_pages, priority):
+            if not state["up"]:
+                await asyncio.Event().wait()   # (held by Ray Serve: no replica runs)
+            await asyncio.sleep(0.5)           # (slower than a probe period)
+            return await prefill_side.prefill(token_ids, skip_pages, priority)
+
+    class Health:
+        async def remote(self):
+            if not state["up"]:
+                await asyncio.Event().wait()
+            return {"alive": True}
+
+    decode = DisaggregatedEngine(engine=LLMEngine("demo", **SETTINGS))
+    decode.prefill = SimpleNamespace(prefill=Prefill(), health=Health())
+    decode.prefill_probe_s = 0.1
+    registry = CollectorRegistry()
+    decode.metrics = TransferMetrics(registry)
+
+    async def answer(rid, prompt):
+        async for out in decode.generate(sampling_params=SamplingParams(max_tokens=4, temperature=0.0),
+                                         request_id=rid, prompt_token_ids=prompt):
+            pass
+        return out.token_ids
+
+    try:
+        down = asyncio.run(asyncio.wait_for(answer("down", PROMPT), 60))
+        assert registry.get_sample_value("jaxserve:remote_prefill_fallbacks_total") == 1
+        assert not registry.get_sample_value("jaxserve:remote_prefills_total")
+        state["up"] = True
+        up = asyncio.run(answer("up", PROMPT[::-1]))
+        assert registry.get_sample_value("jaxserve:remote_prefills_total") == 1   # waited for, not given up
+        assert registry.get_sample_value("jaxserve:remote_prefill_fallbacks_total") == 1
+        assert up == asyncio.run(answer("again", PROMPT[::-1]))
+        assert down == asyncio.run(answer("local", PROMPT))   # the fallback's answer is the engine's own
+    finally:
+        decode.shutdown()
+        prefill_side.engine.shutdown()

@@ -417,6 +417,15 @@ def test_a_schema_nested_too_deeply_to_check_is_a_400_naming_its_field(path, fie
         assert error["param"].split(".")[0] == field and "nested too deeply" in error["message"], error
 
 
+def test_a_schema_given_as_json_text_nested_too_deeply_is_a_400_naming_its_field():
+    """``guided_json`` may be the schema's JSON text: reading text nested past Python's
+    recursion limit was a ``RecursionError`` and a 500."""
+    text = '{"type": "array", "items": ' * 3000 + "{}" + "}" * 3000
+    with _client(_ScriptedEngine()) as client:
+        error = _error(client.post("/v1/completions", json={"model": "m", "prompt": "hi", "guided_json": text}), 400)
+        assert error["param"] == "guided_json" and "nested too deeply" in error["message"], error
+
+
 @pytest.mark.parametrize("path, field, value", [("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "x")])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(path, field, value):
     """Fields this server does not implement but that change what a client gets back

@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.distributed.replica import REPLICA_HEADER
-from jaxserve.distributed.routing import ReplicaRouter, RoutingHints, read_hints, stored_state
+from jaxserve.distributed.routing import HEALTH_TIMEOUT_S, ReplicaRouter, RoutingHints, read_hints, stored_state
 from server.errors import APIError
 from server.listing import MAX_FILES_LIMIT, items_page
 
@@ -43,8 +43,6 @@ _BATCHES_PATH = "/v1/batches"
 _COUNT_PATH = "/v1/responses/input_tokens"   # counts a Responses request: its previous_response_id's holder
 # any call on a conversation (read, update, delete; its items listed, added, read, deleted)
 _CONVERSATION_PATH = re.compile(r"^/v1/conversations/([^/]+)(/items(/[^/]+)?)?$")
-HEALTH_TIMEOUT_S = 2.0          # a replica that does not answer /health in this long counts as down (one being
-                                # restarted by Ray holds the call until it is back: /health must not wait for that)
 HEALTH_PERIOD_S = 1.0           # how often the front re-checks which replicas are up
 _CALL_ID = re.compile(r'"(?:call_)?id":\s*"(call_[A-Za-z0-9]+)"')   # chat tool_calls[].id; Responses call_id
 # a stored response's, a conversation's, a file's (a batch's output files' too), a batch's
@@ -389,7 +387,7 @@ class Frontend:
             return RoutingHints()
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):   # (the replica's answer to the body is the client's: a 400)
             return RoutingHints()
         if not isinstance(parsed, dict):
             return RoutingHints()
@@ -415,8 +413,9 @@ class Frontend:
 
 
 def _forwarded_headers(request: Request) -> list[tuple[str, str]]:
-    """The client's headers as a replica gets them (its own ``host``)."""
-    return [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+    """The client's headers as a replica gets them, ``host`` included: the URLs a replica
+    writes (a redirect's ``location``) name the front the client called."""
+    return list(request.headers.items())
 
 
 class _RelayResponse(StreamingResponse):

@@ -24,12 +24,18 @@ The page hashes are the engines' own (``scheduler.prefix_cache.chain_hashes``
 chained from the cache root of model, dtype, format and seed), so both sides
 agree on which pages hold which tokens. A prefill replica that fails or
 returns no pages costs only speed: the decode replica computes the prompt
-itself (counted in ``jaxserve:remote_prefill_fallbacks``).
+itself (counted in ``jaxserve:remote_prefill_fallbacks``). So does a prefill
+deployment with no replica running (killed, restarting, or unable to start):
+Ray Serve holds a call to it until a replica runs again, so a call still
+pending after ``PREFILL_PROBE_S`` has the deployment's health asked, and again
+each ``PREFILL_PROBE_S``; one that does not answer in ``HEALTH_TIMEOUT_S`` ends
+the wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import time
@@ -38,6 +44,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.distributed.routing import HEALTH_TIMEOUT_S
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from scheduler.prefix_cache import chain_hashes
@@ -102,12 +109,20 @@ class TransferMetrics:
                                  "prefill replica failed or returned no pages.", registry=registry)
 
 
+PREFILL_PROBE_S = 2.0   # a remote prefill pending this long has the prefill deployment's health asked
+
+
+class PrefillUnavailable(RuntimeError):
+    """The prefill deployment stopped answering while a prompt waited for it."""
+
+
 class DisaggregatedEngine(AsyncEngine):
     """A decode replica's ``AsyncEngine``: a new request's prompt KV comes from a prefill
     replica first (``prefill``: the deployment handle; ``metrics``: ``TransferMetrics``)."""
 
     prefill = None
     metrics: TransferMetrics | None = None
+    prefill_probe_s = PREFILL_PROBE_S
 
     async def generate(self, prompt=None, sampling_params=None, request_id=None, *, prompt_token_ids=None,
                        **kwargs):
@@ -132,7 +147,7 @@ class DisaggregatedEngine(AsyncEngine):
             return None
         start = time.perf_counter()
         try:
-            reply = await self.prefill.prefill.remote(token_ids, cached, priority)   # only the pages it lacks come back
+            reply = await self._remote_prefill(token_ids, cached, priority)   # only the pages it lacks come back
         except Exception as e:  # noqa: BLE001 - a failed prefill replica costs speed, not the request
             log.warning("remote prefill failed (%s: %s); computing the prompt here", type(e).__name__, e)
             self.metrics.fallbacks.inc()
@@ -151,6 +166,46 @@ class DisaggregatedEngine(AsyncEngine):
         m.seconds.labels("transfer").inc(max(0.0, received - start - reply["prefill_s"] - reply["export_s"]))
         m.seconds.labels("import").inc(time.perf_counter() - received)
         return max(cached * self.engine.scheduler.page_size, reply["cached_tokens"])
+
+
+    async def _remote_prefill(self, token_ids: list[int], skip_pages: int, priority: int) -> dict:
+        """The prefill deployment's reply (``PrefillReplica.prefill``); ``PrefillUnavailable``
+        when, while the call is pending, the deployment does not answer a health check (see
+        module doc: Ray Serve would hold the call until a replica runs, maybe forever)."""
+        response = self.prefill.prefill.remote(token_ids, skip_pages, priority)
+        pending = asyncio.ensure_future(_awaited(response))
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self.prefill_probe_s)
+                if done:
+                    return pending.result()
+                if not await self._prefill_answers():
+                    raise PrefillUnavailable("the prefill deployment does not answer its health check")
+        finally:
+            if not pending.done():
+                pending.cancel()
+                _cancel(response)
+
+    async def _prefill_answers(self) -> bool:
+        response = self.prefill.health.remote()
+        try:
+            status = await asyncio.wait_for(_awaited(response), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a failed or late check: the deployment is not answering
+            _cancel(response)
+            return False
+        return bool(status.get("alive"))
+
+
+async def _awaited(response):
+    """``await response`` as a coroutine (a Ray Serve ``DeploymentResponse`` is awaitable, not one)."""
+    return await response
+
+
+def _cancel(response) -> None:
+    """Drop a Ray Serve call still queued or running (a plain awaitable has nothing to drop)."""
+    cancel = getattr(response, "cancel", None)
+    if cancel is not None:
+        cancel()
 
 
 class PrefillReplica:

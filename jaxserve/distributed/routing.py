@@ -48,6 +48,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+HEALTH_TIMEOUT_S = 2.0   # a replica that does not answer a health check in this long counts as down (one being
+#                          restarted by Ray holds the call until it is back: a check must not wait for that)
+
 MAX_HASHED_PAGES = 64          # prompt pages hashed per request (a prefix longer than this matches as this)
 MAX_CHARS_PER_TOKEN = 32       # the prompt text tokenized for them: at most this many characters a hashed token
 HASHES_PER_REPLICA = 50_000    # bounded map: page hashes remembered per replica (LRU)
