@@ -191,6 +191,9 @@ class ResponsesWire:
         self._message_done = False    # and closed (a call opened after it, or the response ended)
         self._open_calls: list[ToolCallOut] = []   # the call being streamed (its item added, not done)
         self._done_calls: set[str] = set()          # ids of the calls whose items are done
+        self._announced = 0                 # output items announced so far (the next one's output_index)
+        self._message_index = 0             # the message's output_index, once announced
+        self._calls_at: int | None = None   # the first call's output_index, once one is announced
         self._reasoning_open = False  # a reasoning item is being streamed (before the message)
         self._reasoning_streamed = ""  # its text so far (reasoning that comes after the message opened is not)
 
@@ -367,15 +370,15 @@ class ResponsesWire:
         return [self._event("response.created", response=pending), self._event("response.in_progress",
                                                                                 response=pending)]
 
-    @property
-    def _message_index(self) -> int:
-        """The message's ``output_index``: after the reasoning item, when one was streamed."""
-        return 1 if self._reasoning_streamed else 0
+    def _announce(self) -> int:
+        """The ``output_index`` of the next item the stream adds."""
+        self._announced += 1
+        return self._announced - 1
 
-    def _open_message(self) -> list[str]:
-        events = self._close_reasoning()
+    def _open_message(self, c: ChoiceState) -> list[str]:
+        events = self._close_reasoning() + self._close_calls(c)
         self._message_open = True
-        index = self._message_index
+        index = self._message_index = self._announce()
         return events + [
             self._event("response.output_item.added", output_index=index,
                         item={"type": "message", "id": self._message_id, "status": "in_progress",
@@ -384,14 +387,14 @@ class ResponsesWire:
                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
 
     def _stream_reasoning(self, reasoning: str) -> list[str]:
-        """Reasoning text as a ``reasoning`` item's ``reasoning_text`` deltas, while the
-        message has not started (later reasoning goes to the final response only)."""
-        if not reasoning or self._message_open:
+        """Reasoning text as a ``reasoning`` item's ``reasoning_text`` deltas, while no other
+        item has started (later reasoning goes to the final response only)."""
+        if not reasoning or not (self._reasoning_open or self._announced == 0):
             return []
         events = []
         if not self._reasoning_open:
             self._reasoning_open = True
-            events.append(self._event("response.output_item.added", output_index=0,
+            events.append(self._event("response.output_item.added", output_index=self._announce(),
                                       item={"type": "reasoning", "id": self._reasoning_id, "summary": [],
                                             "content": []}))
         self._reasoning_streamed += reasoning
@@ -417,7 +420,7 @@ class ResponsesWire:
             self._held_logprobs += logprobs
             return events
         if not self._message_open:
-            events += self._open_message()
+            events += self._open_message(c)
         records, self._held_logprobs = self._held_logprobs + logprobs, []
         return events + [self._event("response.output_text.delta", item_id=self._message_id,
                                      output_index=self._message_index, content_index=0, delta=text,
@@ -435,58 +438,77 @@ class ResponsesWire:
                             content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=self._message_item(c, item_status))]
 
-    def _first_call_index(self) -> int:
-        """``output_index`` of the first call: after the message, when one was announced."""
-        return self._message_index + 1 if self._message_open else self._message_index
+    def _call_index(self, call: ToolCallOut) -> int:
+        """A call's ``output_index``: the first call's is the next free one, the others follow
+        it by their stream index (``ToolCallOut.index``)."""
+        if self._calls_at is None:
+            self._calls_at = self._announced
+        index = self._calls_at + call.index
+        self._announced = max(self._announced, index + 1)
+        return index
 
-    def _call_done(self, call: ToolCallOut, arguments: str) -> list[str]:
-        """The events that close call ``call`` (its ``arguments`` complete)."""
+    def _call_done(self, call: ToolCallOut, status: str) -> list[str]:
+        """The events that close call ``call``'s item (its ``arguments`` as sent)."""
         self._done_calls.add(call.id)
-        index, item_id = self._first_call_index() + call.index, f"fc_{call.id}"
+        index, item_id = self._call_index(call), f"fc_{call.id}"
         return [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                            name=call.name, arguments=arguments),
-                self._event("response.output_item.done", output_index=index,
-                            item=self._call_item(call, "completed", arguments=arguments))]
+                            name=call.name, arguments=call.arguments),
+                self._event("response.output_item.done", output_index=index, item=self._call_item(call, status))]
+
+    def _close_calls(self, c: ChoiceState) -> list[str]:
+        """Close the call items still open before another item starts: with the rest of their
+        arguments when the turn returned them, complete as sent when the model moved on to
+        another call, or incomplete as sent when the choice ended without them (the model
+        broke, or did not finish, a call the stream had begun to send)."""
+        events = []
+        final = {call.id: call for call in c.tool_calls}
+        for call in self._open_calls:
+            if call.id in final:
+                whole, index = final[call.id], self._call_index(call)
+                events += [self._event("response.function_call_arguments.delta", item_id=f"fc_{call.id}",
+                                       output_index=index, delta=piece)
+                           for piece in argument_fragments(whole.arguments[len(call.arguments):])]
+                events += self._call_done(whole, "completed")
+            else:
+                events += self._call_done(call, "completed" if c.finish_reason is None else "incomplete")
+        self._open_calls = []
+        return events
 
     def calls(self, c: ChoiceState, deltas: list[CallDelta]) -> list[str]:
-        """Events of calls as they are written: a call's item when it opens (the reasoning
-        and the message before it are complete then), then each piece of its arguments."""
+        """Events of calls as they are written: a call's item when it opens (the reasoning,
+        the message and the call before it are complete then), then each piece of its arguments."""
         events = []
         for delta in deltas:
-            call, index = delta.call, self._first_call_index() + delta.call.index
+            call = delta.call
             if delta.opened:
-                events += self._close_reasoning() + self._close_message(c, "completed")
-                for earlier in self._open_calls:   # (written in full: the model has moved on)
-                    events += self._call_done(earlier, earlier.arguments)
+                events += self._close_reasoning() + self._close_message(c, "completed") + self._close_calls(c)
                 self._open_calls = [call]
-                events.append(self._event("response.output_item.added", output_index=index,
+                events.append(self._event("response.output_item.added", output_index=self._call_index(call),
                                           item=self._call_item(call, "in_progress", arguments="")))
             if delta.arguments:
                 events.append(self._event("response.function_call_arguments.delta", item_id=f"fc_{call.id}",
-                                          output_index=index, delta=delta.arguments))
+                                          output_index=self._call_index(call), delta=delta.arguments))
         return events
 
     def finish(self, c: ChoiceState) -> list[str]:
         status, _ = self._outcome(c)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        events = self._close_reasoning()
+        events = self._close_reasoning() + self._close_calls(c)
         if not self._message_open and not c.tool_calls:
-            events += self._open_message()   # an empty answer still has its message
+            events += self._open_message(c)   # an empty answer still has its message
         events += self._close_message(c, item_status)
-        first = self._first_call_index()
-        for call in c.tool_calls:   # what was not streamed of each call, and its end
+        for call in c.tool_calls:   # the calls not streamed (held to the end of the turn)
             if call.id in self._done_calls:
                 continue
-            index, item_id = first + call.index, f"fc_{call.id}"
-            if call.sent is None:
-                events.append(self._event("response.output_item.added", output_index=index,
-                                          item=self._call_item(call, "in_progress", arguments="")))
+            index, item_id = self._call_index(call), f"fc_{call.id}"
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item=self._call_item(call, "in_progress", arguments="")))
             events += [self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                                   delta=piece) for piece in argument_fragments(call.arguments[call.sent or 0:])]
-            events += self._call_done(call, call.arguments)
+                                   delta=piece) for piece in argument_fragments(call.arguments)]
+            events += self._call_done(call, "completed")
         _, later = self._reasoning_parts(c)
         if later:   # (not streamed as it came: the message had started)
-            index, item_id = first + len(c.tool_calls), self._later_reasoning_id
+            index, item_id = self._announce(), self._later_reasoning_id
             events += [self._event("response.output_item.added", output_index=index,
                                    item={"type": "reasoning", "id": item_id, "summary": [], "content": []}),
                        self._event("response.reasoning_text.delta", item_id=item_id, output_index=index,

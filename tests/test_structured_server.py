@@ -186,6 +186,29 @@ def test_a_turn_of_calls_streams_through_the_responses_api_call_by_call(client):
     assert all(len(pieces[i]) > -(-len(final.output[i].arguments) // 16) + 2 for i in order)
 
 
+def test_a_call_cut_by_the_token_budget_is_closed_as_incomplete_in_the_responses_stream(client):
+    """A call whose name went out but whose arguments the budget cut: its item is done as
+    ``incomplete`` before the message with the text opens (at the next ``output_index``),
+    so the official client's stream reader, which refuses an index used twice or an item
+    never done, reads every budget's stream."""
+    api = openai_client(client)
+    req = dict(model="demo", input="Wake me up twice", temperature=0,
+               tools=[{"type": "function", **t["function"]} for t in TOOLS], tool_choice="required")
+    cut = 0
+    for budget in range(10, 50, 6):
+        with api.responses.stream(**req, max_output_tokens=budget) as reader:
+            events = list(reader)
+        added = {e.output_index for e in events if e.type == "response.output_item.added"}
+        done = [e for e in events if e.type == "response.output_item.done"]
+        assert added == {e.output_index for e in done} == set(range(len(added))), budget
+        broken = [e.item for e in done if e.item.type == "function_call" and e.item.status == "incomplete"]
+        if broken:
+            cut += 1
+            assert events[-1].type == "response.incomplete" and [o.type for o in events[-1].response.output] == \
+                ["message"] and done[-1].item.type == "message" and done[-1].output_index == 1
+    assert cut, "no budget cut a call after its name"
+
+
 def test_parallel_tool_calls_false_gives_exactly_one_call_sampled_n8(client):
     """The same request that gives several calls greedily gives exactly one per choice
     with ``parallel_tool_calls: false``; sampled with true, choices differ in how many
