@@ -319,9 +319,11 @@ class ResponsesWire:
         had produced, in ``incomplete`` items) becomes ``final`` and is stored when asked;
         returns the stream's last event (``response.incomplete``: the API has no event for
         a cancelled response)."""
-        self.final = self._object("cancelled", self._partial_output(choices[0], "incomplete"), choices)
+        [c] = choices
+        closing = self._close_reasoning() + self._close_calls(c, ended=True) + self._close_message(c, "incomplete")
+        self.final = self._object("cancelled", self._partial_output(c, "incomplete"), choices)
         self.keep(choices, self.final)
-        return [self._event("response.incomplete", response=self.final)]
+        return closing + [self._event("response.incomplete", response=self.final)]
 
     def keep(self, choices: list[ChoiceState], response: dict) -> None:
         """Store ``response`` (when asked), delivered to the client, with the messages it
@@ -376,7 +378,7 @@ class ResponsesWire:
         return self._announced - 1
 
     def _open_message(self, c: ChoiceState) -> list[str]:
-        events = self._close_reasoning() + self._close_calls(c)
+        events = self._close_reasoning() + self._close_calls(c, ended=c.finish_reason is not None)
         self._message_open = True
         index = self._message_index = self._announce()
         return events + [
@@ -455,11 +457,12 @@ class ResponsesWire:
                             name=call.name, arguments=call.arguments),
                 self._event("response.output_item.done", output_index=index, item=self._call_item(call, status))]
 
-    def _close_calls(self, c: ChoiceState) -> list[str]:
+    def _close_calls(self, c: ChoiceState, ended: bool) -> list[str]:
         """Close the call items still open before another item starts: with the rest of their
         arguments when the turn returned them, complete as sent when the model moved on to
-        another call, or incomplete as sent when the choice ended without them (the model
-        broke, or did not finish, a call the stream had begun to send)."""
+        another call, or incomplete as sent when the choice ended (``ended``) without them
+        (the model broke or did not finish a call the stream had begun to send, or the run
+        was cancelled)."""
         events = []
         final = {call.id: call for call in c.tool_calls}
         for call in self._open_calls:
@@ -470,7 +473,7 @@ class ResponsesWire:
                            for piece in argument_fragments(whole.arguments[len(call.arguments):])]
                 events += self._call_done(whole, "completed")
             else:
-                events += self._call_done(call, "completed" if c.finish_reason is None else "incomplete")
+                events += self._call_done(call, "incomplete" if ended else "completed")
         self._open_calls = []
         return events
 
@@ -481,7 +484,8 @@ class ResponsesWire:
         for delta in deltas:
             call = delta.call
             if delta.opened:
-                events += self._close_reasoning() + self._close_message(c, "completed") + self._close_calls(c)
+                events += self._close_reasoning() + self._close_message(c, "completed") + \
+                    self._close_calls(c, ended=False)
                 self._open_calls = [call]
                 events.append(self._event("response.output_item.added", output_index=self._call_index(call),
                                           item=self._call_item(call, "in_progress", arguments="")))
@@ -493,7 +497,7 @@ class ResponsesWire:
     def finish(self, c: ChoiceState) -> list[str]:
         status, _ = self._outcome(c)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        events = self._close_reasoning() + self._close_calls(c)
+        events = self._close_reasoning() + self._close_calls(c, ended=True)
         if not self._message_open and not c.tool_calls:
             events += self._open_message(c)   # an empty answer still has its message
         events += self._close_message(c, item_status)

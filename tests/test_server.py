@@ -1064,6 +1064,22 @@ def test_many_background_runs_cancelled_or_finished_leave_nothing_held(servers, 
                 ended[r.id] = status
         time.sleep(0.1)
     assert {ended[r.id] for r in runs[1::2]} <= {"completed", "incomplete"}
+    for r in runs:   # every item a run's stream announced is done before its last event, cancelled ones' too
+        events = list(client.responses.retrieve(r.id, stream=True))
+        added = {e.output_index for e in events if e.type == "response.output_item.added"}
+        assert added == {e.output_index for e in events if e.type == "response.output_item.done"}, r.id
+
+    writing = client.responses.create(model="demo", input="Tell me more", max_output_tokens=300, temperature=0,
+                                      background=True)
+    while not client.responses.retrieve(writing.id).output:   # (cancelled with its message open)
+        assert time.monotonic() < deadline, "the background run wrote nothing"
+        time.sleep(0.05)
+    assert client.responses.cancel(writing.id).status == "cancelled"
+    events = list(client.responses.retrieve(writing.id, stream=True))
+    assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", "response.incomplete"]
+    assert events[-2].item.status == "incomplete" and events[-2].item.content[0].text == \
+        "".join(e.delta for e in events if e.type == "response.output_text.delta") != ""
     assert metrics(demo)["jaxserve:num_background_responses"] == 0
     wait_idle(demo, timeout=20)
 
