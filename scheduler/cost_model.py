@@ -63,11 +63,26 @@ class CostModel:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("fwd_base_s", "fwd_per_token_s", "step_overhead_s", "fwd_per_context_token_s",
+                     "swap_bandwidth_bytes_s"):   # (a bandwidth of 0: no host link, copies never finish)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name, least in (("saturation_tokens", 1), ("bytes_per_token", 1), ("max_num_batched_tokens", 1),
+                            ("device_kv_bytes", 0), ("host_kv_bytes", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.step_model not in STEP_MODELS:
             raise ValueError(f"step model must be one of {', '.join(STEP_MODELS)}, got {self.step_model!r}")
-        if not self.step_time_scale > 0:
-            raise ValueError(f"step time scale must be > 0, got {self.step_time_scale}")
-        table = sorted((int(k), float(v)) for k, v in ((self.meta or {}).get("step_times_s") or {}).items())
+        if not 0 < self.step_time_scale < math.inf:
+            raise ValueError(f"step time scale must be a finite number > 0, got {self.step_time_scale}")
+        try:
+            table = sorted((int(k), float(v)) for k, v in ((self.meta or {}).get("step_times_s") or {}).items())
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError("meta.step_times_s must map token counts to seconds") from None
+        if any(not 0 < t < math.inf for _, t in table):
+            raise ValueError("meta.step_times_s must hold finite times > 0")
         if self.step_model == "buckets" and not table:
             raise ValueError(f"profile {self.name!r} has no measured step times (meta.step_times_s); "
                              "use the linear step model")
@@ -132,6 +147,8 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
+        if not isinstance(data, dict):
+            raise ValueError("cost profile must be a JSON object")
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:
@@ -146,9 +163,12 @@ class CostModel:
     def load(cls, path: str | Path) -> "CostModel":
         try:
             data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"cost profile {path} is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:   # (TypeError: a field no dataclass field has a place for)
+            raise ValueError(f"cost profile {path}: {e}") from None
 
 
 # The context term of GPT-J 6B on an A100-40GB, from first principles (docs/fidelity.md):

@@ -51,7 +51,7 @@ from server.protocol import (FILE_EXPIRY_RANGE_S, AllowedToolsChoice, BatchCreat
                              ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
 from server.listing import MAX_FILES_LIMIT, items_page
-from server.responses import ResponsesWire, chat_request, input_messages, responses_error
+from server.responses import ResponsesWire, chat_request, check_call_outputs, input_messages, responses_error
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
 
@@ -557,6 +557,7 @@ async def _responses_chat(state: ServerState, body: ResponsesRequest, owner: str
     else:
         history = []
     added = input_messages(body.input)
+    check_call_outputs(history, added)
     chat = chat_request(body, history, added)
     rendered = None
     if body.truncation == "auto":
@@ -570,7 +571,8 @@ async def _truncated(state: ServerState, chat: ChatCompletionRequest
     prompt and ``max_output_tokens`` (at least one token) fit the context window, with its
     rendering. Turns are dropped whole: the kept conversation starts at a user message,
     after the system message (``instructions``) when there is one. When even the last
-    turn alone does not fit, ``chat`` as it was (its 400 follows)."""
+    turn alone does not fit, that shortest conversation, unrendered: its 400 follows, naming
+    what no truncation can fix (the last turn past the window, or ``max_output_tokens``)."""
     need = chat.token_limit or 1
     messages = chat.messages
     head = 1 if messages[0].role in ("system", "developer") else 0
@@ -598,7 +600,9 @@ async def _truncated(state: ServerState, chat: ChatCompletionRequest
             best, high = (candidate, rendered), mid - 1
         else:
             low = mid + 1
-    return best if best is not None else (chat, None)
+    if best is not None:
+        return best
+    return (chat.model_copy(update={"messages": messages[:head] + messages[starts[-1]:]}) if starts else chat), None
 
 
 def _response_not_found(response_id: str) -> APIError:

@@ -60,9 +60,25 @@ def from_value_error(error: ValueError, prompt_param: str = "prompt") -> APIErro
 
 
 def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    # Union members appear as extra loc entries such as "str" or "list[int]"; they name types, not fields.
-    parts = [p for p in parts if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-after.*", p)]
+    """The dotted field of a pydantic error location, as the client wrote it: without the
+    ``body``/``query`` source, the union members' type names ("str", "list[int]"), and the
+    tag a tagged union adds after an item (``input.0.message.role`` is ``input.0.role``)."""
+    parts: list[str] = []
+    tag_next = False      # the next string is a tagged union's tag
+    tagged_list = False   # the next index is into a list of tagged items (its tag follows the index)
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(str(part))
+            tag_next, tagged_list = tagged_list, False
+            continue
+        part = str(part)
+        if tag_next:
+            tag_next = False
+        elif "tagged-union[" in part:
+            tagged_list, tag_next = part.startswith("list["), not part.startswith("list[")
+        elif not (part in ("body", "query") and not parts) and \
+                not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-after.*", part):
+            parts.append(part)
     return ".".join(parts) or None
 
 
@@ -72,10 +88,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request body")
     first = errors[0]
     field = tuple(first.get("loc", ()))[:2]
-    # ``str | list[tagged union]`` (Responses ``input``) reports a miss per member; the tagged
-    # items name the real fault (an item's type or field, not "should be a valid string").
-    first = next((e for e in errors if tuple(e.get("loc", ()))[:2] == field
-                  and any(str(part).startswith("list[tagged-union") for part in e.get("loc", ()))), first)
+    # A union (``str | list[tagged union]``: Responses ``input``, a message's ``content``) reports a
+    # miss per member; the deepest names the real fault (an item's type or field, not "should be a
+    # valid string"), the first of equals.
+    first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field),
+                key=lambda e: len((_loc_to_param(tuple(e.get("loc", ()))) or "").split(".")), default=first)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}", param="body")

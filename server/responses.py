@@ -113,6 +113,28 @@ def input_items(given: str | list[ResponseInputItem]) -> list[dict]:
     return items
 
 
+def check_call_outputs(history: list[dict], added: list[dict]) -> None:
+    """As OpenAI's Responses API: each ``function_call_output`` of the input answers a call
+    made before it (in the conversation so far or earlier in the input), and every call the
+    conversation holds has its output once the input is added; else a 400 naming ``input``
+    (the model would read a result of nothing, or a call never answered)."""
+    calls: list[str] = []
+    answered: set[str] = set()
+    for messages, checked in ((history, False), (added, True)):
+        for message in messages:
+            if message["role"] == "assistant":
+                calls += [call["id"] for call in message.get("tool_calls") or []]
+            elif message["role"] == "tool":
+                if checked and message["tool_call_id"] not in calls:
+                    raise APIError(400, f"input: no function call found for the function_call_output with call_id "
+                                        f"{message['tool_call_id']!r}", param="input")
+                answered.add(message["tool_call_id"])
+    missing = [call for call in calls if call not in answered]
+    if missing:
+        raise APIError(400, f"input: no function_call_output found for the function call with call_id {missing[0]!r} "
+                            "(give each call's output before going on)", param="input")
+
+
 def chat_request(body: ResponsesRequest, history: list[dict], added: list[dict]) -> ChatCompletionRequest:
     """The chat completions request ``body`` amounts to after ``history`` (the stored
     conversation of its previous response, or its conversation's items) with ``added``

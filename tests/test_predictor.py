@@ -193,3 +193,40 @@ def test_batched_hidden_states_equal_one_by_one():
     batched = reader.read_many(contexts, max_batch_tokens=64)
     for (ids, ends), got in zip(contexts, batched):
         np.testing.assert_allclose(got, reader.read(ids, ends), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("flags, message", [(["--epochs", "0"], "--epochs must be >= 1"),
+                                            (["--probe-hidden", "-1"], "--probe-hidden must be >= 0"),
+                                            (["--max-context", "0"], "--max-context must be >= 1"),
+                                            (["--out", "FILE/sub"], "is a file, not a directory")])
+def test_train_refuses_bad_values_in_one_line_before_loading_anything(tmp_path, capsys, flags, message):
+    """An untrained probe written for ``--epochs 0``, a JAX traceback for a negative width,
+    a ``FileExistsError`` for an ``--out`` under a file: now status 2 and one line."""
+    (tmp_path / "FILE").write_text("")
+    flags = [str(tmp_path / f) if f.startswith("FILE") else f for f in flags]
+    args = ["predictor", "train", "--model", "demo", "--out", str(tmp_path / "ckpt"), *flags]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_text_requests_load_from_jsonl_and_a_mooncake_trace_is_named(tmp_path):
+    """The probe's dataset reads JSONL text-form traces as replay does (it took them for
+    broken JSON), and says a Mooncake trace has no text."""
+    from jaxserve.predictor.dataset import TraceDataError, load_text_requests
+
+    class Characters:   # one token per character
+        def encode(self, text, add_special_tokens=False):
+            return [ord(ch) % 1000 for ch in text]
+
+    data = json.loads(_trace(tmp_path / "trace.json", n=3).read_text())
+    lines = tmp_path / "trace.jsonl"
+    lines.write_text("\n".join(json.dumps({"id": rid, "segments": segs}) for rid, segs in data.items()) + "\n")
+    assert load_text_requests(lines, Characters()) == load_text_requests(tmp_path / "trace.json", Characters())
+    mooncake = tmp_path / "mc.jsonl"
+    mooncake.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [1]}\n')
+    with pytest.raises(TraceDataError, match="line 1: a Mooncake record"):
+        load_text_requests(mooncake, Characters())
+    with pytest.raises(TraceDataError, match="none of its 3 text-form requests fits --max-context 2"):
+        load_text_requests(lines, Characters(), max_context=2)

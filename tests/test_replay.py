@@ -113,7 +113,7 @@ BAD_JSON = [
     ({"r": [_seg(completion_tokens=2.5)]}, "'r' segment 0.*'completion_tokens'"),
     ({"r": [_seg(completion_tokens=True)]}, "'r' segment 0.*'completion_tokens'"),
     ({"r": [_seg(api_token_length=-3)]}, "'r' segment 0.*'api_token_length'"),
-    ({"r": [_seg(api_time=-0.1)]}, "'r' segment 0.*'api_time' must be a non-negative"),
+    ({"r": [_seg(api_time=-0.1)]}, "'r' segment 0.*'api_time' must be a number of seconds from 0"),
     ({"r": [_seg(api_time="1")]}, "'r' segment 0.*'api_time'"),
     ({"r": [_seg(api_token_length=None)]}, "'r' segment 0.*missing field 'api_token_length'"),
     ({"r": [_seg(api_time=None)]}, "'r' segment 0.*missing field 'api_time'"),
@@ -148,6 +148,11 @@ BAD_JSONL = [
     (json.dumps(GOOD_LINE) + "\n" + json.dumps(GOOD_LINE), "line 2: request 'q': duplicate id"),
     (json.dumps(GOOD_LINE) + "\n{not json", "line 2: not valid JSON"),
     (json.dumps({"id": "q", "segments": [_seg(completion_tokens=-5)]}), "'q' segment 0.*completion_tokens"),
+    (json.dumps({**GOOD_LINE, "predictions": {"api_duration_s": "x"}}), r"'q': field 'predictions.api_duration_s'"),
+    (json.dumps({**GOOD_LINE, "predictions": {"output_len": -1}}), r"'q': field 'predictions.output_len'"),
+    (json.dumps({"id": "q", "segments": [_seg(api_time=1e308), {"completion_tokens": 2}]}),
+     "'q' segment 0: field 'api_time' must be a number of seconds from 0 to 1e"),
+    ('{"timestamp": 0, "output_length": 5, "hash_ids": [1]}', r"line 1: missing field\(s\) \['input_length'\]"),
 ]
 
 
@@ -170,6 +175,9 @@ def test_unreadable_traces(tmp_path):
         load_trace(tmp_path / "missing.json")
     with pytest.raises(TraceError):  # TraceError is the ValueError raised above
         parse_jsonl("\n\n")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(TraceError, match="binary.json: not UTF-8 text"):
+        load_trace(tmp_path / "binary.json")
 
 
 # ---------------------------------------------------------------- workloads
@@ -372,12 +380,37 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert "jaxserve replay:" in capsys.readouterr().err
     # options that were silently ignored or ran to a meaningless result
     for argv, message in ((["--cv", "2"], "--cv sets the gaps of --arrival gamma"),
-                          (["--arrival", "gamma", "--cv", "0"], "--cv must be a finite number > 0"),
+                          (["--arrival", "gamma", "--cv", "0"], "--cv must be between 0.01 and 100"),
+                          (["--arrival", "gamma", "--cv", "1e-200"], "--cv must be between"),
+                          (["--token-scale", "inf"], "--token-scale must be a finite number > 0"),
+                          (["--rate", "2", "--duration", "inf"], "--duration must be a finite number > 0"),
+                          (["--rate", "inf", "--num-requests", "3"], "--rate must be a finite number > 0"),
+                          (["--rates", "1,inf"], "--rates must be finite numbers > 0"),
+                          (["--api-time-scale", "inf"], "--api-time-scale must be a finite number >= 0"),
+                          (["--batch-share", "1.5"], "--batch-share must be a fraction"),
+                          (["--rate", "1", "--duration", "0.001"], "no request arrives within 0.001 s"),
+                          (["--mode", "resend", "--prefill-decode-split"], "requests mode only"),
+                          (["--model", "demo", "--horizon", "5"], "--horizon: only the simulator reads it, not the real engine"),
+                          (["--routers", "affinity"], "with one replica there is nothing to route"),
                           (["--horizon", "-1"], "--horizon must be"), (["--horizon", "0"], "--horizon must be"),
                           (["--slo-ttft", "-1"], "--slo-ttft must be"),
                           (["--slo-norm-latency", "nan"], "--slo-norm-latency must be")):
         assert replay_cli.main(_cli_args(argv + ["--out", str(tmp_path), "--quiet", "--no-plots"])) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_cli_refuses_an_out_it_cannot_write_before_running(tmp_path, capsys):
+    """An ``--out`` that is a file, under a file, or holding a directory where an output
+    file goes: refused in one line before the runs (it was a traceback after them)."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "od" / "summary.md").mkdir(parents=True)
+    run = ["--policies", "fcfs", "--rate", "2", "--num-requests", "3", "--quiet", "--no-plots"]
+    for out, message in ((tmp_path / "afile", "is a file, not a directory"),
+                         (tmp_path / "afile" / "sub", "is a file, not a directory"),
+                         (tmp_path / "od", "is a directory; the replay writes a file there")):
+        assert replay_cli.main(_cli_args(run + ["--out", str(out)])) == 2, out
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
 
 
 def test_cli_loads_a_tokenizer_only_for_text_and_names_one_it_cannot_load(tmp_path, capsys):
@@ -407,6 +440,26 @@ def test_step_model_linear_and_measured_buckets():
     assert measured.timed("linear").t_step(40) == pytest.approx(COST.fwd_base_s + 40 * COST.fwd_per_token_s)
     with pytest.raises(ValueError, match="step model"):
         COST.timed("cubic")
+
+
+@pytest.mark.parametrize("change, message", [({"fwd_base_s": "abc"}, "fwd_base_s must be a finite number >= 0"),
+                                             ({"fwd_base_s": -1.0}, "fwd_base_s must be a finite number >= 0"),
+                                             ({"bytes_per_token": 0}, "bytes_per_token must be an integer >= 1"),
+                                             ({"saturation_tokens": float("nan")}, "saturation_tokens must be"),
+                                             ({"meta": {"step_times_s": {"8": -1}}}, "step_times_s must hold"),
+                                             ({"nonsense": 1}, "unknown keys")])
+def test_a_cost_profile_with_a_bad_value_is_refused_naming_the_file_and_field(tmp_path, change, message):
+    """A profile file's values were used as given: a string was a ``TypeError``, a zero
+    ``bytes_per_token`` a ``ZeroDivisionError``, a negative time ran to negative steps."""
+    from dataclasses import asdict
+
+    from jaxserve.profiles import load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**asdict(COST), **change}))
+    with pytest.raises(ValueError, match=message) as e:
+        load_profile(str(path))
+    assert str(path) in str(e.value)
 
 
 def test_step_time_adds_host_overhead_and_scales():

@@ -60,3 +60,28 @@ def test_engine_resend_replay_serves_earlier_turns_from_the_cache(tmp_path):
     assert off["cached_prompt_tokens"] == 0 and off["affinity_hit_rate"] == 0.0
     assert on["cached_prompt_tokens"] > 0 and on["affinity_hit_rate"] > 0.5
     assert on["recomputed_tokens"] < off["recomputed_tokens"]
+
+
+def test_a_mooncake_trace_shares_its_blocks_on_the_engine_as_in_the_simulator(tmp_path):
+    """A Mooncake request's prompt is its blocks' tokens, drawn per chain of block ids, so
+    two requests naming the same first block share its pages in the engine's prefix cache
+    as the simulator's names say (the engine drew every prompt afresh: nothing shared);
+    re-send mode names them by block too."""
+    import dataclasses
+
+    from jaxserve.replay.experiment import simulate
+    from scheduler.cost_model import load_profile
+
+    trace = tmp_path / "mc.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 40, "output_length": 3, "hash_ids": ids}) + "\n"
+                             for t, ids in ((0, [7]), (500, [7]), (900, [8]))))
+    entries = load_trace(trace)
+    sim = SimConfig(page_size=16, num_device_pages=32, num_host_pages=0, max_num_batched_tokens=64, max_num_seqs=8)
+    config = ReplayConfig(policies=["fcfs"], rates=[None], arrival="trace", seed=0, prefix_cache=(True,), sim=sim)
+    [engine_run] = run_engine(entries, config, EngineOptions(EngineConfig(model="demo", max_model_len=256)),
+                              progress=False)
+    cost = load_profile("gptj-6b-a100-40g")
+    [simulated] = simulate(entries, cost, config, progress=False)
+    [resent] = simulate(entries, cost, dataclasses.replace(config, mode="resend"), progress=False)
+    assert engine_run.row["cached_prompt_tokens"] == simulated.row["cached_prompt_tokens"] == \
+        resent.row["cached_prompt_tokens"] == 32   # the second request's two full pages of block 7

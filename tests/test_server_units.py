@@ -855,10 +855,20 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
     ({"input": "hi", "background": True, "store": False}, 400, "background"),
     ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400, "input.0"),
+    # (the paths as the client wrote them: no tag of the item's type between its index and its field)
     ({"input": [{"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}]}, 400,
-     "input.0.reasoning.content.0.type"),
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.function_call.call_id"),
+     "input.0.content.0.type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.call_id"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input.0.role"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, 400, "input.0.output"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400, "input.0.content.0.text"),
     ({"input": []}, 400, "input"),
+    # a result of no call, and a call with no result (OpenAI's 400s: the model would read either as it stands)
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}, 400, "input"),
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"role": "user", "content": "never mind"}]}, 400, "input"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"input": "hi", "max_output_tokens": 100_000}, 400, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
@@ -869,6 +879,20 @@ def test_responses_bad_input_is_an_error_naming_the_field(body, status, param):
     with _client(_OneAnswerEngine(), max_model_len=4096) as client:
         error = _error(client.post("/v1/responses", json={"model": "m", **body}), status)
         assert error["param"] == param, error
+
+
+def test_a_function_call_and_its_output_in_the_input_are_served():
+    """The pair OpenAI's follow-ups send (a call, then its output) is accepted; the 400s above
+    are only for an output of no call or a call left without one."""
+    with _client(_OneAnswerEngine(), max_model_len=4096) as client:
+        r = client.post("/v1/responses", json={"model": "m", "input": [
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "42"}]})
+        assert r.status_code == 200, r.text
+        message = _error(client.post("/v1/responses", json={"model": "m", "input": [
+            {"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}), 400)["message"]
+        assert "call_nope" in message, message
 
 
 def test_a_streamed_response_sends_the_typed_events_in_order():
@@ -950,9 +974,14 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
         error = _error(client.post("/v1/responses", json=body), 400)
         assert error["code"] == "context_length_exceeded" and error["param"] == "input"
         assert error["message"].startswith("input: the prompt has ")   # the Responses API's name, not chat's
-    with _client(engine, max_model_len=len(last) + 7) as client:
-        r = client.post("/v1/responses", json={**body, "truncation": "auto"})
-        assert _error(r, 400)["code"] == "context_length_exceeded" and len(sent) == 1
+    with _client(engine, max_model_len=len(last) + 7) as client:   # the last turn fits, not with 8 more tokens:
+        r = client.post("/v1/responses", json={**body, "truncation": "auto"})   # max_output_tokens is the fault
+        error = _error(r, 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "max_output_tokens") and len(sent) == 1
+        assert f"prompt ({len(last)} tokens)" in error["message"], error
+    with _client(engine, max_model_len=len(last) - 1) as client:   # the last turn alone is past the window
+        error = _error(client.post("/v1/responses", json={**body, "truncation": "auto"}), 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "input") and len(sent) == 1
 
 
 @pytest.mark.parametrize("message, param, expected", [
@@ -1566,3 +1595,12 @@ def test_an_uploads_expiry_fields_are_read_as_openai_sends_them():
         with pytest.raises(APIError) as refused:
             _file_expiry(anchor, seconds)
         assert refused.value.status == 400 and refused.value.param == "expires_after"
+
+
+@pytest.mark.parametrize("path", ["/v1/files?limit=abc", "/v1/batches?limit=abc"])
+def test_a_query_parameter_of_the_wrong_type_is_named_bare(path):
+    """Query parameters are named as the client wrote them (``limit``), as their range errors
+    already were; a type error named them ``query.limit``."""
+    with _client(_ScriptedEngine()) as client:
+        error = _error(client.get(path), 400)
+        assert error["param"] == "limit" and error["message"].startswith("limit: "), error

@@ -266,4 +266,4 @@ def test_cli_mooncake_with_the_llama3_profile(tmp_path, capsys):
     assert row["bound_infinite_share"] == pytest.approx(2048 / 4324)
     assert _cli([str(trace), "--arrival", "trace", "--token-scale", "0.5", "--out", str(out), "--quiet"]) == 2
     assert _cli(["--mode", "resend", "--replicas", "2", "--model", "demo", "--out", str(out), "--quiet"]) == 2
-    assert "drop --model" in capsys.readouterr().err
+    assert "--replicas: only the simulator reads it, not the real engine; drop it or --model" in capsys.readouterr().err

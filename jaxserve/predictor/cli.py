@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from jaxserve.predictor.checkpoint import ProbeCheckpointError, load_probe, save_probe
@@ -38,7 +37,26 @@ def _report(probe, base) -> str:
         f"(n_test = {probe.n} segments)"])
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Option values with a range, and an ``--out`` that can be a directory (``ValueError``)."""
+    if args.predictor_command != "train":
+        return
+    for flag, value, least in (("--epochs", args.epochs, 1), ("--probe-hidden", args.probe_hidden, 0),
+                               ("--max-context", args.max_context, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    out = Path(args.out).expanduser()
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"--out {args.out}: {existing} is a file, not a directory")
+
+
 def main(args: argparse.Namespace) -> int:
+    from jaxserve.cli import refuse
+    try:
+        _check(args)
+    except ValueError as e:
+        return refuse("predictor", e)
     # Heavy imports here so `jaxserve --help` stays fast.
     from jaxserve.predictor.dataset import TraceDataError
     from jaxserve.predictor.features import load_served_model
@@ -75,5 +93,6 @@ def main(args: argparse.Namespace) -> int:
                 indent=2) + "\n")
         return 0
     except (ProbeCheckpointError, TraceDataError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse("predictor", e)
+    except OSError as e:   # (writing the checkpoint or --json)
+        return refuse("predictor", f"{e.filename or 'output'}: {e.strerror or e}")

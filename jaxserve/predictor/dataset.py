@@ -51,6 +51,26 @@ def _kind(segments: list[dict]) -> str:
     return "chat"
 
 
+def _jsonl_segments(text: str, path: Path) -> dict:
+    """A JSONL trace (``{"id", "segments", ...}`` a line) as request id -> segments; a
+    line that is not one is a ``TraceDataError`` naming it (a Mooncake record has no text)."""
+    data = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"trace {path} line {number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceDataError(f"{where}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or "segments" not in obj or not isinstance(obj.get("id"), str):
+            kind = "a Mooncake record (token counts only)" if isinstance(obj, dict) and "hash_ids" in obj \
+                else "not a request with an 'id' and 'segments'"
+            raise TraceDataError(f"{where}: {kind}; the length probe needs text-form segments")
+        data[obj["id"]] = obj["segments"]
+    return data
+
+
 def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | None = None) -> list[TextRequest]:
     """The text-form requests of ``trace`` (None: the bundled multi-API trace),
     tokenised with the served model's ``tokenizer``; with ``max_context``, only
@@ -59,12 +79,18 @@ def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | N
     has no text segments."""
     path = resolve_trace_path(trace)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TraceDataError(f"trace {path} is not readable JSON: {e}") from e
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceDataError(f"trace {path} is not readable text: {e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    if data is None or (isinstance(data, dict) and ("segments" in data or "hash_ids" in data)):
+        data = _jsonl_segments(text, path)   # (a JSONL trace; one line of it is a JSON object too)
     if not isinstance(data, dict) or not data:
         raise TraceDataError(f"trace {path} has no requests (expected a JSON object of request id -> segments)")
-    out = []
+    out, texts = [], 0
     for rid, segs in data.items():
         if not isinstance(segs, list) or not segs or not isinstance(segs[0], dict) or "prompt" not in segs[0]:
             continue
@@ -83,10 +109,13 @@ def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | N
                 if not isinstance(api, str):
                     raise TraceDataError(f"{where} segment {i}: 'api_token' must be a string")
                 ids += completion + tokenizer.encode(api, add_special_tokens=False)
+        texts += 1
         if max_context is None or len(ids) <= max_context:
             out.append(TextRequest(str(rid), _kind(segs), tuple(int(t) for t in ids), tuple(ends), tuple(labels)))
     if not out:
-        raise TraceDataError(f"trace {path} has no text-form segments (prompt/completion strings) to learn from")
+        raise TraceDataError(f"trace {path} has no text-form segments (prompt/completion strings) to learn from"
+                             if not texts else f"trace {path}: none of its {texts} text-form requests fits "
+                             f"--max-context {max_context} tokens")
     return out
 
 

@@ -18,8 +18,10 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from jaxserve.config import EngineConfig
 
@@ -28,6 +30,8 @@ DEFAULT_RATES = "2,5,8"
 DEFAULT_DURATION_S = 1800.0       # the original InferCept driver's window
 DEFAULT_MODEL_REQUESTS = 32       # --model without --num-requests/--duration
 DEFAULT_CV = 1.5                  # gamma arrivals: coefficient of variation of the gaps
+MIN_CV, MAX_CV = 0.01, 100.0      # --cv's range
+ROUTERS_DEFAULT = "round_robin"
 # Engine settings a replay sets per run (--policies), takes from --profile, or never uses.
 REPLAY_EXCLUDES = ("policy", "cost_profile", "tool_call_parser", "seed")
 
@@ -89,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "simulator; with --model, the engine's --enable-prefix-caching)")
     sch.add_argument("--replicas", type=int, default=1,
                      help="simulated replicas behind a router (re-send mode)")
-    sch.add_argument("--routers", default="round_robin",
+    sch.add_argument("--routers", default=ROUTERS_DEFAULT,
                      help="comma-separated routers for --replicas: round_robin, least_loaded, affinity")
     sch.add_argument("--horizon", type=float, default=None,
                      help="stop the simulation at this time (s); unfinished requests count as not completed")
@@ -122,8 +126,8 @@ def _parse_rates(args: argparse.Namespace) -> list[float | None]:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--rates must be comma-separated numbers, got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise ValueError(f"--rates must be positive numbers, got {text!r}")
+    if not rates or any(not 0 < r < float("inf") for r in rates):
+        raise ValueError(f"--rates must be finite numbers > 0, got {text!r}")
     return rates
 
 
@@ -163,12 +167,52 @@ def _check_numbers(args: argparse.Namespace) -> None:
     """Options that are numbers with a range, and ``--cv`` only with gamma arrivals."""
     if args.cv is not None and args.arrival != "gamma":
         raise ValueError("--cv sets the gaps of --arrival gamma; add --arrival gamma or drop --cv")
-    positive = {"--cv": args.cv, "--horizon": args.horizon, "--slo-ttft": args.slo_ttft,
+    positive = {"--rate": args.rate, "--duration": args.duration, "--horizon": args.horizon,
+                "--token-scale": args.token_scale, "--slo-ttft": args.slo_ttft,
                 "--slo-norm-latency": args.slo_norm_latency, "--slo-step-factor": args.slo_step_factor,
                 "--step-time-scale": args.step_time_scale}
     for flag, value in positive.items():
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
+    if not 0 <= args.api_time_scale < float("inf"):
+        raise ValueError(f"--api-time-scale must be a finite number >= 0, got {args.api_time_scale!r}")
+    if args.cv is not None and not MIN_CV <= args.cv <= MAX_CV:   # (gamma's shape is 1/cv²: past these, 0 or inf)
+        raise ValueError(f"--cv must be between {MIN_CV:g} and {MAX_CV:g}, got {args.cv!r}")
+    if not 0 <= args.batch_share <= 1:
+        raise ValueError(f"--batch-share must be a fraction between 0 and 1, got {args.batch_share!r}")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Settings that would be silently ignored where they are given."""
+    if args.model is not None:
+        simulator_only = {"--horizon": args.horizon is not None, "--prefill-decode-split": args.prefill_decode_split,
+                          "--step-time-scale": args.step_time_scale != 1.0, "--step-model": args.step_model != "auto",
+                          "--replicas": args.replicas != 1}
+        given = [flag for flag, on in simulator_only.items() if on]
+        if given:
+            them = "it" if len(given) == 1 else "them"
+            raise ValueError(f"{', '.join(given)}: only the simulator reads {them}, not the real engine; "
+                             f"drop {them} or --model")
+    if args.mode == "resend" and args.prefill_decode_split:
+        raise ValueError("--prefill-decode-split is simulated in requests mode only; drop it or --mode resend")
+    if args.routers != ROUTERS_DEFAULT and args.replicas == 1:
+        raise ValueError("--routers chooses among --replicas; with one replica there is nothing to route")
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` is a directory that can be made and written, checked before the runs."""
+    from jaxserve.replay.experiment import OUTPUT_FILES
+
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+    if existing is not None and not os.access(existing, os.W_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable")
+    for name in OUTPUT_FILES:
+        if (out / name).is_dir():
+            raise ValueError(f"--out {out}: {out / name} is a directory; the replay writes a file there")
 
 
 def build_config(args: argparse.Namespace):
@@ -177,9 +221,8 @@ def build_config(args: argparse.Namespace):
     from jaxserve.replay.simulate import SimConfig
     from scheduler import Handling
 
-    if args.model is not None and args.replicas != 1:
-        raise ValueError("--replicas is a simulator setting (the real engine is one replica); drop --model")
     _check_numbers(args)
+    _check_combinations(args)
     rates = _parse_rates(args)
     policies = _parse_policies(args.policies)
     engine = EngineConfig.from_cli(args, model=args.model or "demo", seed=args.seed)   # validates every setting
@@ -218,6 +261,7 @@ def main(args: argparse.Namespace) -> int:
     if args.model is not None and args.simulate:
         return refuse("replay", "give --simulate or --model, not both")
     try:
+        _check_out(Path(args.out))
         engine, config = build_config(args)
         trace_path = resolve_trace_path(args.trace)
         entries = load_trace(trace_path, _tokenizer(args.tokenizer))
@@ -240,7 +284,10 @@ def main(args: argparse.Namespace) -> int:
             runs = run_engine(entries, config, EngineOptions(engine), cost=cost, progress=not args.quiet)
     except ValueError as e:
         return refuse("replay", e)
-    paths = write_outputs(runs, args.out, title=title, plots=not args.no_plots)
+    try:
+        paths = write_outputs(runs, args.out, title=title, plots=not args.no_plots)
+    except OSError as e:
+        return refuse("replay", f"--out {args.out}: cannot write the results ({e.strerror or e})")
     wall = time.perf_counter() - start
     print(paths["summary"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())} in {wall:.1f} s")

@@ -7,7 +7,8 @@ earlier completion and API return) and generating segment ``k``'s tokens; the
 next segment arrives when this one has finished plus the API call's duration.
 A trailing API call (after the last segment) has nothing left to generate and
 is dropped. Every segment request of a conversation lists the conversation's
-page names (``PageNamer.conversation``), so with the prefix cache on a
+page names (``PageNamer.conversation``; a Mooncake request's input pages are named by its
+blocks, ``PageNamer.blocks``), so with the prefix cache on a
 follow-up re-links the pages its predecessors computed, if they are still
 cached on the replica it lands on.
 
@@ -283,8 +284,10 @@ def _run_resend(schedulers: Sequence[Scheduler], workload: Sequence[WorkloadItem
                 head = arrivals[0] if arrivals else None
             request = conv.next_request(t_arrival)
             if caching:
-                if conv.names is None:
-                    conv.names = namer.conversation(conv.total_tokens)
+                if conv.names is None:   # (a Mooncake request's input: its blocks' names, shared by id)
+                    entry = conv.item.entry
+                    conv.names = namer.blocks(entry.block_ids, entry.prompt_len, conv.total_tokens) \
+                        if entry.block_ids else namer.conversation(conv.total_tokens)
                 request.block_hashes = conv.names
             i = pick.route(request, conv, replicas)
             if conv.previous is not None:

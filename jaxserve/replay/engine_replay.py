@@ -24,6 +24,7 @@ Importing this module imports JAX (through the engine).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import zlib
@@ -36,6 +37,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.replay.plots import RunCurves
 from jaxserve.replay.experiment import ReplayConfig, grid, measurement_window, one_line_summary, summarize_run
 from jaxserve.replay.metrics import e2e_values
+from jaxserve.replay.page_keys import MOONCAKE_BLOCK_TOKENS
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadItem
 from scheduler import CostModel
@@ -51,14 +53,30 @@ class EngineOptions:
 
 
 class _SyntheticTokens:
-    """Seeded token ids for one workload item: its prompt first, then each API return in turn."""
+    """Seeded token ids for one workload item: its prompt first, then each API return in turn.
+    A Mooncake request's prompt is its 512-token blocks, each drawn from a seed of the chain
+    of block ids up to it, so equal chains are equal tokens (the pages the simulator names
+    alike, ``PageNamer.blocks``, hash alike in the engine's prefix cache)."""
 
     def __init__(self, item: WorkloadItem, vocab: int, seed: int) -> None:
+        self.item, self.seed = item, seed
         self.rng = np.random.default_rng([seed, zlib.crc32(item.request_id.encode())])
         self.low, self.vocab = min(4, vocab - 1), vocab   # clear of small vocabularies' special ids
 
     def draw(self, n: int) -> list[int]:
         return self.rng.integers(self.low, self.vocab, size=n).tolist()
+
+    def prompt(self) -> list[int]:
+        entry = self.item.entry
+        ids: list[int] = []
+        chain = hashlib.blake2b(digest_size=8)   # (of the block ids so far: any integers, negative too)
+        for block_id in entry.block_ids or ():
+            if len(ids) >= entry.prompt_len:
+                break
+            chain.update(f"{block_id},".encode())
+            block = np.random.default_rng([self.seed, int.from_bytes(chain.digest(), "little")])
+            ids += block.integers(self.low, self.vocab, size=MOONCAKE_BLOCK_TOKENS).tolist()
+        return ids[:entry.prompt_len] + self.draw(max(0, entry.prompt_len - len(ids)))
 
 
 def _engine_request(item: WorkloadItem, vocab: int, seed: int):
@@ -66,7 +84,7 @@ def _engine_request(item: WorkloadItem, vocab: int, seed: int):
     from jaxserve import ApiCall, SamplingParams
 
     tokens = _SyntheticTokens(item, vocab, seed)
-    ids = tokens.draw(item.entry.prompt_len)
+    ids = tokens.prompt()
     calls, done = [], 0
     for seg in item.entry.segments:
         done += seg.num_tokens
@@ -74,7 +92,8 @@ def _engine_request(item: WorkloadItem, vocab: int, seed: int):
             returned = tuple(tokens.draw(seg.num_returned_tokens))
             calls.append(ApiCall(after_tokens=done, duration_s=float(seg.api_duration_s),
                                  returned_token_ids=returned, api_type=seg.api_type))
-    params = SamplingParams(max_tokens=done, temperature=0.0, ignore_eos=True)
+    # (the simulator's cap too, ``TraceEntry.max_tokens``: the original driver's; calls past it never come)
+    params = SamplingParams(max_tokens=min(done, item.entry.max_tokens), temperature=0.0, ignore_eos=True)
     return ids, params, calls
 
 
@@ -250,7 +269,7 @@ def _drive_resend(engine, workload: Sequence[WorkloadItem], seed: int, options: 
     first = []
     for w in workload:
         synthetic = _SyntheticTokens(w, vocab, seed)
-        first.append(segment_request(w, 0, synthetic.draw(w.entry.prompt_len), t0 + w.arrival_time, synthetic))
+        first.append(segment_request(w, 0, synthetic.prompt(), t0 + w.arrival_time, synthetic))
     order = itertools.count()
 
     def on_outputs(touched) -> None:

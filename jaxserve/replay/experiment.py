@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 
 from jaxserve.replay.metrics import Slo, aggregate, e2e_values, request_metrics, summary_table
 from jaxserve.replay.page_keys import PageNamer
-from jaxserve.replay.plots import RunCurves, write_plots
+from jaxserve.replay.plots import PLOT_FILES, RunCurves, write_plots
 from jaxserve.replay.simulate import SimConfig, build_scheduler, run_simulation
 from jaxserve.replay.trace import TraceEntry
 from jaxserve.replay.workload import WorkloadSpec, make_workload
@@ -307,6 +307,9 @@ def _clean(value):
     return value
 
 
+OUTPUT_FILES = ("results.json", "summary.md", *PLOT_FILES)
+
+
 def write_outputs(runs: Sequence[RunCurves], out_dir: str | Path, title: str = "",
                   plots: bool = True) -> dict[str, Path]:
     """``results.json`` (one object per run), ``summary.md`` (the side-by-side
@@ -314,7 +317,7 @@ def write_outputs(runs: Sequence[RunCurves], out_dir: str | Path, title: str = "
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [_clean(r.row) for r in runs]
-    paths = {"results": out / "results.json", "summary": out / "summary.md"}
+    paths = {"results": out / OUTPUT_FILES[0], "summary": out / OUTPUT_FILES[1]}
     paths["results"].write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")
     table = summary_table(rows)
     head = f"# Replay summary{': ' + title if title else ''}\n\n"

@@ -109,10 +109,13 @@ def plot_occupancy(runs: Sequence[RunCurves], path: Path) -> None:
     plt.close(fig)
 
 
+PLOT_FILES = ("latency_vs_rate.png", "e2e_cdf.png", "kv_occupancy.png")
+
+
 def write_plots(runs: Sequence[RunCurves], out_dir: Path) -> list[Path]:
     """All plots into ``out_dir``; returns the files written."""
     out_dir = Path(out_dir)
-    paths = [out_dir / "latency_vs_rate.png", out_dir / "e2e_cdf.png", out_dir / "kv_occupancy.png"]
+    paths = [out_dir / name for name in PLOT_FILES]
     plot_vs_rate(runs, paths[0])
     plot_e2e_cdf(runs, paths[1])
     plot_occupancy(runs, paths[2])

@@ -36,6 +36,7 @@ from scheduler import Request, Segment
 Tokenizer = Callable[[str], Sequence[int]]
 
 MAX_TOKENS_CAP = 2048            # the original driver's max_tokens cap
+MAX_API_TIME_S = 1e9             # an API call's longest duration a trace may give (~32 years)
 CHARS_PER_TOKEN = 4              # text form without a tokenizer
 DEFAULT_TRACE = "merged_exp_uniform.json"
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"   # jaxserve/data
@@ -125,7 +126,10 @@ def load_trace(path: str | Path | None = None, tokenizer: Tokenizer | None = Non
     naming the request and field for malformed input.
     """
     p = resolve_trace_path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"trace {p}: not UTF-8 text (byte {e.start})") from None
     stripped = text.lstrip()
     if not stripped:
         raise TraceError(f"trace {p}: file is empty")
@@ -149,7 +153,8 @@ def looks_like_mooncake(first_line: str) -> bool:
         obj = json.loads(first_line)
     except json.JSONDecodeError:
         return False
-    return isinstance(obj, dict) and "hash_ids" in obj and "input_length" in obj
+    # (any of its fields and no ``segments``: a Mooncake line missing one is named as such)
+    return isinstance(obj, dict) and "segments" not in obj and bool(MOONCAKE_KEYS & set(obj))
 
 
 def _json_objects(text: str, source: str) -> Iterator[tuple[int, str, dict]]:
@@ -243,6 +248,10 @@ def parse_jsonl(text: str, tokenizer: Tokenizer | None = None, source: str = "<t
         predictions = obj.get("predictions", {})
         if not isinstance(predictions, dict):
             raise TraceError(f"{where}: request {rid!r}: field 'predictions' must be an object")
+        for key, wanted in _PREDICTION_TYPES.items():
+            if key in predictions and not wanted[0](predictions[key]):
+                raise TraceError(f"{where}: request {rid!r}: field 'predictions.{key}' must be {wanted[1]}, "
+                                 f"got {predictions[key]!r}")
         priority = obj.get("priority", 0)
         if not _is_int(priority):
             raise TraceError(f"{where}: request {rid!r}: field 'priority' must be an integer, got {priority!r}")
@@ -252,6 +261,15 @@ def parse_jsonl(text: str, tokenizer: Tokenizer | None = None, source: str = "<t
     if not entries:
         raise TraceError(f"trace {source}: no requests")
     return entries
+
+
+# The predictions the scheduler's predictors read (``scheduler/predictors.py``): what each must be.
+_PREDICTION_TYPES = {
+    "output_len": (lambda x: _is_number(x) and 0 <= x < math.inf, "a finite number >= 0 (tokens)"),
+    "api_duration_s": (lambda x: _is_number(x) and 0 <= x < math.inf, "a finite number >= 0 (seconds)"),
+    "api_type": (lambda x: isinstance(x, str), "a string"),
+    "class": (lambda x: isinstance(x, str), "a string"),
+}
 
 
 # ---------------------------------------------------------------- one entry
@@ -321,8 +339,9 @@ def _parse_entry(rid: str, segs: object, tokenizer: Tokenizer | None, source: st
             if "api_time" not in s:
                 raise TraceError(f"{w}: missing field 'api_time' (the segment ends in an API call)")
             api_time = s["api_time"]
-            if not _is_number(api_time) or not math.isfinite(api_time) or api_time < 0:
-                raise TraceError(f"{w}: field 'api_time' must be a non-negative number, got {api_time!r}")
+            if not _is_number(api_time) or not 0 <= api_time <= MAX_API_TIME_S:
+                raise TraceError(f"{w}: field 'api_time' must be a number of seconds from 0 to "
+                                 f"{MAX_API_TIME_S:g}, got {api_time!r}")
             api_time = float(api_time)
         elif i < len(segs) - 1:
             raise TraceError(f"{w}: only the last segment may lack an API call "

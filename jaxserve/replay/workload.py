@@ -120,6 +120,9 @@ def make_workload(entries: Sequence[TraceEntry], spec: WorkloadSpec) -> list[Wor
         width = max(5, len(str(len(times))))
         items = [WorkloadItem(f"{i:0{width}d}-{entries[k].request_id}", float(t), entries[k], entries[k].priority)
                  for i, (t, k) in enumerate(zip(times.tolist(), picks.tolist()))]
+    if not items:
+        window = "in its first --num-requests" if spec.duration_s is None else f"within {spec.duration_s:g} s"
+        raise ValueError(f"no request arrives {window}: lengthen --duration or raise the rate")
     if spec.batch_share > 0:
         batch = np.random.default_rng([spec.seed, 2]).random(len(items)) < spec.batch_share
         items = [replace(w, priority=BATCH_PRIORITY) if b else w for w, b in zip(items, batch.tolist())]
