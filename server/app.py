@@ -504,7 +504,8 @@ async def _respond(state: ServerState, request: Request, body: ResponsesRequest)
     """``POST /v1/responses``: the chat request it amounts to, answered as a ``response``
     (``background``: run on the server, ``server.background``)."""
     _check_model(state, body.model)
-    if body.reasoning is not None and getattr(getattr(state.engine, "engine", None), "reasoning_format", None) is None:
+    asks = body.reasoning is not None and (body.reasoning.effort, body.reasoning.summary) != (None, None)
+    if asks and getattr(getattr(state.engine, "engine", None), "reasoning_format", None) is None:   # ({}: asks nothing)
         raise APIError(400, "reasoning: this server returns no reasoning (serve the model with --reasoning-parser)",
                        param="reasoning")
     owner = _owner(request, None)

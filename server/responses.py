@@ -522,6 +522,11 @@ class ResponsesWire:
         events = self._close_reasoning() + self._close_calls(c, ended=True)
         if not self._message_open and not c.tool_calls:
             events += self._open_message(c)   # an empty answer still has its message
+        if self._held_logprobs and self._message_open and not self._message_done:   # (tokens with no text: EOS)
+            records, self._held_logprobs = self._held_logprobs, []
+            events.append(self._event("response.output_text.delta", item_id=self._message_id,
+                                      output_index=self._message_index, content_index=0, delta="",
+                                      logprobs=self._logprobs(records) or []))
         events += self._close_message(c, item_status)
         for call in c.tool_calls:   # the calls not streamed (held to the end of the turn)
             if call.id in self._done_calls:

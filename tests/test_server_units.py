@@ -881,6 +881,15 @@ def test_responses_bad_input_is_an_error_naming_the_field(body, status, param):
         assert error["param"] == param, error
 
 
+def test_a_reasoning_object_that_asks_nothing_is_served_without_a_reasoning_parser():
+    """Clients that serialize every field send ``reasoning: {}`` or all-null: nothing asked,
+    nothing refused (an ``effort`` still needs ``--reasoning-parser``: the 400 above)."""
+    with _client(_OneAnswerEngine(), max_model_len=4096) as client:
+        for reasoning in ({}, {"effort": None, "summary": None}):
+            r = client.post("/v1/responses", json={"model": "m", "input": "hi", "reasoning": reasoning})
+            assert r.status_code == 200, r.text
+
+
 def test_a_function_call_and_its_output_in_the_input_are_served():
     """The pair OpenAI's follow-ups send (a call, then its output) is accepted; the 400s above
     are only for an output of no call or a call left without one."""
@@ -944,6 +953,31 @@ def test_responses_logprobs_match_chat_logprobs():
         error = _error(client.post("/v1/responses", json={"model": "m", "input": "hi",
                                                           "include": ["file_search_call.results"]}), 400)
         assert error["param"].startswith("include")
+
+
+class _EndsWithEosEngine(_OneAnswerEngine):
+    """Two outputs: a token with text, then the end-of-sequence token (no text), each with its record."""
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput, TokenLogprob
+        first, eos = TokenLogprob(65, -0.25, ((65, -0.25),)), TokenLogprob(2, -0.125, ((2, -0.125),))
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65], text="b",
+                            delta_token_ids=[65], delta_text="b", logprobs=[first])
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65, 2],
+                            text="b", delta_token_ids=[2], delta_text="", finish_reason="stop", logprobs=[first, eos])
+
+
+def test_a_streamed_response_sends_the_last_tokens_logprobs_though_they_have_no_text():
+    """The end-of-sequence token writes no text: its record, held for the next text, came
+    only in ``output_text.done``; it goes in a last (empty) delta before it."""
+    with _client(_EndsWithEosEngine(), max_model_len=2048) as client:
+        body = {"model": "m", "input": "hi", "include": ["message.output_text.logprobs"], "stream": True}
+        with client.stream("POST", "/v1/responses", json=body) as s:
+            events = [json.loads(line[len("data: "):]) for line in s.read().decode().splitlines()
+                      if line.startswith("data: ")]
+    streamed = [record for e in events if e["type"] == "response.output_text.delta" for record in e["logprobs"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert len(done["logprobs"]) == 2 and streamed == done["logprobs"]
 
 
 def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits():
