@@ -12,6 +12,7 @@ text (tool markup hidden for chat), token counts, the tool calls it paused on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class ToolCallOut:
     arguments: str   # JSON text (while streaming: the part sent so far)
     index: int = 0   # its ``tool_calls`` index in a stream (its position, unless a call streamed before broke)
     sent: int | None = None   # argument characters a stream sent before the turn ended (None: not even its name)
+    incomplete: bool = False  # a call the choice ended inside (``ChoiceState.cut_calls``)
 
 
 @dataclass
@@ -174,6 +176,9 @@ class ChoiceState:
     completion_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)   # the turn's calls it paused on
+    # The calls of a turn the choice ended in (max_tokens, a stop string) while writing one: shown as
+    # calls (the last ``incomplete``), not as their markup; never run, parked or stored.
+    cut_calls: list[ToolCallOut] = field(default_factory=list)
     server_tools: frozenset[str] = frozenset()   # the server's tools: their calls are run, not shown
     new_calls: list[CallDelta] = field(default_factory=list)   # what the last output added to streamed calls
     server_calls: int = 0        # server-side tool calls completed in this response
@@ -253,10 +258,23 @@ class ChoiceState:
         if out.delta_reasoning:
             self.reasoning_parts.append(out.delta_reasoning)
         text = self._filter.feed(out.delta_text) if self._filter else out.delta_text
+        in_call = flushed = None
+        if out.finished and self._filter:
+            in_call = self._filter.in_call
+            flushed = self._filter.flush()   # (an open call's held-back end goes to its span first)
         self.new_calls = self._stream_calls(out) if self._calls else []
         if out.finished:
-            if self._filter:
-                text += self._filter.flush()
+            cut = bool(self._streamed) and out.finish_reason != "tool_calls"
+            if cut:
+                # The choice ended (max_tokens, a stop string) in a turn whose calls the stream had
+                # begun: they are calls, the last one unfinished if it was being written, not text
+                # (a call left open shows none of its markup).
+                writing = self._calls.writing
+                self.cut_calls = [dataclasses.replace(call, sent=len(call.arguments),
+                                                      incomplete=writing and i == len(self._streamed) - 1)
+                                  for i, call in enumerate(self._streamed)]
+            if flushed and not (cut and in_call):
+                text += flushed
             self.finish_reason = out.finish_reason
             if out.finish_reason == "tool_calls":
                 self.tool_calls = self._final_calls(out.tool_calls)

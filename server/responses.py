@@ -314,8 +314,9 @@ class ResponsesWire:
         [c] = choices
         status, reason = self._outcome(c)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        output = ([self._message_item(c, item_status)] if c.text or not c.tool_calls else []) + \
-            [self._call_item(call, "completed") for call in c.tool_calls]
+        output = ([self._message_item(c, item_status)] if c.text or not (c.tool_calls or c.cut_calls) else []) + \
+            [self._call_item(call, "completed") for call in c.tool_calls] + \
+            [self._call_item(call, "incomplete" if call.incomplete else "completed") for call in c.cut_calls]
         first, later = self._reasoning_parts(c)
         output = ([self._reasoning_item(first)] if first else []) + output + \
             ([self._reasoning_item(later, later=True)] if later else [])
@@ -363,7 +364,8 @@ class ResponsesWire:
             if not self._store(self.added + [answer], response):
                 self.store.delete(self.response_id, self.owner)   # (not its ``queued`` entry, stale: nothing)
         if self.continues is not None and response["status"] in ("completed", "incomplete"):
-            self.continues(self.input_items + response["output"])
+            cut = {call.id for call in c.cut_calls}   # (never run: not part of the conversation)
+            self.continues(self.input_items + [item for item in response["output"] if item.get("call_id") not in cut])
 
     def _store(self, messages: list[dict], response: dict) -> bool:
         """Store ``response`` with the chat ``messages`` it adds to its conversation; whether it fit."""
@@ -487,8 +489,11 @@ class ResponsesWire:
         was cancelled)."""
         events = []
         final = {call.id: call for call in c.tool_calls}
+        cut = {call.id: call for call in c.cut_calls}
         for call in self._open_calls:
-            if call.id in final:
+            if call.id in cut:   # (sent whole: the stream read the call as far as it was written)
+                events += self._call_done(cut[call.id], "incomplete" if cut[call.id].incomplete else "completed")
+            elif call.id in final:
                 whole, index = final[call.id], self._call_index(call)
                 events += [self._event("response.function_call_arguments.delta", item_id=f"fc_{call.id}",
                                        output_index=index, delta=piece)
@@ -520,7 +525,7 @@ class ResponsesWire:
         status, _ = self._outcome(c)
         item_status = "incomplete" if status == "incomplete" else "completed"
         events = self._close_reasoning() + self._close_calls(c, ended=True)
-        if not self._message_open and not c.tool_calls:
+        if not self._message_open and not (c.tool_calls or c.cut_calls):
             events += self._open_message(c)   # an empty answer still has its message
         if self._held_logprobs and self._message_open and not self._message_done:   # (tokens with no text: EOS)
             records, self._held_logprobs = self._held_logprobs, []

@@ -70,12 +70,13 @@ class ChatWire:
             reason = c.finish_reason or "abort"
             if self.chat:
                 message: dict = {"role": "assistant"}
-                if c.text or not c.tool_calls:
+                calls = tool_call_dicts(c)
+                if c.text or not calls:
                     message["content"] = c.text
                 if c.reasoning:
                     message.update(reasoning_fields(c.reasoning))
-                if c.tool_calls:
-                    message["tool_calls"] = tool_call_dicts(c)
+                if calls:
+                    message["tool_calls"] = calls
                 choice = {"index": c.index, "message": message, "finish_reason": reason}
             else:
                 choice = {"index": c.index, "text": (c.job.echo or "") + c.text, "finish_reason": reason}
@@ -164,6 +165,7 @@ def reasoning_fields(reasoning: str) -> dict:
 
 
 def tool_call_dicts(c: ChoiceState) -> list[dict]:
-    """Chat completions ``tool_calls`` of the turn choice ``c`` paused on."""
+    """Chat completions ``tool_calls`` of the turn choice ``c`` paused on (or ended inside:
+    ``cut_calls``, the last one's arguments unfinished, as OpenAI's with ``finish_reason: "length"``)."""
     return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in c.tool_calls]
+            for call in c.tool_calls or c.cut_calls]

@@ -186,27 +186,50 @@ def test_a_turn_of_calls_streams_through_the_responses_api_call_by_call(client):
     assert all(len(pieces[i]) > -(-len(final.output[i].arguments) // 16) + 2 for i in order)
 
 
-def test_a_call_cut_by_the_token_budget_is_closed_as_incomplete_in_the_responses_stream(client):
-    """A call whose name went out but whose arguments the budget cut: its item is done as
-    ``incomplete`` before the message with the text opens (at the next ``output_index``),
-    so the official client's stream reader, which refuses an index used twice or an item
-    never done, reads every budget's stream."""
+def test_a_call_cut_by_the_token_budget_is_an_unfinished_call_not_markup(client):
+    """A turn of calls that ``max_tokens`` ends inside a call whose name is written: the
+    response lists the calls as calls (chat: ``tool_calls``, the last one's arguments
+    unfinished, ``finish_reason: "length"``, as OpenAI's; Responses: the last item
+    ``incomplete``), streamed or not, and shows none of their markup. The official client's
+    Responses stream reader, which refuses an index used twice or an item never done,
+    reads every budget's stream."""
     api = openai_client(client)
     req = dict(model="demo", input="Wake me up twice", temperature=0,
                tools=[{"type": "function", **t["function"]} for t in TOOLS], tool_choice="required")
-    cut = 0
+    cut = partial = 0
     for budget in range(10, 50, 6):
         with api.responses.stream(**req, max_output_tokens=budget) as reader:
             events = list(reader)
         added = {e.output_index for e in events if e.type == "response.output_item.added"}
         done = [e for e in events if e.type == "response.output_item.done"]
         assert added == {e.output_index for e in done} == set(range(len(added))), budget
-        broken = [e.item for e in done if e.item.type == "function_call" and e.item.status == "incomplete"]
-        if broken:
+        final = events[-1].response
+        assert [(d.item.type, d.item.status) for d in sorted(done, key=lambda d: d.output_index)] == \
+            [(o.type, o.status) for o in final.output], budget
+        if final.status == "incomplete" and final.output[-1].type == "function_call":
             cut += 1
-            assert events[-1].type == "response.incomplete" and [o.type for o in events[-1].response.output] == \
-                ["message"] and done[-1].item.type == "message" and done[-1].output_index == 1
-    assert cut, "no budget cut a call after its name"
+            partial += final.output[-1].status == "incomplete"   # (else cut after a call, before the next)
+            assert "message" not in {o.type for o in final.output}
+            assert all(o.status == "completed" for o in final.output[:-1])
+            whole = api.responses.create(**req, max_output_tokens=budget)
+            assert [(o.type, o.status, getattr(o, "arguments", None)) for o in whole.output] == \
+                [(o.type, o.status, getattr(o, "arguments", None)) for o in final.output]
+
+            chat = dict(model="demo", messages=[{"role": "user", "content": "Wake me up twice"}], temperature=0,
+                        tools=TOOLS, tool_choice="required", max_tokens=budget)
+            [choice] = api.chat.completions.create(**chat).choices
+            assert choice.finish_reason == "length" and not choice.message.content
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            assert calls == [(o.name, o.arguments) for o in final.output]
+            streamed: dict[int, list] = {}
+            text = ""
+            for chunk in api.chat.completions.create(**chat, stream=True):
+                for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    entry = streamed.setdefault(d.index, [d.function.name, ""])
+                    entry[1] += d.function.arguments or ""
+                text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+            assert [tuple(e) for _, e in sorted(streamed.items())] == calls and "tool_call" not in text
+    assert cut and partial, "no budget cut a call after its name"
 
 
 def test_parallel_tool_calls_false_gives_exactly_one_call_sampled_n8(client):

@@ -156,11 +156,18 @@ class TaggedMarkupFilter:
             break
         return "".join(out)
 
+    @property
+    def in_call(self) -> bool:
+        """The text so far ends inside a span (a call being written)."""
+        return self._inside
+
     def flush(self) -> str:
         """At the end of the text: release held-back text that never became a tag, and
-        a span never closed (it was no call). After the last closed span, what is held
-        stays hidden: whitespace, or the start of a tag the turn was cut in (a token
-        such as ``><`` ends one call and starts the next)."""
+        a span never closed (it was no call; its held-back end joins ``spans``). After the
+        last closed span, what is held stays hidden: whitespace, or the start of a tag the
+        turn was cut in (a token such as ``><`` ends one call and starts the next)."""
+        if self._inside:
+            self.spans[-1] += self._pending
         text = "".join(self._span) + self._pending if self._inside else "" if self._after_span else self._pending
         self._pending, self._span, self._inside = "", [], False
         return text
@@ -236,6 +243,11 @@ class JsonMarkupFilter:
             self._pending = self._pending[len(self._pending) - hold:]
             break
         return "".join(out)
+
+    @property
+    def in_call(self) -> bool:
+        """The text so far ends inside a span (a call's JSON being written)."""
+        return self._in_json
 
     def flush(self) -> str:
         """At the end of the text: release everything held. A call's JSON that never closed

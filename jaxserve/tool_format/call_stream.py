@@ -67,6 +67,11 @@ class CallStream:
         self._span, self._pos = 0, 0           # next span to read, and where in it
         self._reset_span()
 
+    @property
+    def writing(self) -> bool:
+        """A call whose name is known is being written (its object not closed yet)."""
+        return self._call is not None and self._call.name is not None and not self.held
+
     def new_turn(self) -> None:
         """The turn's calls went to the tools; the spans from now on are the next turn's."""
         self.calls, self.held = [], False
