@@ -61,8 +61,9 @@ def from_value_error(error: ValueError, prompt_param: str = "prompt") -> APIErro
 
 def _loc_to_param(loc: tuple) -> str | None:
     """The dotted field of a pydantic error location, as the client wrote it: without the
-    ``body``/``query`` source, the union members' type names ("str", "list[int]"), and the
-    tag a tagged union adds after an item (``input.0.message.role`` is ``input.0.role``)."""
+    ``body``/``query`` source, the union members' type and class names ("str", "list[int]",
+    "ToolChoice"), and the tag a tagged union adds after an item (``input.0.message.role``
+    is ``input.0.role``)."""
     parts: list[str] = []
     tag_next = False      # the next string is a tagged union's tag
     tagged_list = False   # the next index is into a list of tagged items (its tag follows the index)
@@ -77,8 +78,8 @@ def _loc_to_param(loc: tuple) -> str | None:
         elif "tagged-union[" in part:
             tagged_list, tag_next = part.startswith("list["), not part.startswith("list[")
         elif not (part in ("body", "query") and not parts) and \
-                not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-after.*", part):
-            parts.append(part)
+                not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-after.*|[A-Z][A-Za-z0-9]*", part):
+            parts.append(part)   # (not a union member's type or model class name: fields are snake_case)
     return ".".join(parts) or None
 
 

@@ -215,7 +215,7 @@ class ResponsesWire:
         self._done_calls: set[str] = set()          # ids of the calls whose items are done
         self._announced = 0                 # output items announced so far (the next one's output_index)
         self._message_index = 0             # the message's output_index, once announced
-        self._calls_at: int | None = None   # the first call's output_index, once one is announced
+        self._call_indices: dict[str, int] = {}   # each announced call's output_index, by id
         self._reasoning_open = False  # a reasoning item is being streamed (before the message)
         self._reasoning_streamed = ""  # its text so far (reasoning that comes after the message opened is not)
 
@@ -402,7 +402,11 @@ class ResponsesWire:
         return self._announced - 1
 
     def _open_message(self, c: ChoiceState) -> list[str]:
-        events = self._close_reasoning() + self._close_calls(c, ended=c.finish_reason is not None)
+        """Announce the message; text after a message that was closed (a call came between:
+        one the model broke, answered by the server) opens another, with its own id."""
+        events = self._close_reasoning() + self._close_calls(c, ended=True)   # (text after a call: it is over)
+        if self._message_done:
+            self._message_id, self._message_done = f"msg_{uuid.uuid4().hex}", False
         self._message_open = True
         index = self._message_index = self._announce()
         return events + [
@@ -445,7 +449,7 @@ class ResponsesWire:
         if not text:   # (tokens with no visible text yet: their records go with the next delta)
             self._held_logprobs += logprobs
             return events
-        if not self._message_open:
+        if not self._message_open or self._message_done:
             events += self._open_message(c)
         records, self._held_logprobs = self._held_logprobs + logprobs, []
         return events + [self._event("response.output_text.delta", item_id=self._message_id,
@@ -465,12 +469,10 @@ class ResponsesWire:
                 self._event("response.output_item.done", output_index=index, item=self._message_item(c, item_status))]
 
     def _call_index(self, call: ToolCallOut) -> int:
-        """A call's ``output_index``: the first call's is the next free one, the others follow
-        it by their stream index (``ToolCallOut.index``)."""
-        if self._calls_at is None:
-            self._calls_at = self._announced
-        index = self._calls_at + call.index
-        self._announced = max(self._announced, index + 1)
+        """A call's ``output_index``: the next free one when it is first announced."""
+        index = self._call_indices.get(call.id)
+        if index is None:
+            index = self._call_indices[call.id] = self._announce()
         return index
 
     def _call_done(self, call: ToolCallOut, status: str) -> list[str]:

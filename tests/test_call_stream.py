@@ -166,3 +166,19 @@ def test_a_new_turn_numbers_its_calls_afresh():
     markup.feed('Result: 2. <tool_call>{"name": "f", "arguments": {"a": ["' + "z" * 20)
     stream.update(markup.spans)   # (the filter holds back what may be the start of "</tool_call>")
     assert not stream.held and [(c.name, c.arguments) for c in stream.calls] == [("f", '{"a": ["' + "z" * 9)]
+
+
+def test_a_call_is_announced_once_its_arguments_are_of_a_kind_it_takes():
+    """Llama 3 reads bare JSON with a ``name`` as content when its arguments are neither an
+    object nor a string: such JSON is never announced as a call; a call without arguments
+    is announced when its object closes (the parser gives it ``{}``)."""
+    _, content = feed("llama3_json", '{"name": "Bob", "parameters": [1]}', random.Random(0), check=False)
+    assert content.calls == [] and content.held
+    fmt = get_format("llama3_json")
+    markup, stream = fmt.markup_filter(), fmt.call_stream()
+    markup.feed('{"name": "f"')
+    stream.update(markup.spans)
+    assert stream.calls == []   # (the name alone: not yet)
+    markup.feed("}")
+    stream.update(markup.spans)
+    assert [(c.name, c.arguments) for c in stream.calls] == [("f", "")]

@@ -85,3 +85,19 @@ def test_a_mooncake_trace_shares_its_blocks_on_the_engine_as_in_the_simulator(tm
     [resent] = simulate(entries, cost, dataclasses.replace(config, mode="resend"), progress=False)
     assert engine_run.row["cached_prompt_tokens"] == simulated.row["cached_prompt_tokens"] == \
         resent.row["cached_prompt_tokens"] == 32   # the second request's two full pages of block 7
+
+
+def test_the_engine_caps_generation_as_the_simulator_and_drops_calls_past_the_cap(tmp_path):
+    """A request generating more than 2,048 tokens before its API call: the simulator stops
+    it at the original driver's cap and never makes the call; the engine's request is the
+    same (it generated all 3,000 tokens; then, capped, was refused for a call past the cap)."""
+    from jaxserve.replay.engine_replay import _engine_request
+    from jaxserve.replay.trace import MAX_TOKENS_CAP, parse_jsonl
+    from jaxserve.replay.workload import WorkloadItem
+
+    [entry] = parse_jsonl(json.dumps({"id": "r", "segments": [
+        {"prompt_tokens": 8, "completion_tokens": 3000, "api_time": 0.1, "api_token_length": 5},
+        {"completion_tokens": 10}]}))
+    ids, params, calls = _engine_request(WorkloadItem("r", 0.0, entry, 0), vocab=100, seed=0)
+    assert len(ids) == 8 and params.max_tokens == entry.to_request("r", 0.0).max_tokens == MAX_TOKENS_CAP
+    assert calls == []

@@ -860,6 +860,7 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
      "input.0.content.0.type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.call_id"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input.0.role"),
+    ({"input": "hi", "tool_choice": {"type": "function"}}, 400, "tool_choice.name"),   # (no member class name)
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, 400, "input.0.output"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400, "input.0.content.0.text"),
     ({"input": []}, 400, "input"),
@@ -965,6 +966,64 @@ class _EndsWithEosEngine(_OneAnswerEngine):
                             delta_token_ids=[65], delta_text="b", logprobs=[first])
         yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65, 2],
                             text="b", delta_token_ids=[2], delta_text="", finish_reason="stop", logprobs=[first, eos])
+
+
+class _BrokenCallThenAnotherEngine(_OneAnswerEngine):
+    """Text, a call the model breaks (answered with the server's error, the model goes on),
+    more text, then a good client-side call the response pauses on."""
+
+    steps = [("Let me call. ", 0, None), ('<tool_call>{"name": "f", "arguments": {"a": tru', 0, None),
+             ('}}</tool_call>', 1, None), ("Sorry, again: ", 1, None),
+             ('<tool_call>{"name": "g", "arguments": {"b": 1}}</tool_call>', 2, "tool_calls")]
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import ApiCallOutput, RequestOutput
+        record = ApiCallOutput(api_type="invalid", handling="preserve", call_time=0.0, return_time=0.0,
+                               resume_time=0.0, context_tokens=1, returned_tokens=1)
+        text = ""
+        for i, (delta, calls, reason) in enumerate(self.steps):
+            text += delta
+            yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"],
+                                token_ids=list(range(i + 1)), text=text, delta_token_ids=[i], delta_text=delta,
+                                finish_reason=reason, api_calls=[record] * calls,
+                                tool_calls=[{"name": "g", "arguments": '{"b": 1}'}] if reason else [])
+
+
+def test_a_call_the_model_broke_leaves_the_responses_stream_well_formed():
+    """The broken call went out as far as it was written (a stream cannot take it back): its
+    item is done ``incomplete`` when the text after it opens a new message, every item has
+    its own ``output_index`` and is done, no text goes to a message already done, and the
+    good call is the response's; chat lists it under the next index."""
+    tools = [{"type": "function", "name": n, "parameters": {"type": "object", "properties": {}}} for n in "fg"]
+    with _client(_BrokenCallThenAnotherEngine(), max_model_len=4096) as client:
+        with client.stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "tools": tools,
+                                                          "stream": True}) as s:
+            events = [json.loads(line[len("data: "):]) for line in s.read().decode().splitlines()
+                      if line.startswith("data: ")]
+        chat = client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "tools": [{"type": "function", "function": t} for t in tools]}).text
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    done = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.done"}
+    assert added == [(0, "message"), (1, "function_call"), (2, "message"), (3, "function_call")]
+    assert set(done) == {0, 1, 2, 3} and (done[1]["name"], done[1]["status"]) == ("f", "incomplete")
+    assert (done[3]["name"], done[3]["status"], done[3]["arguments"]) == ("g", "completed", '{"b": 1}')
+    closed: set[int] = set()
+    for e in events:
+        if e["type"] == "response.output_item.done":
+            closed.add(e["output_index"])
+        elif "delta" in e["type"]:
+            assert e["output_index"] not in closed, e
+    final = events[-1]["response"]
+    assert [(o["type"], o.get("name")) for o in final["output"]] == [("message", None), ("function_call", "g")]
+    assert final["output"][0]["content"][0]["text"] == "Let me call. Sorry, again: "
+    indices = {}
+    for line in chat.splitlines():
+        if line.startswith("data: {"):
+            for d in json.loads(line[len("data: "):])["choices"][0]["delta"].get("tool_calls", []):
+                if "id" in d:
+                    indices[d["function"]["name"]] = d["index"]
+    assert indices == {"f": 0, "g": 1}
 
 
 def test_a_streamed_response_sends_the_last_tokens_logprobs_though_they_have_no_text():

@@ -93,8 +93,9 @@ def _engine_request(item: WorkloadItem, vocab: int, seed: int):
             calls.append(ApiCall(after_tokens=done, duration_s=float(seg.api_duration_s),
                                  returned_token_ids=returned, api_type=seg.api_type))
     # (the simulator's cap too, ``TraceEntry.max_tokens``: the original driver's; calls past it never come)
-    params = SamplingParams(max_tokens=min(done, item.entry.max_tokens), temperature=0.0, ignore_eos=True)
-    return ids, params, calls
+    max_tokens = min(done, item.entry.max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return ids, params, [call for call in calls if call.after_tokens <= max_tokens]
 
 
 def run_engine(entries: Sequence[TraceEntry], config: ReplayConfig, options: EngineOptions,

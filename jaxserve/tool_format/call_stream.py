@@ -6,11 +6,14 @@ end of the turn.
 A ``CallStream`` reads the call spans of a markup filter (``spans``: the text
 after each opening marker, the last one growing while it is open) as JSON, one
 character at a time: a call object ``{"name": ..., <args key>: ...}`` or, in
-formats that write a turn's calls as a list, a list of them. A call is
-*streamed* from the moment its name is complete; its arguments are written as
+formats that write a turn's calls as a list, a list of them. A call's arguments are written as
 the format's parser will return them when the call closes (``json.dumps`` of
 the value with ``ensure_ascii=False``; an arguments string as its text), so what
-has been sent is a prefix of the parsed call's arguments.
+has been sent is a prefix of the parsed call's arguments. A call is announced
+once its name is complete and its arguments have begun as an object or a
+string (or its object closed without them), so JSON with a ``name`` whose
+arguments are of another kind (Llama 3 content such as ``{"name": "Bob",
+"parameters": [1]}``) is never announced.
 
 What is held to the end of the turn instead (the response then lists it whole):
 a call to a server-side tool (``hidden``: a turn of those is run, not shown) and
@@ -70,7 +73,7 @@ class CallStream:
     @property
     def writing(self) -> bool:
         """A call whose name is known is being written (its object not closed yet)."""
-        return self._call is not None and self._call.name is not None and not self.held
+        return self._call is not None and bool(self.calls) and self.calls[-1] is self._call and not self.held
 
     def new_turn(self) -> None:
         """The turn's calls went to the tools; the spans from now on are the next turn's."""
@@ -220,6 +223,7 @@ class CallStream:
                     self._hold()   # not arguments, or a second arguments key (the parser picks by key, not order)
                     return False
                 self._args_depth = len(self._stack)
+                self._announce()   # (a call is announced once its name is known and its arguments are of a kind it takes)
         return True
 
     def _value_ends(self) -> None:
@@ -254,6 +258,8 @@ class CallStream:
         if frame.role == "call":
             if self._call.name is None:
                 self._hold()   # a call object without a name: the parser refuses it
+            else:
+                self._announce()   # (no arguments: the parser gives it "{}")
             self._call = None
         self._value_ends()
 
@@ -358,8 +364,15 @@ class CallStream:
                 self._hold()   # no call (an empty name), or a server-side tool's: the turn is held
                 return
             call.name = text
-            self.calls.append(call)
+            if any(k in self._stack[-1].keys for k in self.args_keys):   # (its arguments came first)
+                self._announce()
         self._value_ends()
+
+    def _announce(self) -> None:
+        """The current call is one the stream may send: add it to ``calls`` (once)."""
+        call = self._call
+        if call is not None and call.name is not None and (not self.calls or self.calls[-1] is not call):
+            self.calls.append(call)
 
     def _emit(self, piece: str) -> None:
         """Arguments text: kept when inside the arguments value of the current call."""
