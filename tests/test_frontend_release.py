@@ -54,8 +54,9 @@ class ReplicaHandle:
         return self.stream
 
 
-def _request(body: dict) -> Request:
-    data = json.dumps(body).encode()
+def _request(body: dict | bytes, path: str = "/v1/chat/completions", host: str | None = None) -> Request:
+    """A POST of ``body`` (JSON of a dict, or the bytes as given) to the front, as the client sent it."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     sent = False
 
     async def receive():
@@ -65,9 +66,9 @@ def _request(body: dict) -> Request:
             return {"type": "http.request", "body": data, "more_body": False}
         return {"type": "http.disconnect"}
 
+    headers = [(b"content-type", b"application/json")] + ([(b"host", host.encode())] if host else [])
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "",
-             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "scheme": "http"}
     return Request(scope, receive)
 
@@ -227,23 +228,6 @@ class BridgedStream:
         pass
 
 
-def _raw_request(path: str, body: bytes, host: str) -> Request:
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": path,
-             "raw_path": path.encode(), "root_path": "", "query_string": b"", "scheme": "http",
-             "headers": [(b"content-type", b"application/json"), (b"host", host.encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    return Request(scope, receive)
-
-
 def test_the_replica_answers_for_the_front_the_client_called():
     """What the replica's app answers reaches the client as the single server's would: a
     redirect names the front's host (it named ``127.0.0.1:0``, the bridge's), and a body
@@ -260,8 +244,8 @@ def test_the_replica_answers_for_the_front_the_client_called():
         b"[" * 100_000 + b"]" * 100_000 + b"}"
 
     async def run():
-        moved = await front.forward_request(_raw_request("/v1/chat/completions/", b"{}", "front.example:8000"))
-        answered = await front.forward_request(_raw_request("/v1/chat/completions", deep, "front.example:8000"))
+        moved = await front.forward_request(_request(b"{}", "/v1/chat/completions/", "front.example:8000"))
+        answered = await front.forward_request(_request(deep, host="front.example:8000"))
         return moved, answered
 
     moved, answered = asyncio.run(run())

@@ -22,7 +22,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from jaxserve.replay.trace import resolve_trace_path
+from jaxserve.replay.trace import TraceError, json_objects, resolve_trace_path
 
 
 class TraceDataError(ValueError):
@@ -55,19 +55,15 @@ def _jsonl_segments(text: str, path: Path) -> dict:
     """A JSONL trace (``{"id", "segments", ...}`` a line) as request id -> segments; a
     line that is not one is a ``TraceDataError`` naming it (a Mooncake record has no text)."""
     data = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"trace {path} line {number}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceDataError(f"{where}: not JSON ({e})") from None
-        if not isinstance(obj, dict) or "segments" not in obj or not isinstance(obj.get("id"), str):
-            kind = "a Mooncake record (token counts only)" if isinstance(obj, dict) and "hash_ids" in obj \
-                else "not a request with an 'id' and 'segments'"
-            raise TraceDataError(f"{where}: {kind}; the length probe needs text-form segments")
-        data[obj["id"]] = obj["segments"]
+    try:
+        for _, where, obj in json_objects(text, str(path)):
+            if "segments" not in obj or not isinstance(obj.get("id"), str):
+                kind = "a Mooncake record (token counts only)" if "hash_ids" in obj \
+                    else "not a request with an 'id' and 'segments'"
+                raise TraceDataError(f"{where}: {kind}; the length probe needs text-form segments")
+            data[obj["id"]] = obj["segments"]
+    except TraceError as e:   # (a line that is not a JSON object)
+        raise TraceDataError(str(e)) from None
     return data
 
 

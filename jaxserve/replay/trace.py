@@ -157,7 +157,7 @@ def looks_like_mooncake(first_line: str) -> bool:
     return isinstance(obj, dict) and "segments" not in obj and bool(MOONCAKE_KEYS & set(obj))
 
 
-def _json_objects(text: str, source: str) -> Iterator[tuple[int, str, dict]]:
+def json_objects(text: str, source: str) -> Iterator[tuple[int, str, dict]]:
     """``(line number, "trace SOURCE line N", object)`` for each non-blank line of a
     JSONL text; ``TraceError`` naming the file and line for one that is not a JSON object."""
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -177,7 +177,7 @@ def parse_mooncake(text: str, source: str = "<trace>") -> list[TraceEntry]:
     """Mooncake JSONL -> entries (ids ``mc-<line>``), in file order. Raises
     ``TraceError`` naming the file and line for any malformed record."""
     entries = []
-    for lineno, where, obj in _json_objects(text, source):
+    for lineno, where, obj in json_objects(text, source):
         missing = MOONCAKE_KEYS - set(obj)
         if missing:
             raise TraceError(f"{where}: missing field(s) {sorted(missing)}")
@@ -225,7 +225,7 @@ def parse_jsonl(text: str, tokenizer: Tokenizer | None = None, source: str = "<t
     ``api_type``, ``predictions``, ``priority``. Blank lines are skipped; ids must be unique."""
     entries: list[TraceEntry] = []
     seen: set[str] = set()
-    for lineno, where, obj in _json_objects(text, source):
+    for lineno, where, obj in json_objects(text, source):
         if "id" not in obj:
             raise TraceError(f"{where}: missing field 'id'")
         rid = str(obj["id"])

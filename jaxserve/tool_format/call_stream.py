@@ -33,6 +33,7 @@ from dataclasses import dataclass
 _JSON_SPACE = " \t\n\r"
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_SEPARATORS = {",": ("comma_or_close", ", "), ":": ("colon", ": ")}   # what each follows, and how it is written
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _NUMBER_CHARS = re.compile(r"[0-9.eE+-]*")   # what may still extend a number
 _HEX = re.compile(r"[0-9a-fA-F]{4}")
@@ -138,27 +139,19 @@ class CallStream:
                 continue
             if ch in "}]":
                 if self._expect not in ("key_or_close", "comma_or_close", "value_or_close") or \
-                        self._stack[-1].is_object != (ch == "}") or \
-                        (self._expect == "value_or_close" and self._stack[-1].is_object):
+                        self._stack[-1].is_object != (ch == "}"):
                     self._hold()
                     break
                 self._close(ch)
                 pos += 1
                 continue
-            if ch == ",":
-                if self._expect != "comma_or_close":
+            if ch in _SEPARATORS:   # "," or ":", written as json.dumps writes them
+                expected, written = _SEPARATORS[ch]
+                if self._expect != expected:
                     self._hold()
                     break
-                self._emit(", ")
-                self._expect = "key" if self._stack[-1].is_object else "value"
-                pos += 1
-                continue
-            if ch == ":":
-                if self._expect != "colon":
-                    self._hold()
-                    break
-                self._emit(": ")
-                self._expect = "value"
+                self._emit(written)
+                self._expect = "value" if ch == ":" or not self._stack[-1].is_object else "key"
                 pos += 1
                 continue
             if self._expect not in ("value", "value_or_close"):
