@@ -89,11 +89,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request body")
     first = errors[0]
     field = tuple(first.get("loc", ()))[:2]
-    # A union (``str | list[tagged union]``: Responses ``input``, a message's ``content``) reports a
-    # miss per member; the deepest names the real fault (an item's type or field, not "should be a
-    # valid string"), the first of equals.
-    first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field),
-                key=lambda e: len((_loc_to_param(tuple(e.get("loc", ()))) or "").split(".")), default=first)
+    # A union of a plain type and structured items (``str | list[tagged union]``: Responses ``input``,
+    # a message's ``content`` parts) reports a miss per member; the deepest through the items names
+    # the real fault (an item's type or field, not "should be a valid string"), the first of equals.
+    # (Unions of plain lists, ``prompt``'s, keep their first error: an index there may be no fault.)
+    structured = [e for e in errors if tuple(e.get("loc", ()))[:2] == field
+                  and any(isinstance(part, str) and re.search(r"[A-Z]", part) for part in e.get("loc", ()))]
+    if structured:
+        first = max(structured, key=lambda e: len((_loc_to_param(tuple(e.get("loc", ()))) or "").split(".")))
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}", param="body")
