@@ -885,6 +885,9 @@ async def _chat_jobs(state: ServerState, body: ChatCompletionRequest, owner: str
                      rendered: tuple[list[int], bool] | None = None) -> list[Job]:
     structured = _structured(state, body)
     ids, parse = rendered if rendered is not None else await _render_chat(state, body)
+    # Calls are parsed (and their markup hidden) as the engine parses them: under a grammar only when
+    # it forces calls; a JSON answer or a regex's text is the answer whatever markup it holds.
+    parse = parse and (structured is None or structured.kind == "tool_call")
     base = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = []
     for i in range(body.n):

@@ -1026,6 +1026,33 @@ def test_a_call_the_model_broke_leaves_the_responses_stream_well_formed():
     assert indices == {"f": 0, "g": 1}
 
 
+class _JsonWithMarkupEngine(_OneAnswerEngine):
+    text = '{"html": "<tool_call>{\\"name\\": \\"f\\", \\"arguments\\": {}}</tool_call>"}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constrained_answer_holding_call_markup_is_the_answer(stream):
+    """A JSON answer whose text holds the tool-call markup is the answer: under a grammar
+    that does not force calls the engine parses none, and the server now hides none (it cut
+    ``<tool_call>...</tool_call>`` out of the JSON, or reported a call never made)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "html?"}], "tools": tools, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}
+    with _client(_JsonWithMarkupEngine(), max_model_len=4096) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            deltas = [json.loads(line[len("data: "):])["choices"][0]["delta"] for line in r.text.splitlines()
+                      if line.startswith("data: {") and '"choices":[{' in line]
+            content = "".join(d.get("content", "") for d in deltas)
+            assert not any("tool_calls" in d for d in deltas)
+        else:
+            message = r.json()["choices"][0]["message"]
+            content = message["content"]
+            assert "tool_calls" not in message
+    assert content == _JsonWithMarkupEngine.text
+
+
 def test_a_streamed_response_sends_the_last_tokens_logprobs_though_they_have_no_text():
     """The end-of-sequence token writes no text: its record, held for the next text, came
     only in ``output_text.done``; it goes in a last (empty) delta before it."""
