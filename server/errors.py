@@ -67,7 +67,7 @@ def _loc_to_param(loc: tuple) -> str | None:
     parts: list[str] = []
     tag_next = False      # the next string is a tagged union's tag
     tagged_list = False   # the next index is into a list of tagged items (its tag follows the index)
-    for part in loc:
+    for at, part in enumerate(loc):
         if isinstance(part, int):
             parts.append(str(part))
             tag_next, tagged_list = tagged_list, False
@@ -78,8 +78,10 @@ def _loc_to_param(loc: tuple) -> str | None:
         elif "tagged-union[" in part:
             tagged_list, tag_next = part.startswith("list["), not part.startswith("list[")
         elif not (part in ("body", "query") and not parts) and \
-                not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-after.*|[A-Z][A-Za-z0-9]*", part):
-            parts.append(part)   # (not a union member's type or model class name: fields are snake_case)
+                not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|dict|function-after.*", part) and \
+                not (re.fullmatch(r"[A-Z][A-Za-z0-9]*", part) and at + 1 < len(loc)):
+            parts.append(part)   # (not a union member's type, nor its model's class name before its field:
+            #                       fields are snake_case; a dict's key, last, is kept whatever its case)
     return ".".join(parts) or None
 
 
@@ -89,14 +91,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request body")
     first = errors[0]
     field = tuple(first.get("loc", ()))[:2]
-    # A union of a plain type and structured items (``str | list[tagged union]``: Responses ``input``,
-    # a message's ``content`` parts) reports a miss per member; the deepest through the items names
-    # the real fault (an item's type or field, not "should be a valid string"), the first of equals.
-    # (Unions of plain lists, ``prompt``'s, keep their first error: an index there may be no fault.)
-    structured = [e for e in errors if tuple(e.get("loc", ()))[:2] == field
-                  and any(isinstance(part, str) and re.search(r"[A-Z]", part) for part in e.get("loc", ()))]
-    if structured:
-        first = max(structured, key=lambda e: len((_loc_to_param(tuple(e.get("loc", ()))) or "").split(".")))
+    # A union (``str | list[tagged union]``: Responses ``input``, a message's ``content`` parts,
+    # ``stop``, ``prompt``) reports a miss per member; the deepest names the real fault (an item's
+    # type or field, an element, not "should be a valid string"), the first of equals.
+    first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field),
+                key=lambda e: len((_loc_to_param(tuple(e.get("loc", ()))) or "").split(".")), default=first)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"request body is not valid JSON{': ' + str(detail) if detail else ''}", param="body")

@@ -176,8 +176,8 @@ class ChoiceState:
     completion_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)   # the turn's calls it paused on
-    # The calls of a turn the choice ended in (max_tokens, a stop string) while writing one: shown as
-    # calls (the last ``incomplete``), not as their markup; never run, parked or stored.
+    # The calls of a turn max_tokens ended while the model wrote calls: shown as calls (the last
+    # ``incomplete`` if cut inside it), not as their markup; never run, parked or stored.
     cut_calls: list[ToolCallOut] = field(default_factory=list)
     server_tools: frozenset[str] = frozenset()   # the server's tools: their calls are run, not shown
     new_calls: list[CallDelta] = field(default_factory=list)   # what the last output added to streamed calls
@@ -264,11 +264,12 @@ class ChoiceState:
             flushed = self._filter.flush()   # (an open call's held-back end goes to its span first)
         self.new_calls = self._stream_calls(out) if self._calls else []
         if out.finished:
-            cut = bool(self._streamed) and out.finish_reason != "tool_calls"
+            cut = out.finish_reason == "length" and bool(self._streamed) and not self._calls.held
             if cut:
-                # The choice ended (max_tokens, a stop string) in a turn whose calls the stream had
-                # begun: they are calls, the last one unfinished if it was being written, not text
-                # (a call left open shows none of its markup).
+                # max_tokens ended the choice in a turn whose calls the stream had begun, all of it what
+                # the parser accepts so far: they are calls, the last one unfinished if it was being
+                # written, not text (a call left open shows none of its markup). (A turn ended by
+                # EOS or a stop string, or one the parser would refuse, keeps its text as written.)
                 writing = self._calls.writing
                 self.cut_calls = [dataclasses.replace(call, sent=len(call.arguments),
                                                       incomplete=writing and i == len(self._streamed) - 1)

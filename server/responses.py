@@ -211,6 +211,8 @@ class ResponsesWire:
         self._sequence = 0
         self._message_open = False    # its output item has been announced
         self._message_done = False    # and closed (a call opened after it, or the response ended)
+        self._message_text: list[str] = []       # the text and logprobs its deltas carried
+        self._message_logprobs: list[dict] = []
         self._open_calls: list[ToolCallOut] = []   # the call being streamed (its item added, not done)
         self._done_calls: set[str] = set()          # ids of the calls whose items are done
         self._announced = 0                 # output items announced so far (the next one's output_index)
@@ -289,9 +291,9 @@ class ResponsesWire:
         first = self._reasoning_streamed
         return first, c.reasoning[len(first):].lstrip("\n")   # (turns' reasoning are apart by a blank line)
 
-    def _message_item(self, c: ChoiceState, status: str) -> dict:
+    def _message_item(self, c: ChoiceState, status: str, part: dict | None = None) -> dict:
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
-                "content": [self._text_part(c)]}
+                "content": [part or self._text_part(c)]}
 
     @staticmethod
     def _call_item(call, status: str, arguments: str | None = None) -> dict:
@@ -408,6 +410,7 @@ class ResponsesWire:
         if self._message_done:
             self._message_id, self._message_done = f"msg_{uuid.uuid4().hex}", False
         self._message_open = True
+        self._message_text, self._message_logprobs = [], []   # what this message's deltas carry
         index = self._message_index = self._announce()
         return events + [
             self._event("response.output_item.added", output_index=index,
@@ -452,21 +455,31 @@ class ResponsesWire:
         if not self._message_open or self._message_done:
             events += self._open_message(c)
         records, self._held_logprobs = self._held_logprobs + logprobs, []
-        return events + [self._event("response.output_text.delta", item_id=self._message_id,
-                                     output_index=self._message_index, content_index=0, delta=text,
-                                     logprobs=self._logprobs(records) or [])]
+        return events + [self._text_delta(text, records)]
+
+    def _text_delta(self, text: str, records: list) -> str:
+        """An ``output_text.delta`` of the open message (``records``: its tokens' logprobs)."""
+        converted = self._logprobs(records) or []
+        self._message_text.append(text)
+        self._message_logprobs += converted
+        return self._event("response.output_text.delta", item_id=self._message_id, output_index=self._message_index,
+                           content_index=0, delta=text, logprobs=converted)
 
     def _close_message(self, c: ChoiceState, item_status: str) -> list[str]:
         """The events that close the open message (its text is complete), if one is open."""
         if not self._message_open or self._message_done:
             return []
         self._message_done = True
-        index, part = self._message_index, self._text_part(c)
+        index, text = self._message_index, "".join(self._message_text)   # (this message's own: after a broken
+        part = {"type": "output_text", "text": text, "annotations": []}      # call, a second message opens)
+        if self.body.num_logprobs is not None:
+            part["logprobs"] = self._message_logprobs
         return [self._event("response.output_text.done", item_id=self._message_id, output_index=index,
-                            content_index=0, text=c.text, logprobs=part.get("logprobs", [])),
+                            content_index=0, text=text, logprobs=self._message_logprobs),
                 self._event("response.content_part.done", item_id=self._message_id, output_index=index,
                             content_index=0, part=part),
-                self._event("response.output_item.done", output_index=index, item=self._message_item(c, item_status))]
+                self._event("response.output_item.done", output_index=index,
+                            item=self._message_item(c, item_status, part))]
 
     def _call_index(self, call: ToolCallOut) -> int:
         """A call's ``output_index``: the next free one when it is first announced."""
@@ -531,9 +544,7 @@ class ResponsesWire:
             events += self._open_message(c)   # an empty answer still has its message
         if self._held_logprobs and self._message_open and not self._message_done:   # (tokens with no text: EOS)
             records, self._held_logprobs = self._held_logprobs, []
-            events.append(self._event("response.output_text.delta", item_id=self._message_id,
-                                      output_index=self._message_index, content_index=0, delta="",
-                                      logprobs=self._logprobs(records) or []))
+            events.append(self._text_delta("", records))
         events += self._close_message(c, item_status)
         for call in c.tool_calls:   # the calls not streamed (held to the end of the turn)
             if call.id in self._done_calls:

@@ -1014,6 +1014,12 @@ def test_a_call_the_model_broke_leaves_the_responses_stream_well_formed():
             closed.add(e["output_index"])
         elif "delta" in e["type"]:
             assert e["output_index"] not in closed, e
+    for index, item in done.items():   # each message's done text is its own deltas' (not the text before it)
+        if item["type"] == "message":
+            deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta"
+                             and e["output_index"] == index)
+            assert item["content"][0]["text"] == deltas, (index, item)
+    assert [done[0]["content"][0]["text"], done[2]["content"][0]["text"]] == ["Let me call. ", "Sorry, again: "]
     final = events[-1]["response"]
     assert [(o["type"], o.get("name")) for o in final["output"]] == [("message", None), ("function_call", "g")]
     assert final["output"][0]["content"][0]["text"] == "Let me call. Sorry, again: "
@@ -1024,6 +1030,36 @@ def test_a_call_the_model_broke_leaves_the_responses_stream_well_formed():
                 if "id" in d:
                     indices[d["function"]["name"]] = d["index"]
     assert indices == {"f": 0, "g": 1}
+
+
+class _EndsInCallTextEngine(_OneAnswerEngine):
+    """Text that ends inside a call's markup, with a finish reason: set per test."""
+
+    reason = "length"
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput
+        yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"], token_ids=[65, 66],
+                            text=self.text, delta_token_ids=[65, 66], delta_text=self.text, finish_reason=self.reason)
+
+
+@pytest.mark.parametrize("text, reason, calls", [
+    # max_tokens inside a call the parser would take so far: a call, its arguments unfinished
+    ('<tool_call>{"name": "f", "arguments": {"a": 1, "b": "x', "length", [("f", '{"a": 1, "b": "x')]),
+    # ended by EOS (or a stop string) inside a tag never closed: no call, the text as written
+    ('OK <tool_call>{"name": "f", "arguments": {"a": 1}}', "stop", []),
+    # cut inside a call the parser would refuse (a key written twice): the text as written
+    ('<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2, "b": "x', "length", []),
+])
+def test_a_turn_cut_inside_a_call_is_a_call_only_where_the_parser_would_take_one(text, reason, calls):
+    engine = _EndsInCallTextEngine()
+    engine.text, engine.reason = text, reason
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with _client(engine, max_model_len=4096) as client:
+        message = client.post("/v1/chat/completions", json={"model": "m", "tools": tools, "messages": [
+            {"role": "user", "content": "hi"}]}).json()["choices"][0]["message"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
+    assert message.get("content") == (None if calls else text), message
 
 
 class _JsonWithMarkupEngine(_OneAnswerEngine):
