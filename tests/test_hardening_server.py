@@ -165,7 +165,7 @@ def test_huge_prompts_are_refused_before_tokenizing_and_do_not_block_a_bystander
 
 # ---------------------------------------------------------- strict requests
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": [True, False]}, "prompt"),
+    ({"prompt": [True, False]}, "prompt.0"),   # (the element that is no token id)
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "temperature": "0.5"}, "temperature"),
