@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("jaxserve.generate_cli", "generate text from prompts (the main job: smollm2-135m, see README)"),
@@ -30,6 +31,16 @@ def refuse(command: str, error: Exception | str) -> int:
     line on stderr; returns the exit status, 2 (argparse's for a usage error)."""
     print(f"jaxserve {command}: {error}", file=sys.stderr)
     return 2
+
+
+def check_output_dir(flag: str, out: Path) -> None:
+    """An output directory option ``flag`` set to ``out``, checked before any work: it, or
+    the nearest folder above it that exists, must be a writable directory (``ValueError``)."""
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{flag} {out}: {existing} is a file, not a directory")
+    if existing is not None and not os.access(existing, os.W_OK):
+        raise ValueError(f"{flag} {out}: {existing} is not writable")
 
 
 def env_var_for(option: str) -> str:

@@ -12,10 +12,9 @@ text (tool markup hidden for chat), token counts, the tool calls it paused on
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from jaxserve.outputs import RequestOutput, TokenLogprob
@@ -271,8 +270,8 @@ class ChoiceState:
                 # written, not text (a call left open shows none of its markup). (A turn ended by
                 # EOS or a stop string, or one the parser would refuse, keeps its text as written.)
                 writing = self._calls.writing
-                self.cut_calls = [dataclasses.replace(call, sent=len(call.arguments),
-                                                      incomplete=writing and i == len(self._streamed) - 1)
+                self.cut_calls = [replace(call, sent=len(call.arguments),
+                                          incomplete=writing and i == len(self._streamed) - 1)
                                   for i, call in enumerate(self._streamed)]
             if flushed and not (cut and in_call):
                 text += flushed

@@ -213,7 +213,7 @@ class ResponsesWire:
         self._message_done = False    # and closed (a call opened after it, or the response ended)
         self._message_text: list[str] = []       # the text and logprobs its deltas carried
         self._message_logprobs: list[dict] = []
-        self._open_calls: list[ToolCallOut] = []   # the call being streamed (its item added, not done)
+        self._open_call: ToolCallOut | None = None   # the call being streamed (its item added, not done)
         self._done_calls: set[str] = set()          # ids of the calls whose items are done
         self._announced = 0                 # output items announced so far (the next one's output_index)
         self._message_index = 0             # the message's output_index, once announced
@@ -497,27 +497,24 @@ class ResponsesWire:
                 self._event("response.output_item.done", output_index=index, item=self._call_item(call, status))]
 
     def _close_calls(self, c: ChoiceState, ended: bool) -> list[str]:
-        """Close the call items still open before another item starts: with the rest of their
-        arguments when the turn returned them, complete as sent when the model moved on to
-        another call, or incomplete as sent when the choice ended (``ended``) without them
+        """Close the call item still open before another item starts: with the rest of its
+        arguments when the turn returned it, complete as sent when the model moved on to
+        another call, or incomplete as sent when the choice ended (``ended``) without it
         (the model broke or did not finish a call the stream had begun to send, or the run
         was cancelled)."""
-        events = []
-        final = {call.id: call for call in c.tool_calls}
-        cut = {call.id: call for call in c.cut_calls}
-        for call in self._open_calls:
-            if call.id in cut:   # (sent whole: the stream read the call as far as it was written)
-                events += self._call_done(cut[call.id], "incomplete" if cut[call.id].incomplete else "completed")
-            elif call.id in final:
-                whole, index = final[call.id], self._call_index(call)
-                events += [self._event("response.function_call_arguments.delta", item_id=f"fc_{call.id}",
-                                       output_index=index, delta=piece)
-                           for piece in argument_fragments(whole.arguments[len(call.arguments):])]
-                events += self._call_done(whole, "completed")
-            else:
-                events += self._call_done(call, "incomplete" if ended else "completed")
-        self._open_calls = []
-        return events
+        call, self._open_call = self._open_call, None
+        if call is None:
+            return []
+        cut = next((cut for cut in c.cut_calls if cut.id == call.id), None)
+        if cut is not None:   # (sent whole: the stream read the call as far as it was written)
+            return self._call_done(cut, "incomplete" if cut.incomplete else "completed")
+        whole = next((final for final in c.tool_calls if final.id == call.id), None)
+        if whole is None:
+            return self._call_done(call, "incomplete" if ended else "completed")
+        index = self._call_index(call)
+        return [self._event("response.function_call_arguments.delta", item_id=f"fc_{call.id}", output_index=index,
+                            delta=piece) for piece in argument_fragments(whole.arguments[len(call.arguments):])] + \
+            self._call_done(whole, "completed")
 
     def calls(self, c: ChoiceState, deltas: list[CallDelta]) -> list[str]:
         """Events of calls as they are written: a call's item when it opens (the reasoning,
@@ -528,7 +525,7 @@ class ResponsesWire:
             if delta.opened:
                 events += self._close_reasoning() + self._close_message(c, "completed") + \
                     self._close_calls(c, ended=False)
-                self._open_calls = [call]
+                self._open_call = call
                 events.append(self._event("response.output_item.added", output_index=self._call_index(call),
                                           item=self._call_item(call, "in_progress", arguments="")))
             if delta.arguments:

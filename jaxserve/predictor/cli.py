@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from jaxserve.cli import check_output_dir
 from jaxserve.predictor.checkpoint import ProbeCheckpointError, load_probe, save_probe
 
 
@@ -45,10 +46,7 @@ def _check(args: argparse.Namespace) -> None:
                                ("--max-context", args.max_context, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
-    out = Path(args.out).expanduser()
-    existing = next((p for p in (out, *out.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise ValueError(f"--out {args.out}: {existing} is a file, not a directory")
+    check_output_dir("--out", Path(args.out).expanduser())
 
 
 def main(args: argparse.Namespace) -> int:

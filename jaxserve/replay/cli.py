@@ -18,7 +18,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -203,13 +202,10 @@ def _check_combinations(args: argparse.Namespace) -> None:
 
 def _check_out(out: Path) -> None:
     """``--out`` is a directory that can be made and written, checked before the runs."""
+    from jaxserve.cli import check_output_dir
     from jaxserve.replay.experiment import OUTPUT_FILES
 
-    existing = next((p for p in (out, *out.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
-    if existing is not None and not os.access(existing, os.W_OK):
-        raise ValueError(f"--out {out}: {existing} is not writable")
+    check_output_dir("--out", out)
     for name in OUTPUT_FILES:
         if (out / name).is_dir():
             raise ValueError(f"--out {out}: {out / name} is a directory; the replay writes a file there")

@@ -115,7 +115,6 @@ class TaggedMarkupFilter:
         self.start, self.end = start, end
         self._pending = ""
         self._inside = False
-        self._span: list[str] = []   # the open span's text already out of ``_pending``
         self._after_span = False   # a span just ended: whitespace up to the next one is hidden
         self.spans: list[str] = []   # each span's text between the tags (the last growing while open)
 
@@ -128,13 +127,12 @@ class TaggedMarkupFilter:
                 end = self._pending.find(self.end)
                 if end == -1:
                     cut = max(0, len(self._pending) - (len(self.end) - 1))   # (the rest could start the end tag)
-                    self._span.append(self._pending[:cut])
                     self.spans[-1] += self._pending[:cut]
                     self._pending = self._pending[cut:]
                     break
                 self.spans[-1] += self._pending[:end]
                 self._pending = self._pending[end + len(self.end):]
-                self._inside, self._after_span, self._span = False, True, []
+                self._inside, self._after_span = False, True
                 continue
             if self._after_span:
                 rest = self._pending.lstrip()
@@ -147,7 +145,7 @@ class TaggedMarkupFilter:
             if start != -1:
                 out.append(self._pending[:start])
                 self._pending = self._pending[start + len(self.start):]
-                self._inside, self._span = True, [self.start]
+                self._inside = True
                 self.spans.append("")
                 continue
             hold = partial_suffix(self._pending, self.start)
@@ -168,8 +166,8 @@ class TaggedMarkupFilter:
         turn was cut in (a token such as ``><`` ends one call and starts the next)."""
         if self._inside:
             self.spans[-1] += self._pending
-        text = "".join(self._span) + self._pending if self._inside else "" if self._after_span else self._pending
-        self._pending, self._span, self._inside = "", [], False
+        text = self.start + self.spans[-1] if self._inside else "" if self._after_span else self._pending
+        self._pending, self._inside = "", False
         return text
 
 

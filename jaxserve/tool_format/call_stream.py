@@ -97,7 +97,7 @@ class CallStream:
         self._reading = True
         self._stack: list[_Frame] = []
         self._expect = "value"     # value, key_or_close, key, colon, comma_or_close, value_or_close, end
-        self._string: list[str] | None = None   # the string being read (decoded), if any
+        self._string: list[str] | None = None   # the string being read, if any (a key's or name's text, decoded)
         self._string_role = ""     # what it is: key, name, args (a string of arguments), value
         self._call: StreamedCall | None = None
         self._args_depth = -1      # stack depth of the arguments value being written; -1: none
@@ -331,7 +331,8 @@ class CallStream:
             self._add_char(char)
 
     def _add_char(self, char: str) -> None:
-        self._string.append(char)
+        if self._string_role in ("key", "name"):   # (their text is read when they close; values are only written)
+            self._string.append(char)
         if self._string_role == "args":
             self._emit(char)
         elif self._string_role != "name":
