@@ -51,7 +51,8 @@ from server.protocol import (FILE_EXPIRY_RANGE_S, AllowedToolsChoice, BatchCreat
                              ResponsesInputTokensRequest, ResponsesRequest, TokenizeRequest, ToolChoice)
 from server.response_store import ResponseStore
 from server.listing import MAX_FILES_LIMIT, items_page
-from server.responses import ResponsesWire, chat_request, check_call_outputs, input_messages, responses_error
+from server.responses import (ResponsesWire, chat_request, check_call_outputs, check_item_ids, held_item_ids,
+                              input_messages, responses_error)
 from server.tokenizers import TokenizerPool
 from server.wire import ChatWire
 
@@ -552,10 +553,13 @@ async def _responses_chat(state: ServerState, body: ResponsesRequest, owner: str
         raise APIError(400, f"previous response {body.previous_response_id!r} is still {earlier.status}: wait for "
                        "it to end (or cancel it)", param="previous_response_id", code="previous_response_in_progress")
     if body.conversation_id is not None:
-        history = state.conversations.messages(body.conversation_id, owner)
+        history = state.conversations.messages(body.conversation_id, owner, body.input)
     elif body.previous_response_id:
-        history = state.responses.conversation(body.previous_response_id, owner)
+        chain = state.responses.chain(body.previous_response_id, owner)
+        check_item_ids(body.input, held_item_ids(chain), "input")
+        history = [message for entry in chain for message in entry.messages]
     else:
+        check_item_ids(body.input, set(), "input")
         history = []
     added = input_messages(body.input)
     check_call_outputs(history, added)

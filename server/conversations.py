@@ -22,7 +22,7 @@ from server.errors import APIError
 from server.protocol import ResponseInputItem
 from server.response_store import ResponseStore, StoredResponse
 from server.listing import items_page
-from server.responses import input_items, item_messages
+from server.responses import check_item_ids, held_item_ids, input_items, item_messages
 
 log = logging.getLogger("jaxserve.server")
 
@@ -57,6 +57,7 @@ class Conversations:
 
     def create(self, owner: str, items: list[ResponseInputItem], metadata: dict | None) -> dict:
         """A new conversation holding ``items``; its object."""
+        check_item_ids(items, set(), "items")
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": KIND, "created_at": int(time.time()),
                         "metadata": metadata or {}}
         self._put(owner, conversation, input_items(items))
@@ -85,6 +86,7 @@ class Conversations:
     def add_items(self, conversation_id: str, owner: str, items: list[ResponseInputItem]) -> dict:
         """Add ``items`` at the conversation's end; the list of the items added, with their ids."""
         entry = self.get(conversation_id, owner)
+        check_item_ids(items, held_item_ids([entry]), "items")
         added = input_items(items)
         self._put(owner, entry.response, entry.input_items + added)
         return {"object": "list", "data": added, "first_id": added[0]["id"], "last_id": added[-1]["id"],
@@ -105,10 +107,14 @@ class Conversations:
         self._put(owner, entry.response, [i for i in entry.input_items if i["id"] != item_id])
         return entry.response
 
-    def messages(self, conversation_id: str, owner: str) -> list[dict]:
+    def messages(self, conversation_id: str, owner: str, adding: list[ResponseInputItem] | str = "") -> list[dict]:
         """The chat messages of the conversation's items (the context a Responses request
-        that continues it starts from); a 404 naming ``conversation`` when it is not found."""
-        return item_messages(self.get(conversation_id, owner, "conversation").input_items)
+        that continues it starts from); a 404 naming ``conversation`` when it is not found,
+        a 400 naming ``input`` when an item of ``adding`` (the request's input) repeats an
+        id (``check_item_ids``)."""
+        entry = self.get(conversation_id, owner, "conversation")
+        check_item_ids(adding, held_item_ids([entry]), "input")
+        return item_messages(entry.input_items)
 
     def extend(self, conversation_id: str, owner: str, items: list[dict]) -> None:
         """Add a response's input and output ``items`` (as the API lists them) at the end of

@@ -451,6 +451,7 @@ class ResponseMessageItem(_Request):
     """``{"role", "content"}`` (``type: "message"`` optional): a message of the conversation."""
 
     type: Literal["message"] = "message"
+    id: Text | None = Field(default=None, max_length=256)   # kept as given (an earlier output item's)
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[ResponseInputText]
 
@@ -459,6 +460,7 @@ class ResponseFunctionCallItem(_Request):
     """A tool call the model made in an earlier turn (as a response's ``output`` lists it)."""
 
     type: Literal["function_call"]
+    id: Text | None = Field(default=None, max_length=256)
     call_id: Text = Field(min_length=1, max_length=256)
     name: Text = Field(min_length=1, max_length=64)
     arguments: Text
@@ -468,6 +470,7 @@ class ResponseFunctionCallOutputItem(_Request):
     """The client's result for the tool call ``call_id``."""
 
     type: Literal["function_call_output"]
+    id: Text | None = Field(default=None, max_length=256)
     call_id: Text = Field(min_length=1, max_length=256)
     output: Text | list[ResponseInputText]
 
@@ -508,7 +511,7 @@ class ResponseReasoningItem(_Request):
     server's ``reasoning_token``); ``summary`` is not read."""
 
     type: Literal["reasoning"]
-    id: Text | None = None
+    id: Text | None = Field(default=None, max_length=256)
     content: list[ResponseReasoningText] | None = None
     encrypted_content: Text | None = None
 

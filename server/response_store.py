@@ -44,7 +44,7 @@ class StoredResponse:
 class ResponseStore:
     """Stored responses, at most ``capacity`` of them and ``max_bytes`` of their JSON.
 
-    Each keeps only what it added to its conversation; ``conversation`` rebuilds the
+    Each keeps only what it added to its conversation; ``chain`` rebuilds the
     whole by walking ``previous_response_id`` links (refreshing each link in its
     owner's LRU, so a live conversation's turns stay together). A response is visible
     only to the owner (API key) that stored it. Over a limit, the owner holding the
@@ -185,9 +185,10 @@ class ResponseStore:
             self._drop(response_id)
             return True
 
-    def conversation(self, response_id: str, owner: str) -> list[dict]:
-        """The chat messages of the conversation up to and including response ``response_id``;
-        a 404 naming ``previous_response_id`` when it (or a turn before it) is not stored."""
+    def chain(self, response_id: str, owner: str) -> list[StoredResponse]:
+        """The stored turns of the conversation up to and including response ``response_id``,
+        oldest first; a 404 naming ``previous_response_id`` when it (or a turn before it) is
+        not stored."""
         chain, at = [], response_id
         with self._transaction():   # (one commit for the walk's refreshes)
             while at is not None:
@@ -196,11 +197,11 @@ class ResponseStore:
                     missing = "" if at == response_id else f" (its earlier turn {at!r} is no longer stored)"
                     raise APIError(404, f"previous response {response_id!r} not found{missing}",
                                    param="previous_response_id", code="previous_response_not_found")
-                chain.append(entry.messages)
+                chain.append(entry)
                 at = entry.parent
                 if len(chain) > self.capacity:   # (a loop cannot be stored, but never walk forever)
                     break
-        return [message for messages in reversed(chain) for message in messages]
+        return chain[::-1]
 
 
 def _entry_text(entry: StoredResponse) -> str:

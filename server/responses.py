@@ -85,7 +85,8 @@ def item_messages(items: list[dict]) -> list[dict]:
 def input_items(given: str | list[ResponseInputItem]) -> list[dict]:
     """Input items (a request's ``input``, items added to a conversation) as the API lists
     them (``GET /v1/responses/{id}/input_items``, a conversation's items): each with an
-    ``id`` (the client's, for a reasoning item that had one) and its text parts as
+    ``id`` (the client's where the item had one, as an earlier response's output
+    items sent back do; a new one otherwise) and its text parts as
     ``input_text`` (or ``output_text`` for an assistant's)."""
     def parts(content, kind: str) -> list[dict]:
         if isinstance(content, str):
@@ -99,18 +100,40 @@ def input_items(given: str | list[ResponseInputItem]) -> list[dict]:
     for item in given:
         if item.type == "message":
             kind = "output_text" if item.role == "assistant" else "input_text"
-            items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
+            items.append({"type": "message", "id": item.id or f"msg_{uuid.uuid4().hex}", "status": "completed",
                           "role": item.role, "content": parts(item.content, kind)})
         elif item.type == "function_call":
-            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "status": "completed",
+            items.append({"type": "function_call", "id": item.id or f"fc_{uuid.uuid4().hex}", "status": "completed",
                           "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
         elif item.type == "function_call_output":
-            items.append({"type": "function_call_output", "id": f"fco_{uuid.uuid4().hex}", "status": "completed",
+            items.append({"type": "function_call_output", "id": item.id or f"fco_{uuid.uuid4().hex}", "status": "completed",
                           "call_id": item.call_id, "output": item.text})
         else:
             items.append({"type": "reasoning", "id": item.id or f"rs_{uuid.uuid4().hex}", "summary": [],
                           "content": [{"type": "reasoning_text", "text": item.text}]})
     return items
+
+
+def check_item_ids(given: str | list[ResponseInputItem], held: set[str], param: str) -> None:
+    """As OpenAI's API: an id a client gives an item (an earlier response's output item sent
+    back as input) names one item of the conversation. A 400 naming ``param`` when one
+    repeats within ``given`` or is one the conversation holds already (``held``: its items'
+    ids), as the item would reach the model twice."""
+    seen = set(held)
+    for item in () if isinstance(given, str) else given:
+        if item.id is None:
+            continue
+        if item.id in seen:
+            raise APIError(400, f"Duplicate item found with id {item.id!r}: remove duplicate items from your "
+                                f"{param} and try again", param=param)
+        seen.add(item.id)
+
+
+def held_item_ids(entries: list[StoredResponse]) -> set[str]:
+    """The ids of the items stored responses (or a conversation) hold: their input items
+    and their output's."""
+    return {item["id"] for entry in entries
+            for item in entry.input_items + entry.response.get("output", []) if "id" in item}
 
 
 def check_call_outputs(history: list[dict], added: list[dict]) -> None:

@@ -825,7 +825,7 @@ def test_response_store_drops_the_least_recently_used_and_a_walk_refreshes_a_con
     store.put("a", StoredResponse("o", None, [{"role": "user", "content": "1"}], {}))
     store.put("b", StoredResponse("o", "a", [{"role": "user", "content": "2"}], {}))
     store.put("x", StoredResponse("o", None, [], {}))
-    assert [m["content"] for m in store.conversation("b", "o")] == ["1", "2"]   # refreshes a and b
+    assert [m["content"] for e in store.chain("b", "o") for m in e.messages] == ["1", "2"]   # refreshes a and b
     store.put("y", StoredResponse("o", None, [], {}))                            # drops x, the oldest now
     assert store.get("x", "o") is None and store.get("a", "o") is not None and store.get("a", "other") is None
     # A byte budget too: large conversations push out the least recently used, one over it alone is not kept.
@@ -1184,6 +1184,45 @@ def test_a_responses_input_items_are_listed_in_pages():
         assert _error(client.get(path), 404)["param"] == "response_id"
 
 
+
+def test_input_items_keep_the_client_ids_and_a_repeated_id_is_a_400():
+    """Output items sent back as input keep their ids (``input_items`` lists them so); an id
+    that repeats within the input, or names an item the conversation holds (a
+    ``previous_response_id`` turn's input or output, a ``conversation``'s items), is OpenAI's
+    400 "Duplicate item found", naming ``input`` (``items`` when adding to a conversation)."""
+    with _client(_Recorder(), max_model_len=4096) as client:
+        first = client.post("/v1/responses", json={"model": "m", "input": [
+            {"type": "message", "id": "msg_mine", "role": "user", "content": "Hi"}]}).json()
+        [listed] = client.get(f"/v1/responses/{first['id']}/input_items").json()["data"]
+        assert listed["id"] == "msg_mine"
+        [answer] = first["output"]
+        twice = [{"role": "user", "content": "a", "id": "x"}, {"role": "user", "content": "b", "id": "x"}]
+        error = _error(client.post("/v1/responses", json={"model": "m", "input": twice}), 400)
+        assert error["param"] == "input" and "'x'" in error["message"]
+        for again in ({"role": "assistant", "id": answer["id"], "content": "b"},
+                      {"role": "user", "id": "msg_mine", "content": "Hi"}):
+            error = _error(client.post("/v1/responses", json={"model": "m", "previous_response_id": first["id"],
+                                                              "input": [again]}), 400)
+            assert error["param"] == "input" and "Duplicate item" in error["message"]
+        follow = client.post("/v1/responses", json={"model": "m", "previous_response_id": first["id"],
+                                                     "input": [{"role": "user", "id": "msg_next", "content": "more"}]})
+        assert follow.status_code == 200
+        conversation = client.post("/v1/conversations", json={"items": [
+            {"role": "user", "id": "msg_c", "content": "Hi"}]}).json()["id"]
+        error = _error(client.post(f"/v1/conversations/{conversation}/items",
+                                   json={"items": [{"role": "user", "id": "msg_c", "content": "again"}]}), 400)
+        assert error["param"] == "items"
+        error = _error(client.post("/v1/responses", json={"model": "m", "conversation": conversation,
+                                                          "input": [{"role": "user", "id": "msg_c", "content": "x"}]}), 400)
+        assert error["param"] == "input"
+        assert _error(client.post("/v1/conversations", json={"items": twice}), 400)["param"] == "items"
+        ok = client.post("/v1/responses", json={"model": "m", "conversation": conversation,
+                                                "input": [{"role": "user", "id": "msg_d", "content": "x"}]})
+        assert ok.status_code == 200
+        items = client.get(f"/v1/conversations/{conversation}/items", params={"order": "asc"}).json()["data"]
+        assert [i["id"] for i in items][:2] == ["msg_c", "msg_d"]
+
+
 def test_only_background_responses_are_cancelled_or_streamed_again():
     with _client(_Recorder(), max_model_len=4096) as client:
         plain = client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
@@ -1406,12 +1445,12 @@ def test_a_response_store_with_a_file_keeps_responses_and_their_order_across_reo
     store.put("gone", StoredResponse("o", None, [], {"id": "gone"}))
     assert store.delete("gone", "o")
     store.put("theirs", StoredResponse("p", None, [], {"id": "theirs"}))
-    assert [m["content"] for m in store.conversation("b", "o")] == ["1", "2"]   # refreshes b, then a
+    assert [m["content"] for e in store.chain("b", "o") for m in e.messages] == ["1", "2"]   # refreshes b, then a
     num_bytes = store.num_bytes
     store.close()
     again = ResponseStore(path=path)   # (o's order, least recent first: x, b, a)
     assert again.num_bytes == num_bytes
-    assert [m["content"] for m in again.conversation("b", "o")] == ["1", "2"]
+    assert [m["content"] for e in again.chain("b", "o") for m in e.messages] == ["1", "2"]
     assert again.get("a", "o").input_items == [{"id": "msg_1"}] and again.get("a", "o").response == {"id": "a"}
     assert again.get("gone", "o") is None and again.get("theirs", "o") is None and again.get("theirs", "p")
     again.close()
@@ -1487,7 +1526,7 @@ def test_conversations_are_kept_per_key_beside_responses_and_across_reopening(tm
     assert other.value.status == 404 and other.value.code == "conversation_not_found"
     assert store.get(conv["id"], "o") is None and not store.delete(conv["id"], "o")
     with pytest.raises(APIError) as walk:
-        store.conversation(conv["id"], "o")
+        store.chain(conv["id"], "o")
     assert walk.value.status == 404
     with pytest.raises(APIError):
         conversations.get("resp_1", "o")
