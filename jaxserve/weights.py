@@ -17,7 +17,9 @@ heads than the mesh has devices (``jaxserve.parallel.mesh``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -33,6 +35,8 @@ from jaxserve import gguf_checkpoint
 from jaxserve.models import ModelConfig, model_class_for
 from jaxserve.parallel.mesh import check_tensor_parallel, kv_head_repeats, tp_model_config
 from jaxserve.parallel.sharding import param_sharding
+
+log = logging.getLogger("jaxserve")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -59,7 +63,9 @@ def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} is not a Hugging Face checkpoint directory: no config.json")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    generation = model_dir / "generation_config.json"
+    return ModelConfig.from_hf(json.loads(path.read_text()),
+                               json.loads(generation.read_text()) if generation.is_file() else None)
 
 
 def hf_name(path: tuple) -> tuple[str, bool]:
@@ -79,12 +85,20 @@ def hf_name(path: tuple) -> tuple[str, bool]:
 
 
 def _safetensor_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it."""
+    """Tensor name -> the file holding it: ``model.safetensors`` when there is one, else the
+    shards its index names (``transformers``' order: a folder saved sharded and then whole
+    keeps a stale index), else every ``*.safetensors`` file. A shard the index names but
+    the folder lacks is a ``ValueError``."""
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if index.is_file() and not (model_dir / "model.safetensors").is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise ValueError(f"checkpoint {model_dir}: {index.name} names {len(missing)} shard(s) the folder "
+                             f"lacks, e.g. {missing[0]!r}")
         return {name: model_dir / f for name, f in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = [model_dir / "model.safetensors"] if (model_dir / "model.safetensors").is_file() else \
+        sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     out = {}
@@ -93,6 +107,27 @@ def _safetensor_files(model_dir: Path) -> dict[str, Path]:
             for name in handle.keys():
                 out[name] = f
     return out
+
+
+def _untied_if_the_head_differs(model_dir: Path, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` (tied embeddings), untied when the checkpoint also holds an ``lm_head.weight``
+    that is not the embedding matrix: that head is used, as ``transformers`` uses it
+    (with a warning) rather than tying over it."""
+    where = _safetensor_files(model_dir)
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    if not all(name in where for name in names):
+        return cfg
+    embedding, head = (_tensor(where[name], name) for name in names)
+    if embedding.shape == head.shape and np.array_equal(embedding, head):
+        return cfg
+    log.warning("%s: tie_word_embeddings is set but lm_head.weight differs from the embeddings; "
+                "using lm_head.weight (untied), as transformers does", model_dir)
+    return dataclasses.replace(cfg, tie_word_embeddings=False)
+
+
+def _tensor(path: Path, name: str) -> np.ndarray:
+    with safe_open(path, framework="numpy") as handle:
+        return handle.get_tensor(name)
 
 
 class _ShapeOnlyKeys:
@@ -139,6 +174,8 @@ def _load_model(model_dir: Path, dtype: str, attention_impl: str, load_format: s
         checkpoint_cfg = ModelConfig.from_hf(index.config)
     else:
         checkpoint_cfg = read_config(model_dir)
+        if load_format == "safetensors" and checkpoint_cfg.tie_word_embeddings:
+            checkpoint_cfg = _untied_if_the_head_differs(model_dir, checkpoint_cfg)
     tp = 1 if mesh is None else mesh.size
     if mesh is not None:
         check_tensor_parallel(checkpoint_cfg, tp, len(jax.devices()))

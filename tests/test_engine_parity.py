@@ -287,3 +287,39 @@ def test_logit_adjustments_match_transformers(pool, hf_checkpoints, references):
     assert outs[3].token_ids[-1] == stop and len(outs[3].token_ids) == 6 and outs[3].finish_reason == "stop"
     if pool == "tight":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+def _checkpoint(tmp_path, config) -> tuple:
+    """A tiny random transformers model of ``config`` (wide init, clear greedy margins), saved."""
+    import transformers as tf
+    torch.manual_seed(5)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+@pytest.mark.parametrize("setting", ["gelu_tanh_mlp", "qwen2_window_on_later_layers"])
+def test_checkpoint_settings_match_transformers(setting, tmp_path):
+    """Settings that once loaded silently wrong: a gate activation other than SiLU (it ran as
+    SiLU), and Qwen2's sliding window only on the layers from ``max_window_layers`` on (it
+    windowed every layer). Prompts longer than the window, so the window matters."""
+    import transformers as tf
+    from conftest import TINY
+    if setting == "gelu_tanh_mlp":
+        config = tf.LlamaConfig(**TINY, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
+    else:
+        config = tf.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                tie_word_embeddings=False)
+    model, path = _checkpoint(tmp_path, config)
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=64, max_num_batched_tokens=64, max_model_len=128,
+              warmup=False)
+    ids = prompts(2)[3:]
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=12, temperature=0.0,
+                                                                            ignore_eos=True))
+    for out, prompt in zip(outs, ids):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert out.token_ids == want.tolist()
+    if setting == "qwen2_window_on_later_layers":
+        assert [llm.engine.model_config.window_of(layer) for layer in range(2)] == [None, 8]

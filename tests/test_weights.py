@@ -60,6 +60,76 @@ def test_unknown_model_type_lists_supported(tmp_path, hf_checkpoints):
         load_model(dst, progress=False)
 
 
+def _with_config(tmp_path, src, **changes):
+    """A copy of checkpoint ``src`` with ``config.json`` entries changed (None: removed)."""
+    dst = tmp_path / "configured"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes,message", [
+    # an architecture without Llama's keys: named as unsupported, not as a missing key
+    (dict(model_type="gpt2", num_attention_heads=None, n_head=4), "unsupported model_type 'gpt2'"),
+    (dict(hidden_act="gelu_fast"), "unsupported hidden_act 'gelu_fast'"),
+    (dict(rope_scaling={"rope_type": "linear"}, rope_parameters=None), "'linear' is missing 'factor'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}, rope_parameters=None),
+     "'llama3' is missing 'original_max_position_embeddings'"),
+])
+def test_a_setting_this_model_cannot_run_is_a_named_error(tmp_path, hf_checkpoints, changes, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(_with_config(tmp_path, hf_checkpoints["llama"][1], **changes), progress=False)
+
+
+def test_generation_config_stop_ids_end_generation(tmp_path, hf_checkpoints):
+    """``generation_config.json``'s ``eos_token_id`` (a list) ends generation as
+    ``transformers``' ``generate`` ends it, besides ``config.json``'s."""
+    from jaxserve.weights import read_config
+    dst = _with_config(tmp_path, hf_checkpoints["llama"][1], eos_token_id=2)
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 106]}))
+    assert read_config(dst).eos_token_ids == (2, 106)
+    llm = LLM(str(dst), dtype="float32", num_pages=32, page_size=8, max_model_len=64, warmup=False)
+    assert {2, 106} <= llm.engine.eos_token_ids
+
+
+def test_a_whole_file_beside_a_stale_index_is_the_one_loaded(tmp_path, hf_checkpoints):
+    """A folder saved sharded and then whole keeps the shards' index: ``model.safetensors``
+    is the checkpoint, as ``transformers`` reads it; an index whose shards are gone (and no
+    whole file) is a named error."""
+    model, single = hf_checkpoints["qwen2"]
+    dst = tmp_path / "resaved"
+    model.save_pretrained(dst, max_shard_size="20KB")
+    for shard in dst.glob("model-*.safetensors"):
+        shard.unlink()
+    with pytest.raises(ValueError, match="names .* shard"):
+        load_model(dst, progress=False)
+    shutil.copy(single / "model.safetensors", dst / "model.safetensors")
+    loaded, _ = load_model(dst, progress=False)
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head.kernel[...]),
+                                  load_file(str(single / "model.safetensors"))["lm_head.weight"].T)
+
+
+def test_a_tied_checkpoint_with_its_own_head_uses_that_head(tmp_path, hf_checkpoints):
+    """``tie_word_embeddings`` with an ``lm_head.weight`` that differs from the embeddings:
+    the file's head is used (untied), as ``transformers`` does; an equal one stays tied."""
+    src = hf_checkpoints["llama"][1]   # (tied)
+    rng = np.random.default_rng(0)
+    path = _copy_with(tmp_path, src, lambda t: t.update({"lm_head.weight": rng.standard_normal(
+        t["model.embed_tokens.weight"].shape).astype(np.float32)}))
+    model, cfg = load_model(path, progress=False)
+    head = load_file(f"{path}/model.safetensors")["lm_head.weight"]
+    assert not cfg.tie_word_embeddings
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), head.T)
+    same = _copy_with(tmp_path / "same", src, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
+    assert load_model(same, progress=False)[1].tie_word_embeddings
+
+
 def test_bfloat16_and_dummy_weights_run(hf_checkpoints):
     path = str(hf_checkpoints["llama"][1])
     prompts = [[5, 6, 7, 8], [9, 10]]

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import MODEL_TYPES, ModelConfig
 from jaxserve.models.llama import AttentionMetadata, LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-}
+MODEL_REGISTRY: dict[str, type] = {model_type: LlamaForCausalLM for model_type in MODEL_TYPES}
 
 
 def model_class_for(model_type: str) -> type:

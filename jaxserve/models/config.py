@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")   # ``config.json`` model types (all ``LlamaForCausalLM``)
+# ``hidden_act`` values the MLP runs exactly as ``transformers`` does (``jaxserve.models.llama.ACTIVATIONS``)
+MLP_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of a Llama-family decoder.
@@ -13,7 +18,10 @@ class ModelConfig:
     ``qkv_bias`` is True for Qwen2. ``qk_norm`` (Qwen3): each head's query and
     key are RMS-normalized over ``head_dim`` (weights ``[head_dim]``) before
     the rotary embedding. ``rope_scaling`` is the checkpoint's dict
-    (``rope_type`` "default", "linear" or "llama3") or None.
+    (``rope_type`` "default", "linear" or "llama3") or None. ``hidden_act``: the
+    MLP gate's activation (``MLP_ACTIVATIONS``). ``sliding_window`` (tokens): the
+    attention window of every layer but those in ``full_attention_layers`` (Qwen2/3's
+    ``layer_types``, from ``max_window_layers``), None for full attention everywhere.
     """
 
     model_type: str
@@ -34,6 +42,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -44,19 +54,36 @@ class ModelConfig:
         (multiply by itemsize/4 for other dtypes)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
 
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window in tokens (None: full attention)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Build from a parsed ``config.json``; missing required keys are a ``ValueError``."""
+    def from_hf(cls, cfg: dict, generation: dict | None = None) -> "ModelConfig":
+        """Build from a parsed ``config.json`` (and ``generation_config.json``, whose
+        ``eos_token_id`` ends generation too, as ``transformers``' ``generate`` reads
+        it); missing required keys, and a ``model_type`` or ``hidden_act`` this
+        package does not run, are a ``ValueError``."""
         def need(key: str):
             if key not in cfg or cfg[key] is None:
                 raise ValueError(f"config.json is missing {key!r}")
             return cfg[key]
 
         model_type = need("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))}")
+        hidden_act = cfg.get("hidden_act") or "silu"
+        if hidden_act not in MLP_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(MLP_ACTIVATIONS)}")
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        layers = int(need("num_hidden_layers"))
+        eos_ids: tuple[int, ...] = ()
+        for source in (cfg, generation or {}):
+            eos = source.get("eos_token_id")
+            for token in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
+                if token not in eos_ids:
+                    eos_ids += (token,)
         rope_theta = cfg.get("rope_theta")
         rope_scaling = cfg.get("rope_scaling")
         rope_params = cfg.get("rope_parameters")  # transformers v5 spelling
@@ -65,14 +92,19 @@ class ModelConfig:
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            sliding = None
+        full_layers: tuple[int, ...] = ()
+        if model_type in ("qwen2", "qwen3"):   # (Mistral windows every layer)
+            if not cfg.get("use_sliding_window", False):
+                sliding = None
+            kinds = cfg.get("layer_types") or ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+                                               else "full_attention" for i in range(layers)]
+            full_layers = tuple(i for i, kind in enumerate(kinds) if kind != "sliding_attention")
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -86,6 +118,8 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=int(sliding) if sliding else None,
+            full_attention_layers=full_layers if sliding else (),
+            hidden_act=hidden_act,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=cfg,

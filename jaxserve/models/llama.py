@@ -2,12 +2,14 @@
 
 RMSNorm, rotary embeddings (with llama3/linear scaling), grouped-query
 attention over a paged KV cache (Qwen3: each head's q and k RMS-normalized
-first), SwiGLU MLP, tied or untied embeddings.
+first; a sliding window per layer), gated MLP (SwiGLU, or the checkpoint's
+``hidden_act``), tied or untied embeddings.
 Parameter names follow Hugging Face's so loading is a rename plus a transpose.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -16,9 +18,17 @@ from flax import nnx
 
 from jax.sharding import Mesh
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import MLP_ACTIVATIONS, ModelConfig
 from jaxserve.models.rope import apply_rope, inverse_frequencies
 from jaxserve.parallel.attention import write_and_attend
+
+
+# The MLP gate's activation by ``hidden_act`` (``transformers``' ``ACT2FN``: "gelu" is the exact
+# erf form, "gelu_new" and "gelu_pytorch_tanh" the tanh approximation).
+ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, approximate=False),
+               "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+               "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True), "relu": jax.nn.relu}
+assert set(ACTIVATIONS) == set(MLP_ACTIVATIONS)
 
 
 @jax.tree_util.register_dataclass
@@ -60,7 +70,7 @@ class Attention(nnx.Module):
     ``"model"`` axis and the KV write + kernel run per shard (``jaxserve.parallel``)."""
 
     def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs,
-                 mesh: Mesh | None = None) -> None:
+                 mesh: Mesh | None = None, sliding_window: int | None = None) -> None:
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.q_proj = _linear(h, self.num_heads * d, cfg.qkv_bias, dtype, rngs)
@@ -72,7 +82,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling))
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = sliding_window   # (tokens; None: full attention)
         self.attention_impl = attention_impl
         self.mesh = mesh
 
@@ -99,16 +109,17 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
         self.up_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
         self.down_proj = _linear(i, h, cfg.mlp_bias, dtype, rngs)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs,
-                 mesh: Mesh | None = None) -> None:
+                 mesh: Mesh | None = None, sliding_window: int | None = None) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, attention_impl, rngs, mesh)
+        self.self_attn = Attention(cfg, dtype, attention_impl, rngs, mesh, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
@@ -129,7 +140,8 @@ class LlamaForCausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, attention_impl, rngs, mesh) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, attention_impl, rngs, mesh, cfg.window_of(i))
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 

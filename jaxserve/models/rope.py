@@ -14,15 +14,21 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> np
     if not scaling:
         return inv.astype(np.float32)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+
+    def need(key: str) -> float:
+        if scaling.get(key) is None:
+            raise ValueError(f"rope_scaling of type {kind!r} is missing {key!r}")
+        return float(scaling[key])
+
     if kind == "default":
         return inv.astype(np.float32)
     if kind == "linear":
-        return (inv / float(scaling["factor"])).astype(np.float32)
+        return (inv / need("factor")).astype(np.float32)
     if kind == "llama3":
-        factor = float(scaling["factor"])
+        factor = need("factor")
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
+        old_len = need("original_max_position_embeddings")
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
