@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from jaxserve.api_calls import ApiCalls, ApiResult
-from scheduler import EventKind, Request, RequestEvent, Scheduler, StepPlan, StepResult, SwapOp
+from scheduler import EventKind, Request, RequestEvent, RequestState, Scheduler, StepPlan, StepResult, SwapOp
 from scheduler.fast_forward import DecodeRun, open_decode_run
 
 log = logging.getLogger("jaxserve")
@@ -368,6 +368,9 @@ class EngineCore:
                 seg = event.segment
                 self.api.call_simulated(request.request_id, now + seg.api_duration_s, seg.returned_token_ids,
                                         seg.num_returned_tokens)
+            elif event.kind is EventKind.LAST_TOKEN and request.state is RequestState.RUNNING:
+                sched.finish(request, "length", now)   # (the front end did not pause or end it)
+                self._released(request)
         if self.check_invariants:
             sched.check_invariants()
         stats = self.stats

@@ -291,6 +291,7 @@ class LLMEngine:
                                                 params.include_stop_str_in_output)
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
+            length_after_frontend=parse and self.tokenizer is not None,
             reasoning=self._reasoning_split(inside, grammar),
             logit_adjuster=LogitAdjuster(params, frozenset(stop_ids)) if params.adjusts_logits else None)
         return request
@@ -473,7 +474,8 @@ class LLMEngine:
             return
         if grammar is not None and grammar.dormant and split.in_answer:
             grammar.wake()   # this token ended the reasoning: the answer's tokens are constrained
-        if event.kind is not EventKind.TOKEN or request.tool_parser is None:
+        last = event.kind is EventKind.LAST_TOKEN   # (max_tokens reached: ends at "length" unless a call pauses it)
+        if not (event.kind is EventKind.TOKEN or last) or request.tool_parser is None:
             return
         if split is not None:
             delta = split.take_content(request.detokenizer.text)   # (markup inside the reasoning is no call)
@@ -489,8 +491,13 @@ class LLMEngine:
             request.stop_token_ids = frozenset(self._stop_ids(request.sampling_params))
             if request.logit_adjuster is not None:
                 request.logit_adjuster.set_stop_ids(request.stop_token_ids, request.num_generated)
-        if calls:
+        if calls and (not last or self._has_client_call(calls)):
+            # (a turn of server-side calls at the last allowed token ends: no token is left to answer them)
             self._pause_for_tools(request, calls, now)
+
+    def _has_client_call(self, calls: list) -> bool:
+        """Whether a turn of parsed calls names a client-side tool (the caller answers it)."""
+        return any(c.name and c.name not in self.tools for c in calls)
 
     def _pause_for_tools(self, request: Request, calls: list, now: float) -> None:
         """Pause ``request`` on the calls of one turn (``ParsedToolCall``, in order). If
@@ -499,7 +506,7 @@ class LLMEngine:
         tools run at once and their results (a malformed call's error among them) come
         back together, in call order. An optional-calls grammar (``allowed_tools``) ends
         with the turn, or starts over for the turn after the server's results."""
-        external = any(c.name and c.name not in self.tools for c in calls)
+        external = self._has_client_call(calls)
         grammar = request.grammar
         if grammar is not None and grammar.optional_calls:   # (allowed tools, mode auto)
             if external:

@@ -151,6 +151,9 @@ class EventKind(enum.Enum):
     TOKEN = "token"          # produced a token and keeps running
     API_CALL = "api_call"    # produced a token that ends a declared segment: paused for its API call
     FINISHED = "finished"    # ended (``request.finish_reason`` says why)
+    # produced the last token ``max_tokens`` allows, for a request whose front end reads it first
+    # (``Request.length_after_frontend``): it ends at "length" after that, unless the front end paused it
+    LAST_TOKEN = "last_token"
 
 
 class RequestEvent(NamedTuple):

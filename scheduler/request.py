@@ -114,6 +114,9 @@ class Request:
     seed: int = 0
     detokenizer: object | None = None
     tool_parser: object | None = None
+    # ``max_tokens`` is applied after the front end read the last allowed token (``EventKind.LAST_TOKEN``):
+    # a client-side tool call that token completes pauses the request, as any other call does
+    length_after_frontend: bool = False
     reasoning: object | None = None         # reasoning/answer split of the text (``jaxserve.reasoning``)
     grammar: object | None = None           # structured-output state (kept across API pauses)
     logit_adjuster: object | None = None    # logit_bias, min_tokens, penalties (``jaxserve.logit_adjust``)

@@ -958,8 +958,13 @@ class Scheduler:
                 last_done = index == len(segments) - 1 and done >= segments[-1].num_tokens
             else:
                 last_done = False
-            if last_done or request.num_generated >= request.max_tokens or request.num_tokens >= limit:
+            if last_done or request.num_tokens >= limit:
                 acting.append((decoding[request].place, request, "length", None))
+            elif request.num_generated >= request.max_tokens:
+                if request.length_after_frontend:   # (the caller ends it after its front end: ``EventKind``)
+                    events.append(new_event(RequestEvent, (request, EventKind.LAST_TOKEN, None)))
+                else:
+                    acting.append((decoding[request].place, request, "length", None))
             else:
                 events.append(new_event(RequestEvent, (request, token_kind, None)))
         if acting:

@@ -836,11 +836,12 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     use_tools = body.tool_choice != "none"
     tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
-    state.check_prompt_bytes([m["content"] for m in messages if isinstance(m["content"], str)]
-                             + [m["reasoning_content"] for m in messages if "reasoning_content" in m]
-                             + [json.dumps(t) for t in tools or []]
-                             + ([json.dumps(body.chat_template_kwargs)] if body.chat_template_kwargs else []),
-                             "messages")
+    # The cheap bound counts only text every template renders: not earlier assistant turns (a thinking
+    # model's template drops their reasoning, in ``reasoning_content`` or in the content's think block),
+    # nor template kwargs it may never read.
+    state.check_prompt_bytes([m["content"] for i, m in enumerate(messages) if isinstance(m["content"], str)
+                              and (m["role"] != "assistant" or i == len(messages) - 1)]
+                             + [json.dumps(t) for t in tools or []], "messages")
 
     def render(tok):
         return render_chat(tok, messages, tools, state.tool_format, body.template_options())

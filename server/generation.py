@@ -273,8 +273,8 @@ class ChoiceState:
                 self.cut_calls = [replace(call, sent=len(call.arguments),
                                           incomplete=writing and i == len(self._streamed) - 1)
                                   for i, call in enumerate(self._streamed)]
-            if flushed and not (cut and in_call):
-                text += flushed
+            if flushed and not (in_call and (cut or (out.finish_reason == "length" and self._calls.server_call))):
+                text += flushed   # (a server-side call cut by max_tokens is never run, nor shown as text)
             self.finish_reason = out.finish_reason
             if out.finish_reason == "tool_calls":
                 self.tool_calls = self._final_calls(out.tool_calls)

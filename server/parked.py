@@ -142,26 +142,40 @@ class ParkedContexts:
         rendered prompt before it must agree token for token). ``room``: tokens the
         context window has beyond ``token_ids``; a context that spells the covered part
         in more tokens must leave at least one of them. A matching context with other
-        sampling settings cannot continue this request: it is aborted. Other owners'
-        contexts are neither matched nor touched."""
-        best, covered = None, 0
+        sampling settings cannot continue this request: the longest such is aborted when no
+        context with this request's settings matches (the client went on with other
+        settings); one that does is taken before it (two conversations may share their
+        tokens). Other owners' contexts are neither matched nor touched."""
+        best: dict[bool, tuple[ParkedContext, int]] = {}   # same settings? -> (longest match, tokens covered)
         for ctx in self._contexts.values():
-            ids, n = ctx.context_ids, len(ctx.context_ids)
-            if ctx.owner != owner or (best is not None and n <= len(best.context_ids)):
+            same = ctx.sampling_key == sampling_key
+            if ctx.owner != owner or (same in best and len(ctx.context_ids) <= len(best[same][0].context_ids)):
                 continue
-            if n < len(token_ids) and token_ids[:n] == ids:
-                best, covered = ctx, n
-            elif spelling is not None and token_ids[:ctx.written_from] == ids[:ctx.written_from]:
-                j = spelling.covered(ids, token_ids, start=ctx.written_from)
-                if j is not None and j < len(token_ids) and (room is None or n - j < room):
-                    best, covered = ctx, j
-        if best is None:
-            return None
-        del self._contexts[best.request_id]
-        if best.sampling_key != sampling_key:
-            await self._abort(best.request_id)
-            return None
-        return best, covered
+            covered = self._covered(ctx, token_ids, spelling, room)
+            if covered is not None:
+                best[same] = ctx, covered
+        if True in best:
+            ctx, covered = best[True]
+            del self._contexts[ctx.request_id]
+            return ctx, covered
+        if False in best:
+            ctx = best[False][0]
+            del self._contexts[ctx.request_id]
+            await self._abort(ctx.request_id)
+        return None
+
+    @staticmethod
+    def _covered(ctx: ParkedContext, token_ids: list[int], spelling: Spelling | None, room: int | None) -> int | None:
+        """How many of ``token_ids`` parked context ``ctx`` covers, when they start with it
+        and go beyond (``take``); None otherwise."""
+        ids, n = ctx.context_ids, len(ctx.context_ids)
+        if n < len(token_ids) and token_ids[:n] == ids:
+            return n
+        if spelling is not None and token_ids[:ctx.written_from] == ids[:ctx.written_from]:
+            j = spelling.covered(ids, token_ids, start=ctx.written_from)
+            if j is not None and j < len(token_ids) and (room is None or n - j < room):
+                return j
+        return None
 
     def start(self) -> None:
         """Start the expiry loop (call from within the running event loop)."""

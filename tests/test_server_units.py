@@ -77,6 +77,14 @@ def test_parked_contexts_match_longest_prefix_check_sampling_and_expire():
         assert engine.aborted == ["a"]
         now[0] = 11.0
         assert await parked.expire() == 1 and engine.aborted == ["a", "c"] and len(parked) == 0
+        # Two conversations with the same tokens and other settings: each follow-up takes its own,
+        # whichever was parked first or is longer, and leaves the other parked.
+        await parked.park("plain", [1, 2, 3, 4], ("greedy",), calls_seen=0)
+        await parked.park("scored", [1, 2, 3, 4], ("greedy", "logprobs"), calls_seen=0)
+        await parked.park("longer", [1, 2, 3, 4, 5], ("greedy", "logprobs"), calls_seen=0)
+        assert (await parked.take([1, 2, 3, 4, 5, 6], ("greedy",)))[0].request_id == "plain"
+        assert (await parked.take([1, 2, 3, 4, 7], ("greedy", "logprobs")))[0].request_id == "scored"
+        assert engine.aborted == ["a", "c"] and len(parked) == 1
     asyncio.run(run())
 
 
@@ -1682,6 +1690,24 @@ def test_a_conversation_renders_model_output_a_client_could_not_send():
         {"role": "assistant", "content": None, "reasoning_content": "Hm.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": name, "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+
+
+def test_text_the_template_drops_is_not_counted_against_the_context_window():
+    """The cheap size check before rendering counts only text every template renders: an
+    earlier turn's ``reasoning_content`` (the demo's template, as Qwen3's, drops it) and an
+    unused ``chat_template_kwargs`` value are not the prompt; text that is still refuses
+    (``context_length_exceeded``) without being rendered."""
+    long = "x" * 150_000
+    with _client(_Recorder(), max_model_len=2048) as client:
+        for extra in ({"messages": [{"role": "user", "content": "a"},
+                                    {"role": "assistant", "content": "b", "reasoning_content": long},
+                                    {"role": "user", "content": "c"}]},
+                      {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"unused": long}}):
+            r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 4, **extra})
+            assert r.status_code == 200, r.text
+        error = _error(client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": long}]}), 400)
+        assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
 
 
 def test_reasoning_effort_reaches_the_chat_template():

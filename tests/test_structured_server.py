@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from conftest_server import ServerProcess
-from test_server import assert_error, stream
+from test_server import assert_error, metrics, stream
 
 PROFILE = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 10},
@@ -230,6 +230,33 @@ def test_a_call_cut_by_the_token_budget_is_an_unfinished_call_not_markup(client)
                 text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
             assert [tuple(e) for _, e in sorted(streamed.items())] == calls and "tool_call" not in text
     assert cut and partial, "no budget cut a call after its name"
+
+
+def test_a_call_the_last_allowed_token_completes_is_a_call_and_a_cut_server_call_shows_nothing(client):
+    """A forced client-side call whose closing token is the last one ``max_tokens`` allows ends
+    ``"tool_calls"`` and is parked, as with room to spare (it ended ``"length"``, a cut call,
+    never parked); a call to the server's own tool (``calculator``) cut by ``max_tokens`` is
+    neither run nor shown (its markup was the message text), streamed or not."""
+    api = openai_client(client)
+    req = dict(model="demo", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS[:1], temperature=0,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    roomy = api.chat.completions.create(**req, max_tokens=200)
+    assert roomy.choices[0].finish_reason == "tool_calls"
+    parked = metrics(client)["jaxserve:num_parked_tool_contexts"]
+    exact = api.chat.completions.create(**req, max_tokens=roomy.usage.completion_tokens)
+    assert exact.choices[0].finish_reason == "tool_calls"
+    assert [c.function.arguments for c in exact.choices[0].message.tool_calls] == \
+        [c.function.arguments for c in roomy.choices[0].message.tool_calls]
+    assert metrics(client)["jaxserve:num_parked_tool_contexts"] == parked + 1
+
+    server_call = dict(model="demo", messages=[{"role": "user", "content": "go"}], max_tokens=24, temperature=0,
+                       tool_choice={"type": "function", "function": {"name": "calculator"}})
+    [choice] = api.chat.completions.create(**server_call).choices
+    assert choice.finish_reason == "length" and not choice.message.content and not choice.message.tool_calls
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in api.chat.completions.create(**server_call,
+                                                                                                   stream=True)
+                   if chunk.choices)
+    assert text == ""
 
 
 def test_parallel_tool_calls_false_gives_exactly_one_call_sampled_n8(client):

@@ -68,6 +68,7 @@ class CallStream:
         self.args_keys, self.lists, self.hidden = args_keys, lists, hidden
         self.calls: list[StreamedCall] = []   # this turn's streamable calls, in order
         self.held = False                      # the rest of this turn is held to its end
+        self.server_call = False               # held from a server-side tool's name on
         self._span, self._pos = 0, 0           # next span to read, and where in it
         self._reset_span()
 
@@ -78,7 +79,7 @@ class CallStream:
 
     def new_turn(self) -> None:
         """The turn's calls went to the tools; the spans from now on are the next turn's."""
-        self.calls, self.held = [], False
+        self.calls, self.held, self.server_call = [], False, False
         self._reading = False   # (the current span, closed, was the last turn's)
 
     def update(self, spans: list[str]) -> None:
@@ -356,6 +357,7 @@ class CallStream:
             call = self._call
             if not text or text in self.hidden:
                 self._hold()   # no call (an empty name), or a server-side tool's: the turn is held
+                self.server_call = bool(text)
                 return
             call.name = text
             if any(k in self._stack[-1].keys for k in self.args_keys):   # (its arguments came first)
