@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from jaxserve.tool_format.base import partial_suffix
 
+DETOKENIZER_CONTEXT = 5   # prompt ids a detokenizer decodes before the first generated one (as vLLM's)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
@@ -18,8 +20,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop: bool = False) -> None:
-        """``include_stop``: a stop string stays in ``text`` (cut just after it, not before)."""
+                 include_stop: bool = False, context: list[int] = ()) -> None:
+        """``include_stop``: a stop string stays in ``text`` (cut just after it, not before).
+        ``context``: the last few prompt ids, decoded with the first tokens and not part of
+        ``text``: a SentencePiece tokenizer drops the space of a piece it decodes first
+        (``"▁Paris"`` alone is ``"Paris"``), so the text continues the prompt as written."""
         self.tokenizer = tokenizer
         # The Rust tokenizer's decode is ~4x cheaper per call than the Python wrapper's.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -27,10 +32,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)
         self.text = ""
         self._prefix = 0
-        self._read = 0
+        self._read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)

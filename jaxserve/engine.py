@@ -10,6 +10,7 @@ through ``EngineCore.run``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -24,7 +25,7 @@ from jaxserve.api_calls import ApiCalls, ApiResult, ToolOutput
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig, read_chat_template
 from jaxserve.core import Clock, EngineCore, EngineStats, WallClock
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.detokenizer import DETOKENIZER_CONTEXT, IncrementalDetokenizer
 from jaxserve.logit_adjust import LogitAdjuster
 from jaxserve.executor.model import (ModelExecutor, ModelExecutorConfig, claim_memory_share, cuda_graphs_for,
                                      kv_pool_pages, min_token_bucket_for)
@@ -223,7 +224,9 @@ class LLMEngine:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a jaxserve.SamplingParams, got {type(sampling_params).__name__}")
         _check_priority(priority)
-        params = sampling_params or SamplingParams()
+        # The request's own copy: a caller that changes (or breaks) its object for the next request
+        # must not change this one, whose settings every step reads again.
+        params = copy.deepcopy(sampling_params) if sampling_params is not None else SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt, prompt_token_ids)
         if api_calls is not None and not isinstance(api_calls, (list, tuple)) \
@@ -288,7 +291,7 @@ class LLMEngine:
             sampling_params=params, seed=seed, logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                                params.include_stop_str_in_output)
+                                                params.include_stop_str_in_output, context=ids[-DETOKENIZER_CONTEXT:])
             if self.tokenizer is not None else None,
             tool_parser=self.tool_format.parser() if parse and self.tokenizer else None, grammar=grammar,
             length_after_frontend=parse and self.tokenizer is not None,

@@ -148,6 +148,12 @@ class LLM:
                     final[out.request_id] = out
                     bar.update(1)
 
-        self.engine.core.run(done=lambda: len(final) >= n, on_outputs=collect, idle=self.engine.idle)
-        bar.close()
+        try:
+            self.engine.core.run(done=lambda: len(final) >= n, on_outputs=collect, idle=self.engine.idle)
+        except BaseException:   # (a KeyboardInterrupt, a failed step): no request of this call outlives it
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
         return [final[rid] for rid in ids]

@@ -59,6 +59,7 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     probs = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc), axis=-1)   # (ties at the k-th kept)
     before = jnp.cumsum(probs, axis=-1) - probs     # mass strictly above each sorted entry
     keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)   # (float32 sums can pass 1 in a long tail)
+    keep = keep.at[:, 0].set(True)   # the likeliest always (a top_p below float32's normal range reads as 0)
     p_threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     min_p_threshold = sorted_desc[:, :1] + jnp.log(min_p)[:, None]   # (log 0 = -inf: off)
     threshold = jnp.maximum(jnp.maximum(kth, p_threshold), min_p_threshold)

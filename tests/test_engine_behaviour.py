@@ -210,6 +210,72 @@ def test_the_detokenizer_holds_back_exactly_a_tail_that_may_start_a_stop_string(
     assert held == [0, 1, 2, 2, 1, 2]   # "a", "aa", "aa" (of "aab"), then "x", "xy" (of "xyz")
 
 
+def test_the_text_continues_the_prompt_with_a_sentencepiece_tokenizer():
+    """A Metaspace (SentencePiece-style) tokenizer drops the space of a piece decoded first
+    (``"▁Paris"`` alone is ``"Paris"``): decoded after the prompt's last ids, the output is
+    ``" Paris"``, so prompt + text is the text, and a stop string with the space matches at
+    the first token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxserve.detokenizer import DETOKENIZER_CONTEXT, IncrementalDetokenizer
+    words = ["The", "capital", "of", "France", "is", "Paris"]
+    vocab = {"<unk>": 0, **{f"\u2581{w}": i + 1 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    ids = tokenizer.encode("The capital of France is Paris", add_special_tokens=False)
+    prompt, answer = ids[:-1], ids[-1]
+    assert tokenizer.decode([answer]) == "Paris"   # (what a detokenizer without the prompt shows)
+    detok = IncrementalDetokenizer(tokenizer, context=prompt[-DETOKENIZER_CONTEXT:])
+    assert detok.add(answer) == (" Paris", False)
+    assert tokenizer.decode(prompt) + detok.text == tokenizer.decode(ids)
+    stopping = IncrementalDetokenizer(tokenizer, stop=[" Paris"], context=prompt[-DETOKENIZER_CONTEXT:])
+    assert stopping.add(answer) == ("", True)
+
+
+def test_a_request_keeps_the_settings_it_was_given(llm):
+    """The engine keeps its own copy of a request's ``SamplingParams`` (and decodes its first
+    tokens after the prompt's last ids): a caller that reuses the object, changing a field or
+    breaking one, changes nothing for the request already queued, and no step fails."""
+    p = prompt(11, 7)
+    greedy = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                                ignore_eos=True))[0].token_ids
+    shared = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop=["never-seen"])
+    engine = llm.engine
+    request = engine.make_request(prompt_token_ids=p, sampling_params=shared)
+    assert request.detokenizer.ids == p[-5:]
+    rid = engine.add_request(prompt_token_ids=p, sampling_params=shared)
+    shared.temperature, shared.top_k = 1.5, None   # (the next request's settings, and a broken one)
+    shared.stop.append(llm.tokenizer.decode(greedy[:2]))
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert outs[rid].token_ids == greedy and outs[rid].finish_reason == "length"
+
+
+def test_generate_interrupted_leaves_no_request_of_its_own(llm, monkeypatch):
+    """An exception out of ``LLM.generate``'s loop (a KeyboardInterrupt, a failed step) aborts
+    that call's requests: none is left to run (and hold pages) under the next call."""
+    engine = llm.engine
+    steps = [0]
+    real_step = engine.core._run_plan
+
+    def interrupted():
+        steps[0] += 1
+        if steps[0] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+    monkeypatch.setattr(engine.core, "_run_plan", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=[prompt(5, 9)] * 3, sampling_params=SamplingParams(max_tokens=50, ignore_eos=True))
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    assert engine.scheduler.kv.num_free_device == engine.scheduler.device_pool.num_pages
+
+
 def test_the_text_is_cut_before_the_earliest_stop_string_whichever_is_listed_first():
     """One token completes two stop strings ("\nUser:" holds "\n" and "User:"): the cut is
     before the earlier one, not before the one listed first (which showed the "\n")."""

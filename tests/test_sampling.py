@@ -37,3 +37,13 @@ def test_top_k_top_p_min_p_keep_what_transformers_warpers_keep(seed):
         np.testing.assert_allclose(ours[row][kept], want[kept], rtol=1e-6)
         if (k, p, m) != (0, 1.0, 0.0):
             assert kept.sum() < logits.shape[1]   # the filter removed something
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_likeliest_token():
+    """``top_p`` in (0, ~1.2e-38) passes validation but is 0 once flushed on the device: the
+    likeliest token is kept all the same (every logit was -inf, and the draw gave token 0)."""
+    logits = jnp.asarray(np.random.default_rng(0).normal(0, 3, (2, 50)).astype(np.float32))
+    ours = np.asarray(_filter(logits, jnp.zeros(2, jnp.int32), jnp.asarray([1e-40, 0.0], jnp.float32),
+                              jnp.zeros(2, jnp.float32)))
+    for row in range(2):
+        assert np.flatnonzero(np.isfinite(ours[row])).tolist() == [int(np.argmax(logits[row]))]
