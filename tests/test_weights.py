@@ -87,6 +87,22 @@ def test_a_setting_this_model_cannot_run_is_a_named_error(tmp_path, hf_checkpoin
         load_model(_with_config(tmp_path, hf_checkpoints["llama"][1], **changes), progress=False)
 
 
+def test_sliding_windows_are_read_per_family():
+    """As ``transformers`` reads them: Mistral windows every layer, Qwen2/3 only the layers
+    ``layer_types`` (or ``max_window_layers``) name and only with ``use_sliding_window``,
+    Llama never (a ``sliding_window`` in its config.json is not read)."""
+    from jaxserve.models import ModelConfig
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                sliding_window=8)
+    windows = lambda **cfg: [ModelConfig.from_hf({**base, **cfg}).window_of(i) for i in range(3)]   # noqa: E731
+    assert windows(model_type="mistral") == [8, 8, 8]
+    assert windows(model_type="llama") == [None, None, None]
+    assert windows(model_type="qwen2") == [None, None, None]
+    assert windows(model_type="qwen2", use_sliding_window=True, max_window_layers=1) == [None, 8, 8]
+    assert windows(model_type="qwen3", use_sliding_window=True, max_window_layers=1,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]) == [8, None, 8]
+
+
 def test_generation_config_stop_ids_end_generation(tmp_path, hf_checkpoints):
     """``generation_config.json``'s ``eos_token_id`` (a list) ends generation as
     ``transformers``' ``generate`` ends it, besides ``config.json``'s."""

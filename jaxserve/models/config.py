@@ -91,7 +91,7 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        sliding = cfg.get("sliding_window")
+        sliding = cfg.get("sliding_window") if model_type != "llama" else None   # (Llama has no window)
         full_layers: tuple[int, ...] = ()
         if model_type in ("qwen2", "qwen3"):   # (Mistral windows every layer)
             if not cfg.get("use_sliding_window", False):
