@@ -237,7 +237,7 @@ class ResponsesWire:
         self._message_text: list[str] = []       # the text and logprobs its deltas carried
         self._message_logprobs: list[dict] = []
         self._open_call: ToolCallOut | None = None   # the call being streamed (its item added, not done)
-        self._done_calls: set[str] = set()          # ids of the calls whose items are done
+        self._done_calls: dict[str, dict] = {}      # the items of the calls that are done, by call id
         self._announced = 0                 # output items announced so far (the next one's output_index)
         self._message_index = 0             # the message's output_index, once announced
         self._call_indices: dict[str, int] = {}   # each announced call's output_index, by id
@@ -364,12 +364,18 @@ class ResponsesWire:
 
     def cancelled(self, choices: list[ChoiceState]) -> list[str]:
         """A run cancelled before it ended: its response (``status: "cancelled"``, what it
-        had produced, in ``incomplete`` items) becomes ``final`` and is stored when asked;
+        had produced: its reasoning and text in ``incomplete`` items, and the calls it streamed)
+        becomes ``final`` and is stored when asked;
         returns the stream's last event (``response.incomplete``: the API has no event for
         a cancelled response)."""
         [c] = choices
+        cut = self._open_call
         closing = self._close_reasoning() + self._close_calls(c, ended=True) + self._close_message(c, "incomplete")
-        self.final = self._object("cancelled", self._partial_output(c, "incomplete"), choices)
+        # The calls it streamed: those the model finished, and the one it was writing (incomplete); not
+        # those it broke (closed incomplete when text came after them), which no response lists.
+        calls = [item for call_id, item in self._done_calls.items()
+                 if item["status"] == "completed" or (cut is not None and call_id == cut.id)]
+        self.final = self._object("cancelled", self._partial_output(c, "incomplete") + calls, choices)
         self.keep(choices, self.final)
         return closing + [self._event("response.incomplete", response=self.final)]
 
@@ -513,11 +519,11 @@ class ResponsesWire:
 
     def _call_done(self, call: ToolCallOut, status: str) -> list[str]:
         """The events that close call ``call``'s item (its ``arguments`` as sent)."""
-        self._done_calls.add(call.id)
+        item = self._done_calls[call.id] = self._call_item(call, status)
         index, item_id = self._call_index(call), f"fc_{call.id}"
         return [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                             name=call.name, arguments=call.arguments),
-                self._event("response.output_item.done", output_index=index, item=self._call_item(call, status))]
+                self._event("response.output_item.done", output_index=index, item=item)]
 
     def _close_calls(self, c: ChoiceState, ended: bool) -> list[str]:
         """Close the call item still open before another item starts: with the rest of its

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -1402,6 +1403,47 @@ class _QueuedEngine(_ScriptedEngine):
             yield None
         finally:
             self.closed += 1
+
+
+class _CallsThenWaitsEngine(_QueuedEngine):
+    """Text, a whole call, then half of a second one; then nothing more (until cancelled)."""
+
+    steps = ["Checking. ", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+             '<tool_call>{"name": "g", "arguments": {"b": "hal']
+
+    async def generate(self, prompt=None, sampling_params=None, request_id=None, **kw):
+        from jaxserve.outputs import RequestOutput
+        text = ""
+        try:
+            for i, delta in enumerate(self.steps):
+                text += delta
+                yield RequestOutput(request_id=request_id, prompt_token_ids=kw["prompt_token_ids"],
+                                    token_ids=list(range(i + 1)), text=text, delta_token_ids=[i], delta_text=delta)
+            await asyncio.Event().wait()
+        finally:
+            self.closed += 1
+
+
+def test_a_cancelled_background_response_lists_the_calls_it_streamed():
+    """Cancelled in a turn of calls: the stored response lists its text and the call its
+    stream announced (``incomplete``, as the stream closed it: the turn never ended), not
+    only its text. (The second call's start is still held back by the markup filter, which
+    keeps a tail that could begin the closing tag: never announced, not listed.)"""
+    tools = [{"type": "function", "name": n, "parameters": {"type": "object", "properties": {}}} for n in "fg"]
+    engine = _CallsThenWaitsEngine()
+    with _client(engine, max_model_len=4096) as client:
+        response_id = client.post("/v1/responses", json={"model": "m", "input": "hi", "tools": tools,
+                                                         "background": True}).json()["id"]
+        for _ in range(500):   # (until the engine has written all it will: text, then the calls)
+            if client.get(f"/v1/responses/{response_id}").json()["output"]:
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)
+        cancelled = client.post(f"/v1/responses/{response_id}/cancel").json()
+    assert cancelled["status"] == "cancelled" and engine.closed == 1
+    assert [(o["type"], o.get("name"), o["status"]) for o in cancelled["output"]] == \
+        [("message", None, "incomplete"), ("function_call", "f", "incomplete")]
+    assert cancelled["output"][0]["content"][0]["text"] == "Checking. " and cancelled["output"][1]["arguments"] == '{"a": 1}'
 
 
 def test_a_queued_background_response_is_polled_cancelled_and_deleted():
