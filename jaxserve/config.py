@@ -156,10 +156,13 @@ class EngineConfig:
         "devices the model is split over (Megatron-style tensor parallelism on a 'model' mesh axis; "
         "over all processes' devices with --num-processes > 1)"))
     coordinator_address: str | None = field(default=None, metadata=_flag(
-        "multi-host: host:port of process 0's jax.distributed coordinator (default: one process)"))
-    num_processes: int = field(default=1, metadata=_flag("multi-host: processes sharing the mesh"))
+        "multi-host: host:port of process 0's jax.distributed coordinator (default: one process)",
+        group="multihost"))
+    num_processes: int = field(default=1, metadata=_flag("multi-host: processes sharing the mesh",
+                                                         group="multihost"))
     process_id: int = field(default=0, metadata=_flag(
-        "multi-host: this process's rank (0 schedules and serves; the others run steps it broadcasts)"))
+        "multi-host: this process's rank (0 schedules and serves; the others run steps it broadcasts)",
+        group="multihost"))
     # ------------------------------------------------------- replicas (Ray)
     data_parallel_size: int = field(default=1, metadata=_flag(
         "engine replicas behind one endpoint (Ray Serve; > 1 starts or joins a Ray cluster, docs/scaling.md)",
@@ -250,9 +253,12 @@ class EngineConfig:
                              f"got {self.process_id!r}")
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError(f"coordinator_address (host:port) is required with num_processes={self.num_processes}")
-        if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
-                                                     or ":" not in self.coordinator_address):
-            raise ValueError(f"coordinator_address must be host:port, got {self.coordinator_address!r}")
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":") if isinstance(self.coordinator_address, str) \
+                else ("", "", "")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"coordinator_address must be host:port with a port in [1, 65535], "
+                                 f"got {self.coordinator_address!r}")
         from scheduler import available_policies
         positive("data_parallel_size", self.data_parallel_size, allow_none=False)
         for name in ("prefill_replicas", "decode_replicas"):
@@ -326,20 +332,23 @@ class EngineConfig:
     # ------------------------------------------------------------------ CLI
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
-                          defaults: dict[str, Any] | None = None, replicas: bool = False) -> None:
+                          defaults: dict[str, Any] | None = None, serve: bool = False) -> None:
         """Add one ``--flag`` per CLI setting (``--no-flag`` for booleans) to an
         "engine" argument group. ``exclude`` leaves settings out (a subcommand
         that cannot use them); ``defaults`` changes a default for a subcommand
-        whose job needs another value (say so in its help); ``replicas`` adds the
-        "replicas" group's settings (only ``serve`` runs replicas)."""
-        group = parser.add_argument_group("engine")
-        replica_group = parser.add_argument_group("replicas (Ray Serve)") if replicas else None
+        whose job needs another value (say so in its help); ``serve`` adds the
+        settings only ``serve`` takes: the "multihost" group's (one engine over several
+        processes) and the "replicas" group's (several engines behind one endpoint)."""
+        groups = {"engine": parser.add_argument_group("engine")}
+        if serve:
+            groups["multihost"] = parser.add_argument_group("multi-host (one engine over several processes)")
+            groups["replicas"] = parser.add_argument_group("replicas (Ray Serve)")
         defaults = defaults or {}
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            if not meta.get("cli") or f.name in exclude or (meta["group"] == "replicas" and not replicas):
+            if not meta.get("cli") or f.name in exclude or meta["group"] not in groups:
                 continue
-            target = replica_group if meta["group"] == "replicas" else group
+            target = groups[meta["group"]]
             flag = "--" + f.name.replace("_", "-")
             default = defaults.get(f.name, f.default)
             help_text = meta["help"] + (f" (default: {default})" if default is not None

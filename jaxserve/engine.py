@@ -31,7 +31,7 @@ from jaxserve.executor.model import (ModelExecutor, ModelExecutorConfig, claim_m
                                      kv_pool_pages, min_token_bucket_for)
 from jaxserve.model_source import load_tokenizer, resolve_model
 from jaxserve.outputs import ApiCall, ApiCallOutput, RequestOutput
-from jaxserve.parallel.multihost import init_distributed, tensor_parallel_mesh
+from jaxserve.parallel.multihost import PER_PROCESS, check_same_settings, init_distributed, tensor_parallel_mesh
 from jaxserve.parallel.protocol import executor_class
 from jaxserve.predictor.serving import LengthProbeHook, learned_checkpoint
 from jaxserve.profiles import default_cost_model
@@ -83,6 +83,9 @@ class LLMEngine:
             interpret = attention_impl != "reference" and jax.default_backend() == "cpu"
         dt = parse_dtype(config.dtype)
         self.mesh = tensor_parallel_mesh(config, self.model_dir)
+        checkpoint_cfg = read_config(self.model_dir)   # (the model as its files hold it; the shards' view below)
+        check_same_settings({**{k: v for k, v in dataclasses.asdict(config).items() if k not in PER_PROCESS},
+                             "checkpoint": dataclasses.replace(checkpoint_cfg, raw={})})
         # This engine's share of the accelerator's memory, checked free before its weights take any.
         in_use_before = None if config.num_pages else claim_memory_share(config.gpu_memory_utilization, self.mesh)
         model_obj, self.model_config = load_model(self.model_dir, config.dtype, attention_impl,
@@ -90,7 +93,7 @@ class LLMEngine:
         cfg = self.model_config
         # --predictor learned:DIR: the length probe, checked against this model before anything starts.
         probe_dir = learned_checkpoint(config.predictor)
-        length_probe = LengthProbeHook(probe_dir, model_obj, cfg, config.model) if probe_dir else None
+        length_probe = LengthProbeHook(probe_dir, model_obj, checkpoint_cfg, config.model) if probe_dir else None
         if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
@@ -121,6 +124,9 @@ class LLMEngine:
         # A dynamic token budget with beta_high > 1 may batch more than max_num_batched_tokens:
         # the executor's token buckets go up to the most it can ask for.
         step_tokens = max(batched, policy.max_step_tokens(batched))
+        host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
+        # (sized per process from its own device memory: a worker's pools must be process 0's)
+        check_same_settings({"num_pages": num_pages, "host_pages": host_pages, "step_tokens": step_tokens})
         executor = executor_class()(model_obj, cfg, ModelExecutorConfig(
             page_size=config.page_size, num_pages=num_pages, max_num_batched_tokens=step_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, kv_dtype=dt,
@@ -129,7 +135,6 @@ class LLMEngine:
             cuda_graphs=cuda_graphs_for(jax.devices()[0], config.cuda_graphs)),
             length_probe=length_probe, mesh=self.mesh)
         self.cost = default_cost_model(config.cost_profile, executor.kv_bytes_per_token, batched)
-        host_pages = num_pages if config.num_host_pages is None else config.num_host_pages
         scheduler = Scheduler(sched_cfg, policy, PageAllocator(num_pages, config.page_size, "device"),
                               PageAllocator(host_pages, config.page_size, "host"), self.cost)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -41,9 +41,6 @@ def main(args: argparse.Namespace) -> int:
     def refuse(message: str) -> int:
         return refuse_command("run-batch", message)
 
-    if args.num_processes > 1:
-        return refuse("runs in one process (its devices may split the model: --tensor-parallel-size); "
-                      "a multi-host engine serves batches through jaxserve serve")
     try:
         text = sys.stdin.read() if args.input == "-" else Path(args.input).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:

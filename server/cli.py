@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from jaxserve.cli import refuse
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="keep stored Responses API responses, conversations, files and batches in DIR (an "
                           "SQLite file) across restarts; a running batch runs on (default: in memory only)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    EngineConfig.add_cli_arguments(parser, replicas=True)
+    EngineConfig.add_cli_arguments(parser, serve=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -68,12 +69,22 @@ def main(args: argparse.Namespace) -> int:
         engine, app = build_app(args)
     except ValueError as e:
         return refuse("serve", e)
+    # SIGTERM (systemd, docker, Kubernetes) stops as Ctrl-C does: uvicorn drains the connections, then
+    # raises the signal again with the handler it found, this one, so the engine is shut down below
+    # (a multi-host engine tells its workers to stop) instead of the process dying in uvicorn.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
                     http=protocol, timeout_keep_alive=args.keep_alive_timeout)
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.shutdown()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def run_worker(args: argparse.Namespace) -> int:

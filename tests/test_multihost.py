@@ -98,3 +98,47 @@ def test_a_dead_worker_makes_health_503_and_requests_fail(checkpoint, tmp_path):
             worker.kill()
             worker.wait()
         server.stop()
+
+
+def test_processes_started_differently_refuse_and_sigterm_stops_both(checkpoint, tmp_path):
+    """A worker started with another page size than process 0's is named and refused by
+    both processes (it gave wrong tokens, or hung, with /health at 200); a matched pair
+    stopped with SIGTERM (how systemd, docker and Kubernetes stop a server) shuts down as
+    with Ctrl-C: process 0 tells the worker to stop and both exit 0 (process 0 died inside
+    uvicorn and the worker crashed)."""
+    import signal
+
+    def pair(worker_extra: list[str], log: str) -> tuple[ServerProcess, subprocess.Popen]:
+        args = ["--tensor-parallel-size", "4", "--num-processes", "2", "--coordinator-address",
+                f"127.0.0.1:{free_port()}", "--num-pages", "48", "--max-model-len", "96", "--no-warmup",
+                "--no-compilation-cache"]
+        server = ServerProcess(str(checkpoint), [*args, "--process-id", "0"], env=_env(2), log_path=tmp_path / log)
+        worker = subprocess.Popen(server.cmd[:-2] + ["--process-id", "1", *worker_extra], env=_env(2),
+                                  cwd=HERE.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        server.start()
+        return server, worker
+
+    server, worker = pair(["--page-size", "8"], "mismatch.log")
+    try:
+        assert worker.wait(240) == 2
+        assert "differ in page_size" in worker.stderr.read()
+        assert server.proc.wait(240) == 2 and "differ in page_size" in server.log_tail()
+    finally:
+        for proc in (worker, server.proc):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    server, worker = pair([], "sigterm.log")
+    try:
+        server.wait_ready(timeout=300)
+        body = {"model": checkpoint.name, "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(120) == 0, server.log_tail()
+        assert worker.wait(120) == 0, worker.stderr.read()[-2000:]
+    finally:
+        for proc in (worker, server.proc):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

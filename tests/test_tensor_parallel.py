@@ -94,6 +94,12 @@ def test_forced_swap_moves_sharded_pages_and_changes_no_token(tp_runs):
         assert "'model'" in run["host_chunk_spec"]   # each device keeps its own KV heads' host copy
 
 
+def test_a_length_probe_saved_on_one_device_serves_above_the_kv_head_count(tp_runs):
+    """The probe's model fingerprint is the checkpoint's, not the shards' view (TP 4 over 2 KV
+    heads repeats each: the probe was refused as made for another model)."""
+    assert tp_runs["probe_tp4"] == "accepted"
+
+
 def test_tp_degree_that_cannot_shard_is_refused_before_weights_load(tmp_path, hf_checkpoints):
     # A checkpoint with no weight files: a check after loading would fail on the missing files instead.
     config = (hf_checkpoints["llama"][1] / "config.json").read_text()
@@ -109,6 +115,10 @@ def test_tp_degree_that_cannot_shard_is_refused_before_weights_load(tmp_path, hf
     (dict(num_processes=2), "coordinator_address"),
     (dict(num_processes=2, process_id=2, coordinator_address="h:1"), "process_id must be an integer in"),
     (dict(coordinator_address="nohostport"), "coordinator_address must be host:port"),
+    (dict(coordinator_address="127.0.0.1:abc"), "coordinator_address must be host:port"),
+    (dict(coordinator_address="127.0.0.1:99999"), "coordinator_address must be host:port"),
+    (dict(coordinator_address="127.0.0.1:"), "coordinator_address must be host:port"),
+    (dict(coordinator_address=":8476"), "coordinator_address must be host:port"),
 ])
 def test_scale_out_settings_are_validated(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -103,7 +103,31 @@ def main(out_path: str) -> None:
         for tp, handling in ((1, "preserve"), (8, "swap"), (2, "swap")):
             results["runs"][f"qwen2-tp{tp}-{handling}"] = run(Path(tmp) / "qwen2", tp, num_pages=64,
                                                               api_calls=calls, handling=handling)
+        results["probe_tp4"] = probe_loads(Path(tmp) / "llama", Path(tmp) / "probe", tp=4)
     Path(out_path).write_text(json.dumps(results))
+
+
+def probe_loads(path: Path, probe_dir: Path, tp: int) -> str:
+    """A length probe saved for checkpoint ``path`` as ``jaxserve predictor train`` saves it
+    (the model loaded on one device), then an engine at ``tp`` told to use it: "accepted",
+    or the refusal."""
+    import jax
+
+    from jaxserve import LLMEngine
+    from jaxserve.predictor.bins import bin_lengths
+    from jaxserve.predictor.checkpoint import model_identity, save_probe
+    from jaxserve.predictor.probe import init_probe
+    from jaxserve.weights import load_model
+    model, config = load_model(path, "float32", progress=False)
+    features = np.random.default_rng(0).normal(size=(64, config.hidden_size)).astype(np.float32)
+    save_probe(probe_dir, init_probe(jax.random.key(0), features, 32, bin_lengths()),
+               model_identity(model, config, str(path)), 32, {"train_mean_tokens": 100.0})
+    try:
+        LLMEngine(str(path), tensor_parallel_size=tp, predictor=f"learned:{probe_dir}", page_size=8, num_pages=32,
+                  max_model_len=96, warmup=False).shutdown()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
 
 
 if __name__ == "__main__":

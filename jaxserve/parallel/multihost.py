@@ -6,13 +6,16 @@ steps.
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from jaxserve.parallel.liveness import Heartbeat
+from jaxserve.parallel.liveness import Heartbeat, leave_job, wait_for_workers_to_leave
 from jaxserve.parallel.mesh import check_tensor_parallel, make_mesh
 
 
@@ -27,8 +30,13 @@ def init_distributed(config: EngineConfig) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)
-    jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
-                               heartbeat_timeout_seconds=10)
+    try:
+        jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
+                                   heartbeat_timeout_seconds=10)
+    except jax.errors.JaxRuntimeError as e:   # (the coordinator's port taken, no coordinator in time...)
+        role = "start the coordinator at" if config.process_id == 0 else "join the coordinator at"
+        raise ValueError(f"process {config.process_id} could not {role} {config.coordinator_address}: "
+                         f"{str(e).splitlines()[0]}") from None
     if config.process_id != 0:
         Heartbeat(config.process_id).start()
 
@@ -49,3 +57,32 @@ def tensor_parallel_mesh(config: EngineConfig, model_dir: Path) -> Mesh | None:
         raise ValueError(f"tensor_parallel_size={tp} must equal the {jax.device_count()} devices of the "
                          f"{config.num_processes} processes (one mesh over every process's devices)")
     return make_mesh(tp)
+
+
+# Engine settings each process of a multi-host engine may have its own way (the checkpoint is
+# compared by its config instead of its path; the rest is local to the process or to process 0)
+PER_PROCESS = ("model", "process_id", "compilation_cache", "compilation_cache_max_gb", "check_invariants")
+
+
+def check_same_settings(settings: dict[str, object]) -> None:
+    """A ``ValueError`` naming the settings that differ between the processes of a
+    multi-host engine (each compared by a checksum of its ``repr``), raised on every
+    process: a worker follows process 0's steps on its own KV pool and weights, so a
+    different page size, pool, dtype or checkpoint there gives wrong tokens or a hang,
+    not an error; the processes leave the ``jax.distributed`` job first. A collective: every process calls it with the same keys, in the same
+    order. Nothing to check in one process."""
+    if jax.process_count() == 1:
+        return
+    keys = sorted(settings)
+    mine = np.array([zlib.crc32(repr(settings[k]).encode()) & 0x7FFFFFFF for k in keys], dtype=np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine))   # [processes, settings]
+    differ = [k for i, k in enumerate(keys) if (every[:, i] != every[0, i]).any()]
+    if differ:   # (every process sees it: the workers leave the job, process 0 waits for them, as on STOP)
+        if jax.process_index() == 0:
+            wait_for_workers_to_leave(range(1, jax.process_count()))
+        else:
+            leave_job()
+        here = ", ".join(f"{k}={settings[k]!r}" for k in differ)
+        raise ValueError(f"the {jax.process_count()} processes differ in {', '.join(differ)} (process "
+                         f"{jax.process_index()} has {here}): start every process with the same checkpoint "
+                         "and engine settings")
