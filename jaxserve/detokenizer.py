@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
         """``include_stop``: a stop string stays in ``text`` (cut just after it, not before).
         ``context``: the last few prompt ids, decoded with the first tokens and not part of
         ``text``: a SentencePiece tokenizer drops the space of a piece it decodes first
-        (``"▁Paris"`` alone is ``"Paris"``), so the text continues the prompt as written."""
+        (``"▁Paris"`` alone is ``"Paris"``), so the text continues the prompt as written. Not
+        used when it ends inside a character (a token-id prompt may)."""
         self.tokenizer = tokenizer
         # The Rust tokenizer's decode is ~4x cheaper per call than the Python wrapper's.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -33,6 +34,8 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop
         self.ids: list[int] = list(context)
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids = []   # (a prompt cut inside a character: its bytes would not decode as they will complete)
         self.text = ""
         self._prefix = 0
         self._read = len(self.ids)

@@ -85,7 +85,7 @@ class LLMEngine:
         self.mesh = tensor_parallel_mesh(config, self.model_dir)
         checkpoint_cfg = read_config(self.model_dir)   # (the model as its files hold it; the shards' view below)
         check_same_settings({**{k: v for k, v in dataclasses.asdict(config).items() if k not in PER_PROCESS},
-                             "checkpoint": dataclasses.replace(checkpoint_cfg, raw={})})
+                             "checkpoint": checkpoint_cfg})   # (its repr leaves the raw config.json out)
         # This engine's share of the accelerator's memory, checked free before its weights take any.
         in_use_before = None if config.num_pages else claim_memory_share(config.gpu_memory_utilization, self.mesh)
         model_obj, self.model_config = load_model(self.model_dir, config.dtype, attention_impl,
@@ -386,8 +386,8 @@ class LLMEngine:
         order, each wrapped as its own tool turn). ``max_tokens``: a fresh budget of
         generated tokens for the continuation, a new turn: ``min_tokens`` and the presence and
         frequency penalties count from here, as for a new request whose prompt holds the
-        context (None: keep the rest, the same turn). ``priority``: the continuation's
-        class (None: the request's)."""
+        context (None: keep the rest, the same turn; a ``ValueError`` when the call used the
+        last token of the budget). ``priority``: the continuation's class (None: the request's)."""
         if (token_ids is None) == (text is None):
             raise ValueError("resume: give exactly one of token_ids or text")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
@@ -407,6 +407,9 @@ class LLMEngine:
         elif isinstance(text, list) and request.pending_tool_calls and len(text) != len(request.pending_tool_calls):
             raise ValueError(f"text: {len(text)} results for the {len(request.pending_tool_calls)} call(s) of "
                              "the turn (one per call, in call order; or one string for them all)")
+        if max_tokens is None and request.num_generated >= request.max_tokens:
+            raise ValueError(f"max_tokens: the call was made with the last of the request's {request.max_tokens} "
+                             "tokens; give the continuation a budget of its own (resume(..., max_tokens=N))")
         params = None
         if max_tokens is not None:   # a new turn: min_tokens and presence/frequency count from here
             params = dataclasses.replace(   # (validates; a shorter budget ends it first: length)

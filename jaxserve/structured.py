@@ -125,8 +125,8 @@ class RequestGrammar:
         self._tokens += 1
         if self.close_token is not None and tokens_left is not None and self._at_call_boundary():
             self._boundaries += 1
-            # room for another call of the average size, its close, and a token after that (a close
-            # that is the last token allowed ends the request "length" before the grammar sees it)
+            # room for another call of the average size, its close, and one token to spare (a call is
+            # judged by its turn's average size: a longer one would be cut)
             if tokens_left < self._tokens / self._boundaries + 2:
                 self.forced_token = self.close_token
         return None

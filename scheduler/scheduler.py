@@ -889,10 +889,12 @@ class Scheduler:
         rules every executor shares: a stop token id -> finished "stop"; the
         end of a declared segment that calls an API -> paused (``pause``);
         ``max_tokens`` reached, the last declared segment generated, or the
-        context limit reached -> finished "length". Returns one event per
-        request that produced a token, in chunk order. (Stop strings and parsed
-        tool calls need text, so the engine's front end applies those to
-        ``TOKEN`` events.)"""
+        context limit reached -> finished "length" (``max_tokens`` of a request
+        with ``length_after_frontend``: a ``LAST_TOKEN`` event instead, its
+        caller ends it after the front end unless that paused it). Returns one
+        event per request that produced a token, in chunk order. (Stop strings
+        and parsed tool calls need text, so the engine's front end applies those
+        to ``TOKEN`` and ``LAST_TOKEN`` events.)"""
         self.kv.copies_done()
         ids, logprobs = result.token_ids, result.logprobs
         if result.prompt_logprobs is not None:

@@ -836,11 +836,13 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     use_tools = body.tool_choice != "none"
     tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
-    # The cheap bound counts only text every template renders: not earlier assistant turns (a thinking
-    # model's template drops their reasoning, in ``reasoning_content`` or in the content's think block),
-    # nor template kwargs it may never read.
-    state.check_prompt_bytes([m["content"] for i, m in enumerate(messages) if isinstance(m["content"], str)
-                              and (m["role"] != "assistant" or i == len(messages) - 1)]
+    # The cheap bound counts only text every template renders: not an earlier assistant turn's reasoning
+    # (a thinking model's template drops it: ``reasoning_content``, and its content up to the last
+    # ``</think>``, as Qwen3's and DeepSeek-R1's templates cut it), nor template kwargs it may never read.
+    last = len(messages) - 1
+    state.check_prompt_bytes([m["content"] if m["role"] != "assistant" or i == last else
+                              m["content"].rpartition("</think>")[2]
+                              for i, m in enumerate(messages) if isinstance(m["content"], str)]
                              + [json.dumps(t) for t in tools or []], "messages")
 
     def render(tok):

@@ -142,10 +142,11 @@ class ParkedContexts:
         rendered prompt before it must agree token for token). ``room``: tokens the
         context window has beyond ``token_ids``; a context that spells the covered part
         in more tokens must leave at least one of them. A matching context with other
-        sampling settings cannot continue this request: the longest such is aborted when no
-        context with this request's settings matches (the client went on with other
-        settings); one that does is taken before it (two conversations may share their
-        tokens). Other owners' contexts are neither matched nor touched."""
+        sampling settings cannot continue this request: the longest such is aborted when it
+        is longer than every match with this request's settings (it is this conversation,
+        gone on with other settings); a match with this request's settings is taken before
+        one as long with others (two conversations may share their tokens). Other owners'
+        contexts are neither matched nor touched."""
         best: dict[bool, tuple[ParkedContext, int]] = {}   # same settings? -> (longest match, tokens covered)
         for ctx in self._contexts.values():
             same = ctx.sampling_key == sampling_key
@@ -154,15 +155,15 @@ class ParkedContexts:
             covered = self._covered(ctx, token_ids, spelling, room)
             if covered is not None:
                 best[same] = ctx, covered
-        if True in best:
-            ctx, covered = best[True]
-            del self._contexts[ctx.request_id]
-            return ctx, covered
-        if False in best:
-            ctx = best[False][0]
-            del self._contexts[ctx.request_id]
-            await self._abort(ctx.request_id)
-        return None
+        taken = best.get(True)
+        other = best.get(False)
+        if other is not None and (taken is None or len(other[0].context_ids) > len(taken[0].context_ids)):
+            del self._contexts[other[0].request_id]   # (this conversation, gone on with other settings)
+            await self._abort(other[0].request_id)
+        if taken is None:
+            return None
+        del self._contexts[taken[0].request_id]
+        return taken
 
     @staticmethod
     def _covered(ctx: ParkedContext, token_ids: list[int], spelling: Spelling | None, room: int | None) -> int | None:

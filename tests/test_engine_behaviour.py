@@ -233,13 +233,24 @@ def test_the_text_continues_the_prompt_with_a_sentencepiece_tokenizer():
     assert tokenizer.decode(prompt) + detok.text == tokenizer.decode(ids)
     stopping = IncrementalDetokenizer(tokenizer, stop=[" Paris"], context=prompt[-DETOKENIZER_CONTEXT:])
     assert stopping.add(answer) == ("", True)
+    # A token-id prompt cut inside a character (byte fallback: each byte of it decodes as its own
+    # U+FFFD) is not decoded with the output, whose first word would lose its first characters.
+    vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}, "\u2581Hello": 257, "\u2581is": 258}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    bytes_tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    cut = IncrementalDetokenizer(bytes_tokenizer, context=[257, 1 + 0xE4, 1 + 0xB8])   # "Hello" + 2 bytes of "中"
+    for token in (1 + 0xAD, 258):
+        cut.add(token)
+    assert cut.text.endswith(" is") and cut.text != "is"
 
 
 def test_a_request_keeps_the_settings_it_was_given(llm):
     """The engine keeps its own copy of a request's ``SamplingParams`` (and decodes its first
     tokens after the prompt's last ids): a caller that reuses the object, changing a field or
     breaking one, changes nothing for the request already queued, and no step fails."""
-    p = prompt(11, 7)
+    p = llm.tokenizer.encode("the settings it was given", add_special_tokens=False)   # (whole characters)
     greedy = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
                                                                                 ignore_eos=True))[0].token_ids
     shared = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop=["never-seen"])

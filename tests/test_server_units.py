@@ -79,13 +79,14 @@ def test_parked_contexts_match_longest_prefix_check_sampling_and_expire():
         now[0] = 11.0
         assert await parked.expire() == 1 and engine.aborted == ["a", "c"] and len(parked) == 0
         # Two conversations with the same tokens and other settings: each follow-up takes its own,
-        # whichever was parked first or is longer, and leaves the other parked.
+        # whichever was parked first, and leaves the other parked; a longer match with other settings
+        # (this conversation, gone on with them) is aborted.
         await parked.park("plain", [1, 2, 3, 4], ("greedy",), calls_seen=0)
         await parked.park("scored", [1, 2, 3, 4], ("greedy", "logprobs"), calls_seen=0)
+        assert (await parked.take([1, 2, 3, 4, 6], ("greedy", "logprobs")))[0].request_id == "scored"
         await parked.park("longer", [1, 2, 3, 4, 5], ("greedy", "logprobs"), calls_seen=0)
         assert (await parked.take([1, 2, 3, 4, 5, 6], ("greedy",)))[0].request_id == "plain"
-        assert (await parked.take([1, 2, 3, 4, 7], ("greedy", "logprobs")))[0].request_id == "scored"
-        assert engine.aborted == ["a", "c"] and len(parked) == 1
+        assert engine.aborted == ["a", "c", "longer"] and len(parked) == 0
     asyncio.run(run())
 
 
@@ -1747,9 +1748,14 @@ def test_text_the_template_drops_is_not_counted_against_the_context_window():
                       {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"unused": long}}):
             r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 4, **extra})
             assert r.status_code == 200, r.text
-        error = _error(client.post("/v1/chat/completions", json={
-            "model": "m", "messages": [{"role": "user", "content": long}]}), 400)
-        assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
+        with_think = [{"role": "user", "content": "a"}, {"role": "assistant", "content": f"<think>{long}</think>b"},
+                      {"role": "user", "content": "c"}]
+        assert client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 4,
+                                                         "messages": with_think}).status_code == 400   # (rendered)
+        for where in ("user", "assistant"):   # refused by the bound, before rendering ("at least")
+            messages = [{"role": where, "content": long}, {"role": "user", "content": "c"}]
+            error = _error(client.post("/v1/chat/completions", json={"model": "m", "messages": messages}), 400)
+            assert error["code"] == "context_length_exceeded" and "at least" in error["message"], where
 
 
 def test_reasoning_effort_reaches_the_chat_template():

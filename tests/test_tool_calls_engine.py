@@ -4,6 +4,8 @@ calls to tools nobody registered."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 
@@ -155,6 +157,35 @@ def test_engine_resume_continues_a_client_side_call(tool_checkpoint):
     assert final.finish_reason == "stop" and final.token_ids == expected_generated(weather)
     assert engine.stats.recomputed_tokens == recomputed   # swapped out and back in, not recomputed
     assert engine.stats.swapped_in_pages > 0
+
+
+def test_a_call_written_with_the_last_allowed_token_pauses_and_needs_a_new_budget(tool_checkpoint):
+    """A client-side call completed by the token that reaches ``max_tokens`` pauses the request as
+    with room to spare (it ended "length"); its continuation must bring a budget of its own (a
+    resume keeping "the rest" would sample past ``max_tokens``), and then goes on as before."""
+    path, convs = tool_checkpoint
+    weather = conversation(convs, "get_weather")
+    llm = LLM(str(path), **SIZES)
+    engine = llm.engine
+    engine.add_request("roomy", prompt_token_ids=weather.prompt_ids, sampling_params=GREEDY)
+    roomy = None
+    while roomy is None:
+        roomy = next((o for o in engine.step() if o.finish_reason == "tool_calls"), None)
+    engine.abort("roomy")
+    exact = dataclasses.replace(GREEDY, max_tokens=len(roomy.token_ids))
+    engine.add_request("w", prompt_token_ids=weather.prompt_ids, sampling_params=exact)
+    paused = None
+    while paused is None:
+        paused = next((o for o in engine.step() if o.finished), None)
+    assert paused.finish_reason == "tool_calls" and paused.token_ids == roomy.token_ids
+    assert paused.tool_calls == roomy.tool_calls
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.resume("w", token_ids=weather.tool_turn_ids)
+    engine.resume("w", token_ids=weather.tool_turn_ids, max_tokens=GREEDY.max_tokens)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+    assert final.finish_reason == "stop" and final.token_ids == expected_generated(weather)
 
 
 def test_resume_is_validated_and_cannot_outgrow_the_page_pool(tool_checkpoint):

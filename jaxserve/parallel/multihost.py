@@ -75,7 +75,11 @@ def check_same_settings(settings: dict[str, object]) -> None:
         return
     keys = sorted(settings)
     mine = np.array([zlib.crc32(repr(settings[k]).encode()) & 0x7FFFFFFF for k in keys], dtype=np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine))   # [processes, settings]
+    try:
+        every = np.asarray(multihost_utils.process_allgather(mine))   # [processes, settings]
+    except jax.errors.JaxRuntimeError as e:   # (another process stopped before comparing: its own error says why)
+        raise ValueError(f"process {jax.process_index()}: another process of the job stopped before the "
+                         f"processes compared their settings ({str(e).splitlines()[0]})") from None
     differ = [k for i, k in enumerate(keys) if (every[:, i] != every[0, i]).any()]
     if differ:   # (every process sees it: the workers leave the job, process 0 waits for them, as on STOP)
         if jax.process_index() == 0:
@@ -83,6 +87,7 @@ def check_same_settings(settings: dict[str, object]) -> None:
         else:
             leave_job()
         here = ", ".join(f"{k}={settings[k]!r}" for k in differ)
+        sized = " (sized from each process's free device memory: set --num-pages)" if "num_pages" in differ else ""
         raise ValueError(f"the {jax.process_count()} processes differ in {', '.join(differ)} (process "
-                         f"{jax.process_index()} has {here}): start every process with the same checkpoint "
-                         "and engine settings")
+                         f"{jax.process_index()} has {here}){sized}: start every process with the same "
+                         "checkpoint and engine settings")
