@@ -111,8 +111,12 @@ def test_usage_of_a_disaggregated_request_counts_only_what_was_cached_before_it(
             asked.append(priority)
             return await prefill_side.prefill(token_ids, skip_pages, priority)
 
+    class Health:   # (asked when a prefill takes longer than a probe period: a cold compile on a busy machine)
+        async def remote(self):
+            return {"alive": True}
+
     decode = DisaggregatedEngine(engine=LLMEngine("demo", **SETTINGS))
-    decode.prefill = SimpleNamespace(prefill=Handle())
+    decode.prefill = SimpleNamespace(prefill=Handle(), health=Health())
     registry = CollectorRegistry()
     decode.metrics = TransferMetrics(registry)
 
