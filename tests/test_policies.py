@@ -780,3 +780,20 @@ def test_classes_are_in_use_only_while_a_request_of_another_class_lives():
     sched.add_request(Request("late", now, prompt_len=4, max_tokens=2, priority=2), now)
     sched.abort("late", now)
     assert not sched.classes_in_use
+
+
+def test_continuum_ttl_of_a_finished_request_does_not_touch_a_later_one_with_its_id():
+    """Continuum's TTL entries name their request: an entry left by a request that ended (ids
+    may be reused once a request is gone) must not move a later request given that id from
+    Preserve to Discard (its pages then left the paused-holder index while on the device)."""
+    from scheduler.request import ApiCallRecord
+    policy = make_policy("continuum", ttl_max_s=1.0)
+    view = None   # (Continuum's handling reads the predicted call duration only)
+    old = Request("r", arrival_time=0.0, prompt_len=4, max_tokens=8)
+    assert policy.handling(old, view, 0.0, 0.5) is Handling.PRESERVE
+    old.api_calls.append(ApiCallRecord("x", Handling.PRESERVE, call_time=0.0))
+    new = Request("r", arrival_time=1.0, prompt_len=4, max_tokens=8)   # (the old one ended; its id reused)
+    assert policy.handling(new, view, 2.0, 0.5) is Handling.PRESERVE      # (a TTL to 2.5)
+    new.api_calls.append(ApiCallRecord("x", Handling.PRESERVE, call_time=2.0))   # (as ``Scheduler.pause`` records it)
+    assert list(policy.redecide(2.0, {"r": new}, lambda: view)) == []     # the old entry (0.5) is due: not its
+    assert [(r.request_id, h) for r, h in policy.redecide(3.0, {"r": new}, lambda: view)] == [("r", Handling.DISCARD)]

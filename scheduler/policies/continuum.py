@@ -54,8 +54,9 @@ class ContinuumPolicy(Policy):
                  view: Callable[[], MemoryView]) -> Iterator[tuple[Request, Handling]]:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, call, request = heapq.heappop(self._deadlines)
-            # still inside the call that set this TTL, its KV still pinned
-            if request.request_id in preserved and len(request.api_calls) == call + 1:
+            # still inside the call that set this TTL, its KV still pinned (the same request: a finished
+            # one's entry must not touch a later request given its id)
+            if preserved.get(request.request_id) is request and len(request.api_calls) == call + 1:
                 yield request, Handling.DISCARD
 
     def priority(self, request: Request, now: float, view: MemoryView | None) -> tuple:
