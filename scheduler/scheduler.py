@@ -354,8 +354,8 @@ class Scheduler:
         """The API call of a paused ``request`` returned ``num_returned_tokens``
         tokens (``token_ids``, when known, are appended to its context, cut to
         fit the context limit). Returns True when that ended the request: the
-        call was its last declared step ("stop"), or the context is full
-        ("length")."""
+        call was its last declared step ("stop"), or the context is full or the
+        call came at the last token ``max_tokens`` allows ("length")."""
         if request.request_id not in self.paused or request.api_returned:
             raise ValueError(f"request {request.request_id!r} is not waiting for an API call")
         limit = self.context_limit
@@ -373,8 +373,8 @@ class Scheduler:
         if request.segments and request.segment_index >= len(request.segments):
             self.finish(request, "stop", now)   # the call was the request's last declared step
             return True
-        if limit is not None and request.num_tokens >= limit:
-            self.finish(request, "length", now)
+        if (limit is not None and request.num_tokens >= limit) or request.num_generated >= request.max_tokens:
+            self.finish(request, "length", now)   # (the context is full, or the call took the last token allowed)
             return True
         self.policy.on_api_return(request, now, self.view())
         self.kv.hash_context(request)
@@ -386,7 +386,7 @@ class Scheduler:
         del self.paused[request.request_id]
         self.kv.release(request)
         if (self.policy.resume_preserved_to_running and request.handling == Handling.PRESERVE
-                and request.device_pages and len(self.running) < self.config.max_num_seqs):
+                and request.device_pages and len(self.running) + len(self.swapping_in) < self.config.max_num_seqs):
             # Seed 004 Algorithm 1: a Preserve call resumes straight into the batch.
             self._start_running(request)
             self._resume_pending[request.request_id] = request
@@ -660,13 +660,15 @@ class Scheduler:
             return
         kv = self.kv
         running, swapping_in, max_seqs = self.running, self.swapping_in, self.config.max_num_seqs
-        may_admit, swapped = self.policy.may_admit, RequestState.SWAPPED
+        may_admit, swapped, preempted = self.policy.may_admit, RequestState.SWAPPED, plan.preempted
         frontiers: dict[bytes, Request] | None = None   # built on first need (``_filling_frontiers``)
         for request in self._ranked:
             if budget <= 0 or len(running) + len(swapping_in) >= max_seqs:
                 break
             if not may_admit(request, plan):
                 break
+            if preempted and request in preempted:
+                break   # preempted by this step for want of room: not re-admitted in it to recompute what it dropped
             if request.state is swapped:
                 while not kv.start_swap_in(request) and self._evict_idle_holder(request, now):
                     pass
@@ -827,7 +829,9 @@ class Scheduler:
         candidates = [r for r in self.running if r.request_id not in scheduled]
         if not candidates:
             return None
-        return max(candidates, key=lambda r: (r.priority, self.policy.priority(r, now, view)))
+        # (ties: the latest admitted, as vLLM's: ``max`` keeps the first of equal keys, and the
+        # oldest one preempting itself for the next page ping-ponged two requests of equal rank)
+        return max(reversed(candidates), key=lambda r: (r.priority, self.policy.priority(r, now, view)))
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Preempt by recompute: free its pages and put it back in the waiting queue."""

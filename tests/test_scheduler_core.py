@@ -326,3 +326,90 @@ def test_a_step_ends_and_pauses_requests_in_the_batch_order():
     events = sched.update(plan, StepResult(), 0.03)
     assert [(e.request.request_id, e.kind) for e in events] == [("early", EventKind.API_CALL),
                                                                  ("late", EventKind.API_CALL)]
+
+
+def test_a_preserved_call_returning_during_a_swap_in_waits_for_a_seat():
+    """augserve resumes a Preserve call straight into the batch; it did so while another
+    request swapping in held the last seat, and once that swap-in completed the batch held
+    more than ``max_num_seqs`` requests (more rows than the engine's batch shapes allow)."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, swap_budget_tokens=4)   # a page a step
+    policy = make_policy("augserve")
+    choice = {"A": Handling.SWAP, "B": Handling.PRESERVE}
+    policy.handling = lambda request, view, now, duration: choice[request.request_id]
+    sched = Scheduler(config, policy, PageAllocator(32, 4), PageAllocator(32, 4, "host"), COST)
+    a = Request("A", 0.0, prompt_len=12, max_tokens=2, segments=[Segment(1, "tool", 1.0, 0), Segment(1)])
+    b = Request("B", 0.0, prompt_len=12, max_tokens=9, segments=[Segment(1, "tool", 1.0, 0), Segment(8)])
+    sched.add_request(a, 0.0)
+    sched.add_request(b, 0.0)
+    now, seen = 0.0, set()
+
+    def step():
+        nonlocal now
+        plan = sched.schedule(now)
+        assert len(sched.running) + len(sched.swapping_in) <= 1 and len(plan.chunks) <= 1
+        now += 0.01
+        sched.update(plan, StepResult(), now)
+        sched.check_invariants()
+        seen.add((a.state, b.state))
+
+    step()
+    while a.state is not RequestState.SWAPPED:
+        step()
+    assert b.state is RequestState.PAUSED and b.handling == Handling.PRESERVE
+    sched.api_return(a, 0, now)
+    step()
+    assert a.state is RequestState.SWAPPING_IN
+    sched.api_return(b, 0, now)   # the seat is the swap-in's: B waits
+    assert b.state is RequestState.WAITING
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        step()
+    assert not sched.has_unfinished() and a.is_finished and b.is_finished
+
+
+def test_preemption_takes_the_latest_admitted_of_equal_rank_and_never_readmits_it_in_its_step():
+    """Two requests of equal rank (fcfs, one arrival time) in a pool too small for both: the
+    victim was the oldest (``max`` keeps the first of equal keys), so A, ahead and needing one
+    page, preempted itself and the two ping-ponged; and a request preempted in a step was
+    admitted again by that step, recomputing what it had just dropped, step after step."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False),
+                      make_policy("fcfs"), PageAllocator(5, 4), PageAllocator(0, 4, "host"), COST)
+    a = Request("A", 0.0, prompt_len=8, max_tokens=11)
+    b = Request("B", 0.0, prompt_len=11, max_tokens=4)
+    sched.add_request(a, 0.0)
+    sched.add_request(b, 0.0)
+    now, computed = 0.0, {"A": 0, "B": 0}
+    while sched.has_unfinished():
+        plan = sched.schedule(now)
+        assert not {r.request_id for r in plan.preempted} & {c.request.request_id for c in plan.chunks}
+        assert a not in plan.preempted
+        for c in plan.chunks:
+            computed[c.request.request_id] += c.num_tokens
+        now += 0.01
+        sched.update(plan, StepResult(), now)
+        sched.check_invariants()
+        assert now < 1.0, "no progress"
+    # A computes its context once; B its context twice at most (preempted once)
+    assert computed["A"] == 8 + 10 and computed["B"] <= 2 * (11 + 3)
+
+
+def test_a_declared_call_at_the_last_allowed_token_ends_the_request_when_it_returns():
+    """A declared call (more segments after it) that falls on ``max_tokens`` (replay's token
+    cap on a middle call): the request paused, and after the return sampled a token past
+    its budget before ``length`` applied."""
+    sched = make_scheduler()
+    r = Request("r", 0.0, prompt_len=4, max_tokens=2, segments=[Segment(2, "tool", 0.0, 1), Segment(5)])
+    sched.add_request(r, 0.0)
+    now, events = 0.0, []
+    while sched.has_unfinished():
+        plan = sched.schedule(now)
+        now += 0.01
+        for event in sched.update(plan, StepResult(), now):
+            events.append(event.kind)
+            if event.kind is EventKind.API_CALL:
+                assert sched.api_return(r, 1, now)   # (it ended the request)
+        assert now < 1.0, "no progress"
+    assert EventKind.API_CALL in events and r.finish_reason == "length" and r.num_generated == 2
+    sched.check_invariants()
+    assert sched.device_pool.num_free == sched.device_pool.num_pages
