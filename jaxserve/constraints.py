@@ -221,8 +221,39 @@ def _schema_error(schema_json: str) -> str | None:
         error = f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message[:300]}"
     except RecursionError:   # (the metaschema check recurses a few frames per level)
         error = f"(root): {TOO_DEEP}"
+    if error is None:
+        error = _integer_bound_error(schema)
     with _schema_checks_lock:
         _schema_checks[digest] = error
         if len(_schema_checks) > SCHEMA_CHECKS_KEPT:
             _schema_checks.popitem(last=False)
     return error
+
+
+INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)   # the integers the grammar library can bound (it clamps others)
+_INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _integer_bound_error(schema) -> str | None:
+    """Where an ``integer`` schema bounds its values beyond 64-bit integers, and why;
+    None if nowhere. The grammar library clamps such a bound to the 64-bit range, so
+    it would write values the schema forbids (``minimum: 1e19`` gave 2**63 - 1)."""
+    low, high = INT64_RANGE
+    stack = [((), schema)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(((*path, i), item) for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+            for name in _INTEGER_BOUNDS:
+                bound = node.get(name)
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not low <= bound <= high:
+                    where = "/".join(map(str, (*path, name)))
+                    return (f"{where}: an integer bound must lie within the 64-bit range "
+                            f"[-2**63, 2**63 - 1], got {bound!r}")
+        stack.extend(((*path, key), value) for key, value in node.items())
+    return None

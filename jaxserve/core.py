@@ -171,10 +171,7 @@ class EngineCore:
         reached ``max_tokens`` ends the request as a stop, as OpenAI reports it."""
         if request.is_finished:
             if reason == "stop" and request.finish_reason == "length":
-                finished = self.stats.finished
-                finished["length"] -= 1
-                finished["stop"] = finished.get("stop", 0) + 1
-                request.finish_reason = "stop"
+                self.relabel(request, "stop")
             return
         self.scheduler.finish(request, reason, self.clock.now())
         self._released(request)
@@ -189,10 +186,15 @@ class EngineCore:
         if not request.is_finished:
             self.finish(request, "error")
         elif request.finish_reason != "error":   # it had ended, its last output failed: an error after all
-            finished = self.stats.finished
-            finished[request.finish_reason] -= 1
-            finished["error"] = finished.get("error", 0) + 1
-            request.finish_reason = "error"
+            self.relabel(request, "error")
+
+    def relabel(self, request: Request, reason: str) -> None:
+        """An ended ``request`` ends with ``reason`` after all (the front end read its last
+        token otherwise than the core did); the count of finish reasons follows."""
+        finished = self.stats.finished
+        finished[request.finish_reason] -= 1
+        finished[reason] = finished.get(reason, 0) + 1
+        request.finish_reason = reason
 
     def _released(self, request: Request) -> None:
         """Free what a request that just ended holds outside the scheduler."""

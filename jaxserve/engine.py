@@ -466,6 +466,11 @@ class LLMEngine:
         request = event.request
         token = request.output_token_ids[-1]
         stop_token = request.finish_reason == "stop" and token in request.stop_token_ids
+        grammar = request.grammar
+        if stop_token and grammar is not None and grammar.active and grammar.matcher.is_error():
+            # The grammar reached a dead end (no text continues it: its mask for this token erred,
+            # and llguidance then allows only a stop token): the answer is unfinished, not complete.
+            self.core.relabel(request, "length")
         if request.detokenizer is None or (stop_token and not request.detokenizer.include_stop):
             return
         adjuster = request.logit_adjuster
@@ -478,13 +483,19 @@ class LLMEngine:
             return
         if stop_token:
             return   # (its text is in the output: include_stop_str_in_output)
-        grammar = request.grammar
         if grammar is not None and not request.is_finished \
                 and (reason := grammar.accept(token, request.max_tokens - request.num_generated)) is not None:
             self.core.finish(request, reason)
             return
         if grammar is not None and grammar.dormant and split.in_answer:
             grammar.wake()   # this token ended the reasoning: the answer's tokens are constrained
+            # A text end tag may end inside a token that goes on into the answer (``>"`` closes
+            # ``</think>`` and opens a JSON string): the grammar takes that text first.
+            carried = split.answer_text(request.detokenizer.text)
+            for t in self.tokenizer.encode(carried, add_special_tokens=False) if carried else ():
+                if (reason := grammar.accept(t, request.max_tokens - request.num_generated)) is not None:
+                    self.core.finish(request, reason)
+                    return
         last = event.kind is EventKind.LAST_TOKEN   # (max_tokens reached: ends at "length" unless a call pauses it)
         if not (event.kind is EventKind.TOKEN or last) or request.tool_parser is None:
             return

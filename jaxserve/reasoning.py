@@ -106,6 +106,12 @@ class ReasoningSplit:
         reasoning, if any, has ended."""
         return self._decided and self.spans[-1].kind == _CONTENT
 
+    def answer_text(self, text: str) -> str:
+        """The current turn's answer in ``text`` so far ("" before it, or while only the
+        newlines it skips follow the end tag)."""
+        span = self.spans[-1] if self.in_answer else None
+        return "" if span is None or span.skipping else text[span.start:]
+
     def new_continuation(self) -> None:
         """The request resumes with a fresh token budget (a new response): count its
         reasoning tokens from 0, as its tokens are."""

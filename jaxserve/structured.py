@@ -179,27 +179,35 @@ class StructuredDecoding:
         naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
-        if reasoning is not None and spec.may_reason_first:
-            text = thinking_first_lark(spec, reasoning, self._markup, self.tool_format)
-        elif spec.optional:
-            text = optional_call_lark(spec, self.tool_format, self._markup)
-        elif spec.kind == "json_schema":
-            text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
-        elif spec.kind == "json_object":
-            text = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        elif spec.kind == "regex":
-            text = llguidance.LLMatcher.grammar_from_regex(spec.pattern)
-        elif spec.kind == "choice":
-            text = f"start: {_alternatives(spec.choices)}"
-        elif spec.kind == "grammar":
-            text = llguidance.LLMatcher.grammar_from_lark(spec.pattern)
-        else:
-            text = tool_call_lark(spec, self.tool_format, self._markup)
+        what = "the schema" if spec.kind in JSON_KINDS or spec.kind == "tool_call" else f"the {spec.kind}"
+        try:
+            text = self._grammar_text(spec, reasoning)
+        except ValueError as e:   # (the library's own refusals name no field)
+            raise ValueError(f"{spec.param}: {what} cannot be compiled: {str(e)[:300]}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.llg_tokenizer)
         if is_error:
-            what = "the schema" if spec.kind in JSON_KINDS or spec.kind == "tool_call" else f"the {spec.kind}"
             raise ValueError(f"{spec.param}: {what} cannot be compiled: {messages[0][:300]}")
         return text
+
+    def _grammar_text(self, spec: StructuredOutput, reasoning: ReasoningFormat | None) -> str:
+        """``grammar``'s text before the library validates it (its converters may raise ``ValueError``)."""
+        import llguidance
+        if reasoning is not None and spec.may_reason_first:
+            return thinking_first_lark(spec, reasoning, self._markup, self.tool_format)
+        elif spec.optional:
+            return optional_call_lark(spec, self.tool_format, self._markup)
+        elif spec.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
+        elif spec.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        elif spec.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+        elif spec.kind == "choice":
+            return f"start: {_alternatives(spec.choices)}"
+        elif spec.kind == "grammar":
+            return llguidance.LLMatcher.grammar_from_lark(spec.pattern)
+        else:
+            return tool_call_lark(spec, self.tool_format, self._markup)
 
     def start(self, spec: StructuredOutput, reasoning: ReasoningFormat | None = None) -> RequestGrammar:
         """A fresh matcher for one request (one per choice when n > 1): a copy of the
@@ -216,6 +224,11 @@ class StructuredDecoding:
             pristine = llguidance.LLMatcher(self.llg_tokenizer, self.grammar(spec, reasoning), log_level=0)
             if pristine.is_error():
                 raise ValueError(f"{spec.param}: the schema cannot be compiled: {pristine.get_error()[:300]}")
+            probe = pristine.deep_copy()
+            probe.compute_bitmask()   # (a language with no text, e.g. ``{"$ref": "#"}``, errs at its first mask)
+            if probe.is_error():
+                raise ValueError(f"{spec.param}: no text satisfies the {'schema' if spec.kind in JSON_KINDS else spec.kind}"
+                                 f" ({probe.get_error()[:200]})")
             self._pristine[key] = pristine
             if len(self._pristine) > self._cache_size:
                 self._pristine.popitem(last=False)
@@ -375,8 +388,8 @@ def _alternatives(choices: tuple[str, ...]) -> str:
 def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Callable[[str], str],
                         tool_format: ToolFormat) -> str:
     """Lark grammar (llguidance dialect) for a turn that may open with a reasoning block
-    (``fmt.start``, any text, ``fmt.end``, up to 4 spaces or newlines) and then gives the
-    answer ``spec`` asks for (``may_reason_first``: JSON, a regex, a choice, text or calls): a
+    (``fmt.start``, any text, ``fmt.end``, up to 4 newlines: what the reasoning split skips;
+    a space would be the answer's) and then gives the answer ``spec`` asks for (``may_reason_first``: JSON, a regex, a choice, text or calls): a
     thinking model (Qwen3) reasons as it would, and only the answer is constrained.
     ``markup(text)`` renders the tags: a special token (the text before it can never
     hold it) or text (the reasoning stops at its first occurrence). ``tool_format``: the
@@ -395,7 +408,7 @@ def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Ca
         answer = f"answer: %json {json.dumps({**schema, 'x-guidance': schema.get('x-guidance', _JSON_OPTIONS)})}"
     start, end = markup(fmt.start), markup(fmt.end)
     if _is_token(end):
-        think = [f"think: {start} /(?s:.*)/ {end} /[ \\n]{{0,4}}/"]
+        think = [f"think: {start} /(?s:.*)/ {end} /\\n{{0,4}}/"]
     else:
-        think = [f"think: {start} thought /[ \\n]{{0,4}}/", f"thought[stop={end}]: /(?s:.*)/"]
+        think = [f"think: {start} thought /\\n{{0,4}}/", f"thought[stop={end}]: /(?s:.*)/"]
     return "\n".join(["start: think? answer", *think, answer])

@@ -356,6 +356,47 @@ def test_a_response_format_constrains_the_answer_after_the_reasoning(served):
     assert answer["content"] != content[:len(answer["content"])]
 
 
+def test_answer_text_in_the_token_that_ends_the_reasoning_is_held_to_the_format(served):
+    """An end tag written as text may end inside a token that goes on into the answer
+    (SmolLM2's ``>"`` closes ``</think>`` and opens a JSON string). The grammar woke after
+    that token and wrote a whole answer after the text it carried (``""yes"``, invalid);
+    it now takes that text first. Here the tag ends inside a greedy token, and a regex
+    that starts with the rest of that token's text must match the whole answer."""
+    import asyncio
+
+    from jaxserve import SamplingParams
+    client, engine, *_ = served
+    llm = engine.engine
+    ids = client.post("/tokenize", json={"model": "demo", "messages": CHAT["messages"]}).json()["tokens"]
+
+    async def greedy():
+        return [out async for out in engine.generate(prompt_token_ids=ids, parse_reasoning=False,
+                                                     sampling_params=SamplingParams(max_tokens=24, temperature=0))]
+    tokens = asyncio.run(greedy())[-1].token_ids
+    texts = [llm.tokenizer.decode(tokens[:k]) for k in range(1, len(tokens) + 1)]
+    raw = texts[-1]
+
+    def clean(t: str) -> bool:
+        return bool(t) and not set(t) & {"\ufffd", "\n", "\r"}
+    # a token k of at least 3 characters: the tag is its first 2 characters after 1 before them,
+    # first seen there; the rest of the token is the carried answer text
+    k, at = next((k, len(texts[k - 1]) - 1) for k in range(3, len(texts) - 2)
+                 if len(texts[k]) - len(texts[k - 1]) >= 3 and clean(texts[k][len(texts[k - 1]) - 1:])
+                 and raw.find(texts[k][len(texts[k - 1]) - 1:len(texts[k - 1]) + 2]) == len(texts[k - 1]) - 1)
+    tag, carried = texts[k][at:at + 3], texts[k][at + 3:]
+    pattern = "".join(f"\\x{{{ord(c):X}}}" for c in carried) + "[0-9]{3}"
+    kept = llm.reasoning_format
+    llm.reasoning_format = ReasoningFormat("test-carried", start="<think>", end=tag, opens_inside=True)
+    try:
+        answer = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "guided_regex": pattern}
+                             ).json()["choices"][0]
+        assert answer["message"]["reasoning"] == raw[:at].strip("\n")
+        assert re.fullmatch(re.escape(carried) + "[0-9]{3}", answer["message"]["content"]), answer
+        assert answer["finish_reason"] == "stop"
+    finally:
+        llm.reasoning_format = kept
+
+
 def test_a_turn_that_may_think_first_reasons_freely_then_answers_in_the_format(served):
     """A format whose turns are not known to open inside the reasoning (Qwen3's: the model
     starts with the start tag when it thinks): a ``response_format`` grammar (or a

@@ -474,6 +474,29 @@ def test_optional_calls_may_follow_a_reasoning_block_that_mentions_the_markup(ll
     assert not takes(thought + fmt.render_calls([("b", '{"s": "q"}')]), thinking)
 
 
+def test_a_thinking_first_answer_starts_after_newlines_only_as_the_reasoning_split_reads_it(llm):
+    """The thinking-first grammar let up to 4 spaces follow the end tag, where the reasoning
+    split skips only newlines: a ``choice`` of "yes"/"no" answered " no" (Qwen3 few-shot)."""
+    from jaxserve.reasoning import ReasoningFormat, ReasoningSplit
+    from jaxserve.structured import StructuredDecoding
+    from jaxserve.tool_format import get_format
+    tok = llm.tokenizer
+    decoding = StructuredDecoding(tok, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids, get_format("hermes"))
+    thinking = ReasoningFormat("t", start="<think>", end="</think>")
+
+    def takes(text: str, spec: StructuredOutput) -> bool:
+        grammar = decoding.start(spec, thinking)
+        return all(grammar.accept(t) != "length" for t in tok.encode(text, add_special_tokens=False))
+
+    for spec in (StructuredOutput.choice(["yes", "no"]), StructuredOutput.regex("(yes|no)")):
+        assert takes("<think>hm</think>\n\nno", spec) and takes("<think>hm</think>no", spec)
+        assert not takes("<think>hm</think> no", spec) and not takes("<think>hm</think>\n no", spec)
+    split = ReasoningSplit(thinking)
+    text = "<think>hm</think>\n\nno"
+    split.finish(text)
+    assert split.content(text, len(text), final=True) == "no"
+
+
 def test_allowed_tools_auto_calls_only_the_allowed_tool_and_otherwise_writes_text(llm):
     """Through the engine: with ``<tool_call>`` favoured, the greedy turn calls, the call
     (server-side ``add``) runs, and the grammar starts over after its result, so the next
@@ -518,6 +541,34 @@ def test_bad_constraints_are_value_errors_naming_the_field_and_queue_nothing(llm
     with pytest.raises(ValueError, match=r"^response_format: the schema cannot be compiled"):
         llm.generate(["x"], unsatisfiable)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_language_without_text_or_an_integer_bound_past_64_bits_is_refused_naming_the_field(llm):
+    """A schema that compiles but admits no text at all (``$ref`` to itself) erred only at the
+    first mask and ended "stop" with empty content; integer bounds past 64 bits were clamped
+    (``minimum: 1e19`` wrote 2**63 - 1) or refused naming no field."""
+    for schema, message in (({"$ref": "#"}, "no text satisfies the schema"),
+                            ({"type": "integer", "minimum": 1e19, "maximum": 1e19 + 1}, "minimum: an integer bound"),
+                            ({"type": "object", "properties": {"n": {"type": ["integer", "null"], "maximum": -1e19}}},
+                             "properties/n/maximum: an integer bound"),
+                            ({"const": 10 ** 30}, "the schema cannot be compiled: Value is not JSON serializable")):
+        with pytest.raises(ValueError, match=f"^response_format: .*{message}"):
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput.json(schema)))
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_grammar_at_a_dead_end_ends_with_length_not_stop(llm):
+    """A schema whose property can never be written (a ``$ref`` cycle): llguidance then allows
+    only EOS, and the request ended "stop" with ``{"a": `` as its answer."""
+    cycle = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+             "$defs": {"x": {"$ref": "#/$defs/x"}}}
+    stats = llm.engine.core.stats.finished
+    before = dict(stats)
+    outs = llm.generate(["x", "y"], [SamplingParams(max_tokens=30, temperature=0.0, structured=s) for s in (
+        StructuredOutput.json(cycle), StructuredOutput.lark('start: "a" /[^\\s\\S]/'))])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[0].text.startswith('{"a":') and outs[1].text == "a" and len(outs[0].token_ids) < 30
+    assert stats.get("length", 0) == before.get("length", 0) + 2 and stats.get("stop", 0) == before.get("stop", 0)
 
 
 def test_masked_sampler_only_picks_allowed_tokens():

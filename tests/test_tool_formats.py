@@ -259,6 +259,24 @@ def test_markup_filter_shows_a_span_never_closed(size):
     assert "".join(filt.feed(p) for p in pieces(text, size)) + filt.flush() == text
 
 
+@pytest.mark.parametrize("tail", ["</", "</tool_", "</tool_call"])
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_call_cut_inside_its_end_tag_reads_as_the_complete_call(tail, size):
+    """``max_tokens`` ended the text inside ``</tool_call>``: the held-back start of the
+    end tag joined the span, so the call stream refused the call and the server returned
+    the turn's markup as the message (streamed: the call and the markup). The span is the
+    complete call; the text shown, if it is shown, is still the text as written."""
+    fmt = get_format("hermes")
+    call = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+    text = "<tool_call>" + call + tail
+    filt, stream = fmt.markup_filter(), fmt.call_stream(set())
+    shown = "".join(filt.feed(p) for p in pieces(text, size))
+    flushed = filt.flush()
+    stream.update(filt.spans)
+    assert shown == "" and flushed == text and filt.spans == [call]
+    assert not stream.held and [(c.name, c.arguments) for c in stream.calls] == [("get_time", '{"tz": "UTC"}')]
+
+
 MARKED_CALL = {   # a call after prose, in the marked form of each JSON format
     "mistral": PROSE["mistral"] + CALL_TEXT["mistral"],
     "llama3_json": "Let me compute. <|python_tag|>" + CALL_TEXT["llama3_json"],

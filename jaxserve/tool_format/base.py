@@ -161,12 +161,17 @@ class TaggedMarkupFilter:
 
     def flush(self) -> str:
         """At the end of the text: release held-back text that never became a tag, and
-        a span never closed (it was no call; its held-back end joins ``spans``). After the
+        a span never closed (it was no call unless the text ends inside its end tag; its
+        held-back end joins ``spans``, all but the start of the end tag the text was cut
+        in, so a call whose close was cut reads as the complete call it is). After the
         last closed span, what is held stays hidden: whitespace, or the start of a tag the
         turn was cut in (a token such as ``><`` ends one call and starts the next)."""
         if self._inside:
-            self.spans[-1] += self._pending
-        text = self.start + self.spans[-1] if self._inside else "" if self._after_span else self._pending
+            closing = len(self._pending) - partial_suffix(self._pending, self.end)
+            self.spans[-1] += self._pending[:closing]
+            text = self.start + self.spans[-1] + self._pending[closing:]
+        else:
+            text = "" if self._after_span else self._pending
         self._pending, self._inside = "", False
         return text
 
