@@ -4,14 +4,15 @@ this checkout and for ``--baseline REV`` (its ``jaxserve/`` and ``scheduler/``
 exported from git and run in a subprocess), side by side.
 
     python tools/replay_identity.py --baseline 75e8494 [--policies infercept,lamps,fcfs]
-        [--rate 10] [--duration 40] [--replicas 8] [--replica-duration 60]
+        [--rate 10] [--duration 40] [--replicas 8] [--replica-duration 60] [--metrics]
 
 Cases: each policy on the bundled multi-API trace (Poisson, seed 0), with the
 prefix cache off and a roomy pool, and on with a 600-page pool (preemption and
 eviction); and re-send mode on ``--replicas`` replicas behind the affinity and
 least-loaded routers (infercept, prefix cache on), and behind the affinity
 router with lamps and a 600-page pool. A change that is meant to be a pure
-speed-up must print ``same`` on every row.
+speed-up must print ``same`` on every row; ``--metrics`` also prints what a
+change that is not one moved (means per request, both builds).
 """
 
 from __future__ import annotations
@@ -41,15 +42,20 @@ MARKS = ("first_scheduled_time", "first_token_time", "finish_time", "num_generat
          "max_computed_tokens", "num_preemptions", "finish_reason")
 
 
-def _digest(requests, totals) -> str:
+def _digest(requests, totals, recomputed: int, preemptions: int) -> dict:
+    """The case's digest, and its means (seconds) and counts for ``--metrics``."""
     text = repr([tuple(getattr(r, f) for f in MARKS)
                  + tuple((c.call_time, c.return_time, c.resume_time, str(c.handling)) for c in r.api_calls)
                  for r in requests]) + repr(totals)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    n = max(1, len(requests))
+    return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16],
+            "e2e_s": sum(r.finish_time - r.arrival_time for r in requests) / n,
+            "ttft_s": sum(r.first_token_time - r.arrival_time for r in requests) / n,
+            "recomputed": recomputed, "preemptions": preemptions}
 
 
-def digests(args: argparse.Namespace) -> dict[str, str]:
-    """``{case: digest}`` for this interpreter's ``jaxserve``/``scheduler``."""
+def digests(args: argparse.Namespace) -> dict[str, dict]:
+    """``{case: _digest(...)}`` for this interpreter's ``jaxserve``/``scheduler``."""
     cost = load_profile("gptj-6b-a100-40g")
     trace = load_trace()
     out = {}
@@ -61,7 +67,7 @@ def digests(args: argparse.Namespace) -> dict[str, str]:
             res = run_simulation(sched, [w.to_request() for w in workload])
             out[f"{policy} cache={'on' if cache else 'off'} pages={pages or 'profile'}"] = _digest(
                 res.requests, (res.end_time_s, res.num_steps, res.busy_time_s, res.recomputed_tokens,
-                               res.num_preemptions))
+                               res.num_preemptions), res.recomputed_tokens, res.num_preemptions)
     for router, policy, pages in (("affinity", "infercept", None), ("least_loaded", "infercept", None),
                                   ("affinity", "lamps", 600)):
         workload = make_workload(trace, WorkloadSpec("poisson", rate=2.0 * args.replicas,
@@ -73,7 +79,8 @@ def digests(args: argparse.Namespace) -> dict[str, str]:
         name = f"{args.replicas} replicas {router}" + ("" if policy == "infercept" else f" {policy} pages={pages}")
         out[name] = _digest(
             res.requests, (res.end_time_s, res.num_steps, res.busy_time_s, res.batched_tokens,
-                           res.recomputed_tokens, res.follow_up_hits, res.requests_by_replica))
+                           res.recomputed_tokens, res.follow_up_hits, res.requests_by_replica),
+            res.recomputed_tokens, res.num_preemptions)
     return out
 
 
@@ -85,6 +92,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=40.0)
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--replica-duration", type=float, default=60.0)
+    ap.add_argument("--metrics", action="store_true",
+                    help="also print each case's mean E2E and TTFT, recomputed tokens and preemptions")
     ap.add_argument("--src", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -95,11 +104,20 @@ def main() -> int:
     theirs = _baseline(args) if args.baseline else {}
     print(f"{'case':<44}{'this checkout':>18}{args.baseline or '':>18}")
     differ = 0
-    for case, digest in ours.items():
-        base = theirs.get(case)
-        verdict = "" if base is None else ("  same" if base == digest else "  DIFFERENT")
-        differ += base is not None and base != digest
-        print(f"{case:<44}{digest:>18}{base or '':>18}{verdict}")
+    for case, row in ours.items():
+        base = theirs.get(case, {}).get("digest")
+        verdict = "" if base is None else ("  same" if base == row["digest"] else "  DIFFERENT")
+        differ += base is not None and base != row["digest"]
+        print(f"{case:<44}{row['digest']:>18}{base or '':>18}{verdict}")
+    if args.metrics:
+        print(f"\n{'case':<44}{'mean E2E s':>22}{'mean TTFT s':>22}{'recomputed tokens':>26}{'preemptions':>14}"
+              + ("   (this checkout / baseline)" if theirs else ""))
+        for case, row in ours.items():
+            base = theirs.get(case)
+            cells = [(f"{row[k]:.3f}" if isinstance(row[k], float) else f"{row[k]:,}")
+                     + ((f" / {base[k]:.3f}" if isinstance(base[k], float) else f" / {base[k]:,}") if base else "")
+                     for k in ("e2e_s", "ttft_s", "recomputed", "preemptions")]
+            print(f"{case:<44}{cells[0]:>22}{cells[1]:>22}{cells[2]:>26}{cells[3]:>14}")
     return 1 if differ else 0
 
 
