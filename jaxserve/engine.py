@@ -490,9 +490,11 @@ class LLMEngine:
         if grammar is not None and grammar.dormant and split.in_answer:
             grammar.wake()   # this token ended the reasoning: the answer's tokens are constrained
             # A text end tag may end inside a token that goes on into the answer (``>"`` closes
-            # ``</think>`` and opens a JSON string): the grammar takes that text first.
+            # ``</think>`` and opens a JSON string): the grammar takes that text first, as tokens
+            # spelling exactly it (greedy over the vocabulary: a SentencePiece ``encode`` would add a
+            # leading space; llguidance takes any tokenization of an allowed text).
             carried = split.answer_text(request.detokenizer.text)
-            for t in self.tokenizer.encode(carried, add_special_tokens=False) if carried else ():
+            for t in self.structured.llg_tokenizer.greedy_tokenize(carried) if carried else ():
                 if (reason := grammar.accept(t, request.max_tokens - request.num_generated)) is not None:
                     self.core.finish(request, reason)
                     return
