@@ -366,7 +366,10 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001 - an error in one request's text rules fails that request only
                     self.fail(request, e)
                     continue
-            if event.kind is EventKind.API_CALL and not request.is_finished:
+            if event.kind is EventKind.API_CALL:
+                if request.is_finished:   # a stop string ended it at the call's token: the call is never made
+                    request.api_calls.pop()
+                    continue
                 seg = event.segment
                 self.api.call_simulated(request.request_id, now + seg.api_duration_s, seg.returned_token_ids,
                                         seg.num_returned_tokens)

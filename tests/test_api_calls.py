@@ -184,3 +184,21 @@ def test_swapping_compiles_each_shape_once():
     assert {f: f._cache_size() for f in swap_programs} == swap_programs
     assert len(executor.step_shapes) >= 2   # a prefill and a decode shape at least
     assert executor._step._cache_size() == len(executor.step_shapes)
+
+
+def test_a_call_due_at_the_token_a_stop_string_ends_on_is_never_made():
+    """A declared call due at the token that completes a stop string: the request ends
+    "stop" and the call never runs, but it was listed in ``api_calls`` (a call made under a
+    handling that never returned), where a stop token on that step lists none."""
+    llm = LLM("demo", page_size=8, num_pages=32, max_num_batched_tokens=32, max_model_len=128, warmup=False)
+    params = dict(GREEDY, max_tokens=4)
+    free = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(**params))[0]
+    texts = [llm.tokenizer.decode(free.token_ids[:k]) for k in range(1, 5)]
+    # a character the k-th token writes first (k >= 2): a stop string completed by that token
+    k, stop = next((k, c) for k in range(2, 4) for c in texts[k - 1][len(texts[k - 2]):]
+                   if c not in texts[k - 2] and c.strip() and c != "\ufffd")
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(**params, stop=[stop]),
+                       api_calls=[[ApiCall(after_tokens=k - 1, duration_s=0.001), ApiCall(after_tokens=k, duration_s=0.001)]])[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:k]
+    assert len(out.api_calls) == 1 and out.api_calls[0].return_time is not None
+    assert llm.engine.stats.finished.get("stop") == 1 and not llm.engine.has_unfinished()
