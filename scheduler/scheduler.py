@@ -359,8 +359,10 @@ class Scheduler:
         if request.request_id not in self.paused or request.api_returned:
             raise ValueError(f"request {request.request_id!r} is not waiting for an API call")
         limit = self.context_limit
-        if limit is not None:
-            num_returned_tokens = max(0, min(num_returned_tokens, limit - request.num_tokens - 1))
+        last_step = bool(request.segments) and request.segment_index >= len(request.segments)
+        ends = last_step or request.num_generated >= request.max_tokens   # (nothing is sampled after the return)
+        if limit is not None:   # (room for the token sampled after the return, if one is)
+            num_returned_tokens = max(0, min(num_returned_tokens, limit - request.num_tokens - (not ends)))
         if token_ids is not None:
             request.token_ids.extend(token_ids[:num_returned_tokens])
         self.now = now
@@ -370,7 +372,7 @@ class Scheduler:
         request.num_tokens += num_returned_tokens
         request.api_returned = True
         self.policy.predictor.observe_api(record.api_type, now - record.call_time)
-        if request.segments and request.segment_index >= len(request.segments):
+        if last_step:
             self.finish(request, "stop", now)   # the call was the request's last declared step
             return True
         if (limit is not None and request.num_tokens >= limit) or request.num_generated >= request.max_tokens:

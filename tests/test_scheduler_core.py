@@ -413,3 +413,24 @@ def test_a_declared_call_at_the_last_allowed_token_ends_the_request_when_it_retu
     assert EventKind.API_CALL in events and r.finish_reason == "length" and r.num_generated == 2
     sched.check_invariants()
     assert sched.device_pool.num_free == sched.device_pool.num_pages
+
+
+@pytest.mark.parametrize("more", [False, True])
+def test_a_result_that_ends_the_request_may_fill_the_context_to_its_last_token(more):
+    """A call's result is cut to leave room for the token sampled after it, and a call that
+    ends the request (its last declared step, or ``max_tokens`` reached) was cut by that one
+    token too, though nothing is sampled after it. A call the request goes on from keeps it."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32),
+                      make_policy("fcfs"), PageAllocator(16, 4), PageAllocator(16, 4, "host"), COST)
+    segments = [Segment(2, "tool", 0.0, 9)] + ([Segment(3)] if more else [])
+    r = Request("r", 0.0, prompt_len=21, max_tokens=5 if more else 2, segments=segments)
+    sched.add_request(r, 0.0)
+    now = 0.0
+    while r.num_generated < 2:
+        plan = sched.schedule(now)
+        now += 0.01
+        sched.update(plan, StepResult(), now)
+    assert sched.api_return(r, 9, now) is not more
+    # 21 + 2 generated: 9 fit exactly when the request ends there, 8 leave a token's room otherwise
+    assert r.api_calls[-1].num_returned_tokens == (8 if more else 9)
+    sched.check_invariants()
