@@ -354,15 +354,14 @@ class Scheduler:
         """The API call of a paused ``request`` returned ``num_returned_tokens``
         tokens (``token_ids``, when known, are appended to its context, cut to
         fit the context limit). Returns True when that ended the request: the
-        call was its last declared step ("stop"), or the context is full or the
-        call came at the last token ``max_tokens`` allows ("length")."""
+        call was its last declared step ("stop"), or the context is full
+        ("length")."""
         if request.request_id not in self.paused or request.api_returned:
             raise ValueError(f"request {request.request_id!r} is not waiting for an API call")
         limit = self.context_limit
         last_step = bool(request.segments) and request.segment_index >= len(request.segments)
-        ends = last_step or request.num_generated >= request.max_tokens   # (nothing is sampled after the return)
-        if limit is not None:   # (room for the token sampled after the return, if one is)
-            num_returned_tokens = max(0, min(num_returned_tokens, limit - request.num_tokens - (not ends)))
+        if limit is not None:   # (room for the token sampled after the return, unless it ends the request)
+            num_returned_tokens = max(0, min(num_returned_tokens, limit - request.num_tokens - (0 if last_step else 1)))
         if token_ids is not None:
             request.token_ids.extend(token_ids[:num_returned_tokens])
         self.now = now
@@ -375,8 +374,8 @@ class Scheduler:
         if last_step:
             self.finish(request, "stop", now)   # the call was the request's last declared step
             return True
-        if (limit is not None and request.num_tokens >= limit) or request.num_generated >= request.max_tokens:
-            self.finish(request, "length", now)   # (the context is full, or the call took the last token allowed)
+        if limit is not None and request.num_tokens >= limit:
+            self.finish(request, "length", now)
             return True
         self.policy.on_api_return(request, now, self.view())
         self.kv.hash_context(request)
@@ -959,8 +958,10 @@ class Scheduler:
                 continue
             if segments:   # declared segments (replay): the current one may end in a call, or be the last
                 index, done = request.segment_index, request.segment_generated
+                # (a call with segments after it at ``max_tokens``, replay's cap, is never made: "length" below)
                 if index < len(segments) and segments[index].api_type is not None \
-                        and done >= segments[index].num_tokens:
+                        and done >= segments[index].num_tokens \
+                        and (index == len(segments) - 1 or request.num_generated < request.max_tokens):
                     acting.append((decoding[request].place, request, "call", segments[index]))
                     continue
                 last_done = index == len(segments) - 1 and done >= segments[-1].num_tokens

@@ -394,32 +394,35 @@ def test_preemption_takes_the_latest_admitted_of_equal_rank_and_never_readmits_i
     assert computed["A"] == 8 + 10 and computed["B"] <= 2 * (11 + 3)
 
 
-def test_a_declared_call_at_the_last_allowed_token_ends_the_request_when_it_returns():
+def test_a_declared_call_at_max_tokens_with_segments_after_it_is_never_made():
     """A declared call (more segments after it) that falls on ``max_tokens`` (replay's token
-    cap on a middle call): the request paused, and after the return sampled a token past
-    its budget before ``length`` applied."""
-    sched = make_scheduler()
-    r = Request("r", 0.0, prompt_len=4, max_tokens=2, segments=[Segment(2, "tool", 0.0, 1), Segment(5)])
-    sched.add_request(r, 0.0)
-    now, events = 0.0, []
-    while sched.has_unfinished():
-        plan = sched.schedule(now)
-        now += 0.01
-        for event in sched.update(plan, StepResult(), now):
-            events.append(event.kind)
-            if event.kind is EventKind.API_CALL:
-                assert sched.api_return(r, 1, now)   # (it ended the request)
-        assert now < 1.0, "no progress"
-    assert EventKind.API_CALL in events and r.finish_reason == "length" and r.num_generated == 2
-    sched.check_invariants()
-    assert sched.device_pool.num_free == sched.device_pool.num_pages
+    cap on a middle call): the request paused for it, and after the return sampled a token
+    past its budget. It ends "length" at that token, its call never made (as the engine ends
+    a turn of server-side calls at the last token); a call that is the last step is made."""
+    for segments, made in (([Segment(2, "tool", 0.0, 1), Segment(5)], False), ([Segment(2, "tool", 0.0, 1)], True)):
+        sched = make_scheduler()
+        r = Request("r", 0.0, prompt_len=4, max_tokens=2, segments=segments)
+        sched.add_request(r, 0.0)
+        now, events = 0.0, []
+        while sched.has_unfinished():
+            plan = sched.schedule(now)
+            now += 0.01
+            for event in sched.update(plan, StepResult(), now):
+                events.append(event.kind)
+                if event.kind is EventKind.API_CALL:
+                    assert sched.api_return(r, 1, now)   # (it ended the request: its last step)
+            assert now < 1.0, "no progress"
+        assert (EventKind.API_CALL in events) is made and r.num_generated == 2 and len(r.api_calls) == made
+        assert r.finish_reason == ("stop" if made else "length")
+        sched.check_invariants()
+        assert sched.device_pool.num_free == sched.device_pool.num_pages
 
 
 @pytest.mark.parametrize("more", [False, True])
 def test_a_result_that_ends_the_request_may_fill_the_context_to_its_last_token(more):
     """A call's result is cut to leave room for the token sampled after it, and a call that
-    ends the request (its last declared step, or ``max_tokens`` reached) was cut by that one
-    token too, though nothing is sampled after it. A call the request goes on from keeps it."""
+    ends the request (its last declared step) was cut by that one token too, though nothing
+    is sampled after it. A call the request goes on from keeps it."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32),
                       make_policy("fcfs"), PageAllocator(16, 4), PageAllocator(16, 4, "host"), COST)
     segments = [Segment(2, "tool", 0.0, 9)] + ([Segment(3)] if more else [])
