@@ -419,6 +419,8 @@ class LLMEngine:
             request.reasoning.reopen_inside()   # the client's template opened the next turn's reasoning
         if params is not None:
             request.sampling_params, request.max_tokens = params, params.max_tokens
+            request.turn_start = request.num_generated
+            request.tool_calls_run = 0   # (``max_tool_calls`` caps a response's calls: this is a new one)
             if request.logit_adjuster is not None:
                 request.logit_adjuster.new_turn(request.num_generated)
             if request.reasoning is not None:   # counted and shown per continuation, as its tokens are

@@ -65,7 +65,8 @@ class SamplingParams:
     Log-probabilities stay the model's own (before these adjustments).
 
     ``max_tool_calls`` (None: no limit; the Responses API's): server-side tool
-    calls the request may run in all. A call past it is not run: the model gets
+    calls the request may run in all (a continuation resumed with a budget of its
+    own, a new response, counts its own). A call past it is not run: the model gets
     an error result saying so (``RequestOutput.api_calls[i].error``) and goes
     on, so a model that keeps calling tools cannot loop forever. Calls run are
     counted: malformed calls (answered with an error) and client-side calls

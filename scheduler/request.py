@@ -112,6 +112,10 @@ class Request:
     # Front-end state the scheduler never reads (opaque here: no engine imports).
     sampling_params: object | None = None
     seed: int = 0
+    # generated tokens before the current turn (a follow-up resumed with a budget of its own): its
+    # sampling steps count from here, as a fresh request's from its first token, so a seeded
+    # follow-up samples alike resumed or computed fresh
+    turn_start: int = 0
     detokenizer: object | None = None
     tool_parser: object | None = None
     # ``max_tokens`` is applied after the front end read the last allowed token (``EventKind.LAST_TOKEN``):

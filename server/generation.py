@@ -32,7 +32,7 @@ def sampling_key(params: SamplingParams) -> tuple:
             tuple(params.stop_token_ids), params.ignore_eos, params.skip_special_tokens,
             params.include_stop_str_in_output, params.logprobs,
             tuple(sorted((params.logit_bias or {}).items())), params.repetition_penalty, params.presence_penalty,
-            params.frequency_penalty, params.min_tokens)
+            params.frequency_penalty, params.min_tokens, params.max_tool_calls)
 
 
 @dataclass

@@ -157,12 +157,13 @@ class ParkedContexts:
                 best[same] = ctx, covered
         taken = best.get(True)
         other = best.get(False)
+        # Every change to the books before the await: a follow-up sent twice at once would
+        # otherwise take the same context in both (the first's ``del`` then raised, a 500).
+        if taken is not None:
+            del self._contexts[taken[0].request_id]
         if other is not None and (taken is None or len(other[0].context_ids) > len(taken[0].context_ids)):
             del self._contexts[other[0].request_id]   # (this conversation, gone on with other settings)
             await self._abort(other[0].request_id)
-        if taken is None:
-            return None
-        del self._contexts[taken[0].request_id]
         return taken
 
     @staticmethod

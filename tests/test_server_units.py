@@ -90,6 +90,26 @@ def test_parked_contexts_match_longest_prefix_check_sampling_and_expire():
     asyncio.run(run())
 
 
+def test_a_follow_up_sent_twice_at_once_takes_a_parked_context_once():
+    """Two identical follow-ups at once, the first aborting a longer context with other
+    settings: while it awaited that abort, the second took the context the first was
+    about to take, and the first's removal raised ``KeyError`` (an HTTP 500)."""
+    class YieldingEngine(_FakeEngine):
+        async def abort(self, request_id):
+            await asyncio.sleep(0)   # (a real abort hands the loop over)
+            return await super().abort(request_id)
+
+    async def run():
+        engine = YieldingEngine()
+        parked = ParkedContexts(engine, ttl_s=10)
+        await parked.park("turn", [1, 2, 3], ("greedy",), calls_seen=0)
+        await parked.park("other", [1, 2, 3, 4, 5], ("top_k",), calls_seen=0)
+        results = await asyncio.gather(*(parked.take([1, 2, 3, 4, 5, 6], ("greedy",)) for _ in range(3)))
+        assert sorted(r[0].request_id if r else "" for r in results) == ["", "", "turn"]
+        assert engine.aborted == ["other"] and len(parked) == 0
+    asyncio.run(run())
+
+
 def test_zero_ttl_aborts_at_once():
     async def run():
         engine = _FakeEngine()

@@ -214,33 +214,48 @@ def test_resume_is_validated_and_cannot_outgrow_the_page_pool(tool_checkpoint):
     assert engine.scheduler.kv.num_free_device == pages
 
 
-def test_a_resumed_turn_counts_min_tokens_and_penalties_as_a_new_request_would(tool_checkpoint):
+def test_a_resumed_turn_counts_min_tokens_penalties_and_seeded_steps_as_a_new_request_would(tool_checkpoint):
     """``resume(max_tokens=...)`` starts a new turn: its tokens are those of a fresh request
     whose prompt is the whole context so far, under the same ``min_tokens`` (which holds the
     answer's end-of-turn back longer than the answer is) and presence/frequency penalties
-    (which count only this turn's tokens). Before, the first turn's tokens already counted
-    towards ``min_tokens`` and were penalised as generated."""
+    (which count only this turn's tokens), and with the same seed, the same samples (the
+    random stream's step counts this turn's tokens); its ``max_tool_calls`` counts its own
+    calls. Before, the first turn's tokens already counted towards ``min_tokens``, were
+    penalised as generated, and moved the seeded stream (4 of these 5 seeds then sampled
+    otherwise than the fresh request: the trained model is peaked, hence the temperature)."""
     path, convs = tool_checkpoint
     weather = conversation(convs, "get_weather")
     llm = LLM(str(path), **SIZES)
     engine = llm.engine
-    params = SamplingParams(max_tokens=48, temperature=0.0, min_tokens=40, presence_penalty=0.4, frequency_penalty=0.2)
-    engine.add_request("w", prompt_token_ids=weather.prompt_ids, sampling_params=params)
-    paused = None
-    while paused is None:
-        paused = next((o for o in engine.step() if o.finish_reason == "tool_calls"), None)
-    first_turn = list(paused.token_ids)
-    engine.resume("w", token_ids=weather.tool_turn_ids, max_tokens=48)
-    final = None
-    while final is None:
-        final = next((o for o in engine.step() if o.finished), None)
+    rules = SamplingParams(max_tokens=48, temperature=0.0, min_tokens=40, presence_penalty=0.4, frequency_penalty=0.2)
+    runs = {"rules": rules, **{f"seed{k}": SamplingParams(max_tokens=48, temperature=1.6, seed=k) for k in (0, 3, 6, 7, 8)}}
+    for name, params in runs.items():
+        engine.add_request(name, prompt_token_ids=weather.prompt_ids, sampling_params=params)
+    first_turns = {}
+    while len(first_turns) < len(runs):
+        for out in engine.step():
+            if out.finished:
+                first_turns[out.request_id] = out
+    called = {name: list(out.token_ids) for name, out in first_turns.items() if out.finish_reason == "tool_calls"}
+    assert "rules" in called and len(called) >= 3, {n: o.finish_reason for n, o in first_turns.items()}
+    for name in called:
+        request = engine.scheduler.requests[name]
+        request.tool_calls_run = 2   # (as if the first turn had run server-side calls: max_tool_calls is per response)
+        engine.resume(name, token_ids=weather.tool_turn_ids, max_tokens=48)
+        assert request.tool_calls_run == 0 and request.turn_start == len(called[name])
+    finals = {}
+    while len(finals) < len(called):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
         if not engine.scheduler.has_work():
             time.sleep(0.001)
-    continued = final.token_ids[len(first_turn):]
-    fresh = llm.generate(prompt_token_ids=[weather.prompt_ids + first_turn + weather.tool_turn_ids],
-                         sampling_params=params)[0].token_ids
-    assert continued == fresh
-    assert len(continued) >= 40   # the end of the answer held back for this turn's 40 tokens
+    names = sorted(called)
+    fresh = llm.generate(prompt_token_ids=[weather.prompt_ids + called[n] + weather.tool_turn_ids for n in names],
+                         sampling_params=[runs[n] for n in names])
+    for name, out in zip(names, fresh):
+        assert finals[name].token_ids[len(called[name]):] == out.token_ids, name
+    assert len(fresh[names.index("rules")].token_ids) >= 40   # the end of the answer held back for this turn's 40 tokens
 
 
 def test_a_call_inside_the_reasoning_is_not_parsed(tool_checkpoint):

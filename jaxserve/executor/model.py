@@ -447,7 +447,7 @@ class ModelExecutor:
             logits_idx[i] = t - 1
             params = request.sampling_params
             temp[i], top_k[i], top_p[i], min_p[i] = params.temperature, params.top_k, params.top_p, params.min_p
-            seed[i], step[i] = request.seed, request.num_generated
+            seed[i], step[i] = request.seed, request.num_generated - request.turn_start
             if request.logit_adjuster is not None:
                 adjusting.append(i)
         cu[len(chunks) + 1:] = t
