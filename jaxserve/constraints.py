@@ -195,6 +195,10 @@ def check_schema(schema, param: str, what: str = "schema") -> None:
     error = _schema_error(key)
     if error is not None:
         raise ValueError(f"{param}: {what} is not a valid JSON Schema at {error}")
+    bound = _integer_bound_error(schema)
+    if bound is not None:
+        raise ValueError(f"{param}: {what} bounds an integer beyond 64 bits at {bound} (the grammar library would "
+                         "clamp it, and write values the schema forbids)")
 
 
 TOO_DEEP = "nested too deeply to check (a few hundred levels at most)"
@@ -221,8 +225,6 @@ def _schema_error(schema_json: str) -> str | None:
         error = f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message[:300]}"
     except RecursionError:   # (the metaschema check recurses a few frames per level)
         error = f"(root): {TOO_DEEP}"
-    if error is None:
-        error = _integer_bound_error(schema)
     with _schema_checks_lock:
         _schema_checks[digest] = error
         if len(_schema_checks) > SCHEMA_CHECKS_KEPT:
@@ -231,14 +233,17 @@ def _schema_error(schema_json: str) -> str | None:
 
 
 INT64_RANGE = (-(2 ** 63), 2 ** 63 - 1)   # the integers the grammar library can bound (it clamps others)
-_INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# an exclusive bound may lie one past the range: its values are still inside it
+_INTEGER_BOUNDS = {"minimum": INT64_RANGE, "maximum": INT64_RANGE,
+                   "exclusiveMinimum": (INT64_RANGE[0] - 1, INT64_RANGE[1]),
+                   "exclusiveMaximum": (INT64_RANGE[0], INT64_RANGE[1] + 1)}
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})   # values there are data, not schemas
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _integer_bound_error(schema) -> str | None:
-    """Where an ``integer`` schema bounds its values beyond 64-bit integers, and why;
-    None if nowhere. The grammar library clamps such a bound to the 64-bit range, so
-    it would write values the schema forbids (``minimum: 1e19`` gave 2**63 - 1)."""
-    low, high = INT64_RANGE
+    """Where (a path of keys) an ``integer`` schema bounds its values beyond 64-bit
+    integers, and the bound; None if nowhere. Data (``const``, ``enum``...) is not read."""
     stack = [((), schema)]
     while stack:
         path, node = stack.pop()
@@ -249,11 +254,15 @@ def _integer_bound_error(schema) -> str | None:
             continue
         kind = node.get("type")
         if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
-            for name in _INTEGER_BOUNDS:
+            for name, (low, high) in _INTEGER_BOUNDS.items():
                 bound = node.get(name)
                 if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not low <= bound <= high:
-                    where = "/".join(map(str, (*path, name)))
-                    return (f"{where}: an integer bound must lie within the 64-bit range "
-                            f"[-2**63, 2**63 - 1], got {bound!r}")
-        stack.extend(((*path, key), value) for key, value in node.items())
+                    return f"{'/'.join(map(str, (*path, name)))}: {bound!r}"
+        for key, value in node.items():
+            if key in DATA_KEYWORDS:
+                continue
+            if key in NAMED_SCHEMAS and isinstance(value, dict):   # (names -> schemas; a name is not a keyword)
+                stack.extend(((*path, key, name), sub) for name, sub in value.items())
+            else:
+                stack.append(((*path, key), value))
     return None

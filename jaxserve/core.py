@@ -365,10 +365,12 @@ class EngineCore:
                     frontend.on_event(event, now)
                 except Exception as e:  # noqa: BLE001 - an error in one request's text rules fails that request only
                     self.fail(request, e)
-                    continue
             if event.kind is EventKind.API_CALL:
-                if request.is_finished:   # a stop string ended it at the call's token: the call is never made
+                if request.is_finished:
+                    # the front end ended it at the call's token (a stop string, its grammar, a failure):
+                    # the call is never made
                     request.api_calls.pop()
+                    request.api_returned = bool(request.api_calls)   # (the call before it, if any, returned)
                     continue
                 seg = event.segment
                 self.api.call_simulated(request.request_id, now + seg.api_duration_s, seg.returned_token_ids,

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.constraints import JSON_KINDS, StructuredOutput
+from jaxserve.constraints import DATA_KEYWORDS, JSON_KINDS, NAMED_SCHEMAS, StructuredOutput
 from jaxserve.reasoning import ReasoningFormat
 from jaxserve.tool_format.base import ToolFormat, regex_literal
 
@@ -179,14 +179,13 @@ class StructuredDecoding:
         naming the request field when the library rejects or cannot satisfy it."""
         import llguidance
         spec.validate()
-        what = "the schema" if spec.kind in JSON_KINDS or spec.kind == "tool_call" else f"the {spec.kind}"
         try:
             text = self._grammar_text(spec, reasoning)
         except ValueError as e:   # (the library's own refusals name no field)
-            raise ValueError(f"{spec.param}: {what} cannot be compiled: {str(e)[:300]}") from None
+            raise ValueError(f"{spec.param}: {_what(spec)} cannot be compiled: {str(e)[:300]}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.llg_tokenizer)
         if is_error:
-            raise ValueError(f"{spec.param}: {what} cannot be compiled: {messages[0][:300]}")
+            raise ValueError(f"{spec.param}: {_what(spec)} cannot be compiled: {messages[0][:300]}")
         return text
 
     def _grammar_text(self, spec: StructuredOutput, reasoning: ReasoningFormat | None) -> str:
@@ -215,25 +214,9 @@ class StructuredDecoding:
         ``reasoning``: the turn may open with a reasoning block in that format before
         the answer the constraint asks for (``StructuredOutput.may_reason_first``; ``thinks_first``;
         ignored for other kinds)."""
-        import llguidance
         if not spec.may_reason_first:   # (``thinking_first_lark``'s answers)
             reasoning = None
-        key = spec.key() if reasoning is None else json.dumps([spec.key(), reasoning.start, reasoning.end])
-        pristine = self._pristine.get(key)
-        if pristine is None:
-            pristine = llguidance.LLMatcher(self.llg_tokenizer, self.grammar(spec, reasoning), log_level=0)
-            if pristine.is_error():
-                raise ValueError(f"{spec.param}: the schema cannot be compiled: {pristine.get_error()[:300]}")
-            probe = pristine.deep_copy()
-            probe.compute_bitmask()   # (a language with no text, e.g. ``{"$ref": "#"}``, errs at its first mask)
-            if probe.is_error():
-                raise ValueError(f"{spec.param}: no text satisfies the {'schema' if spec.kind in JSON_KINDS else spec.kind}"
-                                 f" ({probe.get_error()[:200]})")
-            self._pristine[key] = pristine
-            if len(self._pristine) > self._cache_size:
-                self._pristine.popitem(last=False)
-        else:
-            self._pristine.move_to_end(key)
+        pristine = self._pristine_matcher(spec, reasoning)
         if spec.optional or spec.kind != "tool_call":
             grammar = RequestGrammar(pristine.deep_copy(), optional_calls=spec.optional)
             grammar.thinks_first = reasoning is not None
@@ -242,6 +225,32 @@ class StructuredDecoding:
         close = self.eos_token_ids[0] if ends_with_eos else self._single_token("]") if spec.parallel else None
         return RequestGrammar(pristine.deep_copy(), True, ends_with_eos, close,
                               None if ends_with_eos else self._single_token('"'))
+
+    def _pristine_matcher(self, spec: StructuredOutput, reasoning: ReasoningFormat | None):
+        """The constraint's cached matcher at its start, compiled on first use. A language with
+        no text at all (``{"$ref": "#"}``: its first mask errs) is a ``ValueError`` naming the
+        field; with ``reasoning``, the answer's own language is checked (the reasoning block
+        before it always has text)."""
+        import llguidance
+        key = spec.key() if reasoning is None else json.dumps([spec.key(), reasoning.start, reasoning.end])
+        pristine = self._pristine.get(key)
+        if pristine is not None:
+            self._pristine.move_to_end(key)
+            return pristine
+        if reasoning is not None:
+            self._pristine_matcher(spec, None)
+        pristine = llguidance.LLMatcher(self.llg_tokenizer, self.grammar(spec, reasoning), log_level=0)
+        if pristine.is_error():
+            raise ValueError(f"{spec.param}: {_what(spec)} cannot be compiled: {pristine.get_error()[:300]}")
+        probe = pristine.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():   # (the library's message goes on with its whole state: its first line is why)
+            raise ValueError(f"{spec.param}: no text satisfies {_what(spec)} "
+                             f"({probe.get_error().splitlines()[0][:200]})")
+        self._pristine[key] = pristine
+        if len(self._pristine) > self._cache_size:
+            self._pristine.popitem(last=False)
+        return pristine
 
     def _single_token(self, text: str) -> int | None:
         """The id of ``text`` when the tokenizer has it as one token, else None."""
@@ -288,6 +297,11 @@ class StructuredDecoding:
         return bitmask
 
 
+def _what(spec: StructuredOutput) -> str:
+    """How an error names ``spec``'s constraint: "the schema" (JSON, tool parameters), else its kind."""
+    return "the schema" if spec.kind in JSON_KINDS or spec.kind == "tool_call" else f"the {spec.kind}"
+
+
 def _force_tokens(bitmask: np.ndarray, forced: list[tuple[int, int]]) -> np.ndarray:
     """Rows ``(row, token)`` of ``bitmask`` allow that one token only."""
     for row, token in forced:
@@ -315,10 +329,6 @@ def tool_call_lark(spec: StructuredOutput, fmt: ToolFormat, markup: Callable[[st
                       f"call: {' | '.join(alternatives)}", *rules])
 
 
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})   # values there are data, not schemas
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def _rebased_refs(schema, prefix: str):
     """``schema`` with its JSON-pointer references to its own root (``$ref`` "#" and
     "#/..."; pydantic's and ``openai.pydantic_function_tool``'s ``#/$defs/...``)
@@ -333,9 +343,9 @@ def _rebased_refs(schema, prefix: str):
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = prefix + value[1:]
-        elif key in _DATA_KEYWORDS:
+        elif key in DATA_KEYWORDS:
             out[key] = value
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):   # names (maybe "enum", "$ref") -> schemas
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):   # names (maybe "enum", "$ref") -> schemas
             out[key] = {name: _rebased_refs(sub, prefix) for name, sub in value.items()}
         else:
             out[key] = _rebased_refs(value, prefix)

@@ -356,24 +356,30 @@ def test_a_response_format_constrains_the_answer_after_the_reasoning(served):
     assert answer["content"] != content[:len(answer["content"])]
 
 
+def _greedy_texts(client, engine, messages) -> list[str]:
+    """The greedy chat answer's text after each of its tokens (24 at most), its reasoning
+    not split: what the tests below cut their tags from."""
+    import asyncio
+
+    from jaxserve import SamplingParams
+    ids = client.post("/tokenize", json={"model": "demo", "messages": messages}).json()["tokens"]
+
+    async def greedy():
+        return [out async for out in engine.generate(prompt_token_ids=ids, parse_reasoning=False,
+                                                     sampling_params=SamplingParams(max_tokens=24, temperature=0))]
+    tokens = asyncio.run(greedy())[-1].token_ids
+    return [engine.engine.tokenizer.decode(tokens[:k]) for k in range(1, len(tokens) + 1)]
+
+
 def test_answer_text_in_the_token_that_ends_the_reasoning_is_held_to_the_format(served):
     """An end tag written as text may end inside a token that goes on into the answer
     (SmolLM2's ``>"`` closes ``</think>`` and opens a JSON string). The grammar woke after
     that token and wrote a whole answer after the text it carried (``""yes"``, invalid);
     it now takes that text first. Here the tag ends inside a greedy token, and a regex
     that starts with the rest of that token's text must match the whole answer."""
-    import asyncio
-
-    from jaxserve import SamplingParams
     client, engine, *_ = served
     llm = engine.engine
-    ids = client.post("/tokenize", json={"model": "demo", "messages": CHAT["messages"]}).json()["tokens"]
-
-    async def greedy():
-        return [out async for out in engine.generate(prompt_token_ids=ids, parse_reasoning=False,
-                                                     sampling_params=SamplingParams(max_tokens=24, temperature=0))]
-    tokens = asyncio.run(greedy())[-1].token_ids
-    texts = [llm.tokenizer.decode(tokens[:k]) for k in range(1, len(tokens) + 1)]
+    texts = _greedy_texts(client, engine, CHAT["messages"])
     raw = texts[-1]
 
     def clean(t: str) -> bool:
@@ -404,19 +410,10 @@ def test_a_turn_that_may_think_first_reasons_freely_then_answers_in_the_format(s
     reasoning), and only the answer after the end tag is constrained (JSON from its first
     character, where the free answer was not). The tags here are cut from the greedy
     answer at token boundaries: its first tokens open the reasoning."""
-    import asyncio
-
-    from jaxserve import SamplingParams
     client, engine, *_ = served
     llm = engine.engine
     chat = {**CHAT, "messages": [{"role": "user", "content": "Hello"}]}   # (its answer starts with clean text)
-    ids = client.post("/tokenize", json={"model": "demo", "messages": chat["messages"]}).json()["tokens"]
-
-    async def greedy():
-        return [out async for out in engine.generate(prompt_token_ids=ids, parse_reasoning=False,
-                                                     sampling_params=SamplingParams(max_tokens=24, temperature=0))]
-    tokens = asyncio.run(greedy())[-1].token_ids
-    texts = [llm.tokenizer.decode(tokens[:k]) for k in range(1, len(tokens) + 1)]
+    texts = _greedy_texts(client, engine, chat["messages"])
     raw = texts[-1]
     # the start tag: the answer's first whole tokens that spell clean text
     first = next(k for k, t in enumerate(texts) if t.strip() and "\ufffd" not in t)

@@ -548,13 +548,19 @@ def test_a_language_without_text_or_an_integer_bound_past_64_bits_is_refused_nam
     first mask and ended "stop" with empty content; integer bounds past 64 bits were clamped
     (``minimum: 1e19`` wrote 2**63 - 1) or refused naming no field."""
     for schema, message in (({"$ref": "#"}, "no text satisfies the schema"),
-                            ({"type": "integer", "minimum": 1e19, "maximum": 1e19 + 1}, "minimum: an integer bound"),
+                            ({"type": "integer", "minimum": 1e19, "maximum": 1e19 + 1}, "beyond 64 bits at minimum: 1e"),
                             ({"type": "object", "properties": {"n": {"type": ["integer", "null"], "maximum": -1e19}}},
-                             "properties/n/maximum: an integer bound"),
+                             "beyond 64 bits at properties/n/maximum: -1e"),
                             ({"const": 10 ** 30}, "the schema cannot be compiled: Value is not JSON serializable")):
         with pytest.raises(ValueError, match=f"^response_format: .*{message}"):
             llm.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput.json(schema)))
     assert not llm.engine.has_unfinished()
+    from jaxserve.reasoning import ReasoningFormat
+    decoding = llm.engine.structured   # (a turn that may think first: its answer's language is what is checked)
+    with pytest.raises(ValueError, match="^response_format: no text satisfies the schema \\(NoExtensionBias\\)$"):
+        decoding.start(StructuredOutput.json({"$ref": "#"}), ReasoningFormat("t", start="<think>", end="</think>"))
+    data = {"type": "integer", "maximum": 3, "examples": [{"type": "integer", "minimum": -1e20}]}   # data, not a schema
+    assert llm.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutput.json(data)))[0].finish_reason
 
 
 def test_a_grammar_at_a_dead_end_ends_with_length_not_stop(llm):

@@ -43,14 +43,16 @@ MARKS = ("first_scheduled_time", "first_token_time", "finish_time", "num_generat
 
 
 def _digest(requests, totals, recomputed: int, preemptions: int) -> dict:
-    """The case's digest, and its means (seconds) and counts for ``--metrics``."""
+    """The case's digest, and its means (seconds, over the requests that ended) and counts
+    for ``--metrics``."""
     text = repr([tuple(getattr(r, f) for f in MARKS)
                  + tuple((c.call_time, c.return_time, c.resume_time, str(c.handling)) for c in r.api_calls)
                  for r in requests]) + repr(totals)
-    n = max(1, len(requests))
+    ended = [r for r in requests if r.finish_time is not None and r.first_token_time is not None]
+    n = max(1, len(ended))
     return {"digest": hashlib.sha256(text.encode()).hexdigest()[:16],
-            "e2e_s": sum(r.finish_time - r.arrival_time for r in requests) / n,
-            "ttft_s": sum(r.first_token_time - r.arrival_time for r in requests) / n,
+            "e2e_s": sum(r.finish_time - r.arrival_time for r in ended) / n,
+            "ttft_s": sum(r.first_token_time - r.arrival_time for r in ended) / n,
             "recomputed": recomputed, "preemptions": preemptions}
 
 
@@ -121,7 +123,7 @@ def main() -> int:
     return 1 if differ else 0
 
 
-def _baseline(args: argparse.Namespace) -> dict[str, str]:
+def _baseline(args: argparse.Namespace) -> dict[str, dict]:
     """The digests of revision ``args.baseline``, its packages exported to a temporary folder."""
     with tempfile.TemporaryDirectory(prefix="replay-identity-") as src:
         export_revision(args.baseline, src, ("jaxserve", "scheduler"))

@@ -108,8 +108,9 @@ class TaggedMarkupFilter:
     """Hide ``start … end`` spans from streamed text. Text that could be the
     start of ``start`` is held back until decided; whitespace between two spans
     (parallel calls) is hidden with them. A span the text ends inside, never
-    closed, was no call (the model quoted the tag, or ran out of tokens): it is
-    shown at the end, as written."""
+    closed, was no call (the model quoted the tag) or was cut by ``max_tokens``:
+    ``flush`` gives it back as written, and the caller shows it or reads it as a
+    cut call (``spans`` then holds it without the start of an end tag it was cut in)."""
 
     def __init__(self, start: str, end: str) -> None:
         self.start, self.end = start, end
