@@ -25,8 +25,12 @@ from scheduler import BUILTIN_PROFILES, Segment  # noqa: E402
 # Ten requests of 40 + 60 tokens at once into 24 pages of 8 tokens (192 tokens):
 # the pool holds the prompts but not the answers, so running requests get preempted.
 ENTRIES = [TraceEntry(f"r{i}", prompt_len=40, segments=(Segment(60),), arrival_time=0.0) for i in range(10)]
+# The swap budget is given: unset, the engine takes its own default (max_num_batched_tokens) and the
+# simulator the profile's (what a step hides, 704 tokens here), and the host tier's copy-ins then
+# differ (stop 49's preemption order met that: the simulator found a preempted request's pages on
+# the host where the engine had had no budget to copy them).
 SIM = SimConfig(page_size=8, num_device_pages=24, num_host_pages=24, max_num_batched_tokens=64, max_num_seqs=8,
-                check_invariants=True)
+                swap_budget_tokens=64, check_invariants=True)
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
