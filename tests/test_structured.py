@@ -516,7 +516,7 @@ def test_allowed_tools_auto_calls_only_the_allowed_tool_and_otherwise_writes_tex
     for call in calls.api_calls:
         assert call.name == "add" and call.error is None
         valid(call.arguments, ADD.parameters)
-    assert calls.text.startswith(f'<tool_call>{{"name": "add", "arguments": ')
+    assert calls.text.startswith('<tool_call>{"name": "add", "arguments": ')
     assert "</tool_call>" in free.text
     assert not text.api_calls and text.text and "tool_call>" not in text.text
     assert text.finish_reason in ("stop", "length")
