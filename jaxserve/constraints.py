@@ -194,11 +194,7 @@ def check_schema(schema, param: str, what: str = "schema") -> None:
         raise ValueError(f"{param}: {what} is not a valid JSON Schema at (root): {TOO_DEEP}") from None
     error = _schema_error(key)
     if error is not None:
-        raise ValueError(f"{param}: {what} is not a valid JSON Schema at {error}")
-    bound = _integer_bound_error(schema)
-    if bound is not None:
-        raise ValueError(f"{param}: {what} bounds an integer beyond 64 bits at {bound} (the grammar library would "
-                         "clamp it, and write values the schema forbids)")
+        raise ValueError(f"{param}: {what} {error}")
 
 
 TOO_DEEP = "nested too deeply to check (a few hundred levels at most)"
@@ -208,8 +204,8 @@ _schema_checks_lock = threading.Lock()   # (requests are validated on several th
 
 
 def _schema_error(schema_json: str) -> str | None:
-    """Where and why the schema (as sorted JSON text) breaks its metaschema; None if
-    valid. The last ``SCHEMA_CHECKS_KEPT`` answers are kept by the text's SHA-256, not
+    """Why the schema (as sorted JSON text) is refused, and where: it breaks its metaschema,
+    or bounds an integer beyond what the grammar library holds; None if valid. The last ``SCHEMA_CHECKS_KEPT`` answers are kept by the text's SHA-256, not
     by the text: a request body may carry megabytes of schema, and keeping 1,024 of
     those texts could hold gigabytes for as long as the server runs."""
     digest = hashlib.sha256(schema_json.encode()).digest()
@@ -222,9 +218,13 @@ def _schema_error(schema_json: str) -> str | None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        error = f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message[:300]}"
+        error = f"is not a valid JSON Schema at {'/'.join(str(p) for p in e.absolute_path) or '(root)'}: " \
+                f"{e.message[:300]}"
     except RecursionError:   # (the metaschema check recurses a few frames per level)
-        error = f"(root): {TOO_DEEP}"
+        error = f"is not a valid JSON Schema at (root): {TOO_DEEP}"
+    if error is None and (bound := _integer_bound_error(schema)) is not None:
+        error = (f"bounds an integer beyond 64 bits at {bound} (the grammar library would clamp it, and write "
+                 "values the schema forbids)")
     with _schema_checks_lock:
         _schema_checks[digest] = error
         if len(_schema_checks) > SCHEMA_CHECKS_KEPT:

@@ -399,8 +399,9 @@ def thinking_first_lark(spec: StructuredOutput, fmt: ReasoningFormat, markup: Ca
                         tool_format: ToolFormat) -> str:
     """Lark grammar (llguidance dialect) for a turn that may open with a reasoning block
     (``fmt.start``, any text, ``fmt.end``, up to 4 newlines: what the reasoning split skips;
-    a space would be the answer's) and then gives the answer ``spec`` asks for (``may_reason_first``: JSON, a regex, a choice, text or calls): a
-    thinking model (Qwen3) reasons as it would, and only the answer is constrained.
+    a space would be the answer's) and then gives the answer ``spec`` asks for
+    (``may_reason_first``: JSON, a regex, a choice, text or calls): a thinking model
+    (Qwen3) reasons as it would, and only the answer is constrained.
     ``markup(text)`` renders the tags: a special token (the text before it can never
     hold it) or text (the reasoning stops at its first occurrence). ``tool_format``: the
     format an optional turn of calls is written in."""

@@ -42,7 +42,7 @@ MARKS = ("first_scheduled_time", "first_token_time", "finish_time", "num_generat
          "max_computed_tokens", "num_preemptions", "finish_reason")
 
 
-def _digest(requests, totals, recomputed: int, preemptions: int) -> dict:
+def _case_result(requests, totals, recomputed: int, preemptions: int) -> dict:
     """The case's digest, and its means (seconds, over the requests that ended) and counts
     for ``--metrics``."""
     text = repr([tuple(getattr(r, f) for f in MARKS)
@@ -57,7 +57,7 @@ def _digest(requests, totals, recomputed: int, preemptions: int) -> dict:
 
 
 def digests(args: argparse.Namespace) -> dict[str, dict]:
-    """``{case: _digest(...)}`` for this interpreter's ``jaxserve``/``scheduler``."""
+    """``{case: _case_result(...)}`` for this interpreter's ``jaxserve``/``scheduler``."""
     cost = load_profile("gptj-6b-a100-40g")
     trace = load_trace()
     out = {}
@@ -67,7 +67,7 @@ def digests(args: argparse.Namespace) -> dict[str, dict]:
             sched = build_scheduler(cost, make_policy(policy, make_predictor("oracle", 0)),
                                     SimConfig(enable_prefix_caching=cache, num_device_pages=pages))
             res = run_simulation(sched, [w.to_request() for w in workload])
-            out[f"{policy} cache={'on' if cache else 'off'} pages={pages or 'profile'}"] = _digest(
+            out[f"{policy} cache={'on' if cache else 'off'} pages={pages or 'profile'}"] = _case_result(
                 res.requests, (res.end_time_s, res.num_steps, res.busy_time_s, res.recomputed_tokens,
                                res.num_preemptions), res.recomputed_tokens, res.num_preemptions)
     for router, policy, pages in (("affinity", "infercept", None), ("least_loaded", "infercept", None),
@@ -79,7 +79,7 @@ def digests(args: argparse.Namespace) -> dict[str, dict]:
                       for _ in range(args.replicas)]
         res = run_resend(schedulers, workload, router)
         name = f"{args.replicas} replicas {router}" + ("" if policy == "infercept" else f" {policy} pages={pages}")
-        out[name] = _digest(
+        out[name] = _case_result(
             res.requests, (res.end_time_s, res.num_steps, res.busy_time_s, res.batched_tokens,
                            res.recomputed_tokens, res.follow_up_hits, res.requests_by_replica),
             res.recomputed_tokens, res.num_preemptions)
