@@ -288,6 +288,8 @@ class ChoiceState:
         output. A turn whose calls went to the server's tools (the request made another API
         call and goes on) starts the next turn's calls afresh."""
         self._calls.update(self._filter.spans)
+        if out.finished:
+            self._calls.finish()   # (calls waiting for their span's end: the text is all written)
         deltas = []
         for position, call in enumerate(self._calls.calls):
             opened = position == len(self._streamed)

@@ -75,6 +75,9 @@ def feed(fmt_name: str, text: str, rng: random.Random, hidden=frozenset(), check
         calls.update(markup.spans)
         snapshots.append([(c.name, c.arguments) for c in calls.calls])
     markup.flush()
+    calls.update(markup.spans)
+    calls.finish()
+    snapshots.append([(c.name, c.arguments) for c in calls.calls])
     if check:
         for snapshot in snapshots:
             assert len(snapshot) <= len(parsed)
@@ -171,7 +174,8 @@ def test_a_new_turn_numbers_its_calls_afresh():
 def test_a_call_is_announced_once_its_arguments_are_of_a_kind_it_takes():
     """Llama 3 reads bare JSON with a ``name`` as content when its arguments are neither an
     object nor a string: such JSON is never announced as a call; a call without arguments
-    is announced when its object closes (the parser gives it ``{}``)."""
+    (the parser gives it ``{}``) is announced when the output ends, as text after its
+    object could still make the parser refuse it."""
     _, content = feed("llama3_json", '{"name": "Bob", "parameters": [1]}', random.Random(0), check=False)
     assert content.calls == [] and content.held
     fmt = get_format("llama3_json")
@@ -181,4 +185,35 @@ def test_a_call_is_announced_once_its_arguments_are_of_a_kind_it_takes():
     assert stream.calls == []   # (the name alone: not yet)
     markup.feed("}")
     stream.update(markup.spans)
+    assert stream.calls == []   # (its object closed, but "}" may follow)
+    stream.finish()
     assert [(c.name, c.arguments) for c in stream.calls] == [("f", "")]
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": "f"}}</tool_call>', '<tool_call>{"name": "f"} x</tool_call>'])
+def test_a_call_without_arguments_the_parser_then_refuses_is_never_streamed(text):
+    """A call whose object closes without arguments is sent only once the text after it
+    in its span is what the parser takes: a stray ``}`` or word after it in its block
+    makes the parser refuse the block, and the stream sent nothing of it."""
+    rng = random.Random(0)
+    for _ in range(20):
+        parsed, stream = feed("hermes", text, rng, check=False)
+        assert not any(c.name for c in parsed)   # (the parser reports no call: an unnamed record at most)
+        assert stream.calls == [] and stream.held
+
+
+def test_a_call_without_arguments_streams_when_its_block_closes():
+    """In Hermes blocks, a bare call (and the calls after it in its block) is sent once
+    the next block opens, before the turn ends; equal to what the parser returns."""
+    fmt = get_format("hermes")
+    markup, stream, parser = fmt.markup_filter(), fmt.call_stream(), fmt.parser()
+    text = '<tool_call>{"name": "f"}</tool_call>\n<tool_call>{"name": "g", "arguments": {"a": "' + "z" * 20
+    parsed = parser.feed(text)
+    markup.feed(text)
+    stream.update(markup.spans)
+    assert [c.name for c in stream.calls] == ["f", "g"] and stream.calls[0].arguments == ""
+    parsed += parser.feed('"}}</tool_call>')
+    markup.feed('"}}</tool_call>')
+    stream.update(markup.spans)
+    stream.finish()
+    assert [(c.name, c.arguments or "{}") for c in stream.calls] == [(c.name, c.arguments) for c in parsed]

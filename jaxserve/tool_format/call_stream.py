@@ -11,9 +11,13 @@ the format's parser will return them when the call closes (``json.dumps`` of
 the value with ``ensure_ascii=False``; an arguments string as its text), so what
 has been sent is a prefix of the parsed call's arguments. A call is announced
 once its name is complete and its arguments have begun as an object or a
-string (or its object closed without them), so JSON with a ``name`` whose
-arguments are of another kind (Llama 3 content such as ``{"name": "Bob",
-"parameters": [1]}``) is never announced.
+string, so JSON with a ``name`` whose arguments are of another kind (Llama 3
+content such as ``{"name": "Bob", "parameters": [1]}``) is never announced. A
+call whose object closes without arguments (the parser gives it ``{}``) has
+nothing to stream but its name, so it, and every call after it in its span,
+waits for the span to end (the next span opens, or ``finish`` at the end of
+the output): text after it that the parser refuses (a stray ``}``) then holds
+it instead of leaving a call in the stream that the response does not list.
 
 What is held to the end of the turn instead (the response then lists it whole):
 a call to a server-side tool (``hidden``: a turn of those is run, not shown) and
@@ -69,6 +73,7 @@ class CallStream:
         self.calls: list[StreamedCall] = []   # this turn's streamable calls, in order
         self.held = False                      # the rest of this turn is held to its end
         self.server_call = False               # held from a server-side tool's name on
+        self._deferred: list[StreamedCall] = []   # calls of the current span waiting for its end
         self._span, self._pos = 0, 0           # next span to read, and where in it
         self._reset_span()
 
@@ -79,8 +84,18 @@ class CallStream:
 
     def new_turn(self) -> None:
         """The turn's calls went to the tools; the spans from now on are the next turn's."""
-        self.calls, self.held, self.server_call = [], False, False
+        self.calls, self.held, self.server_call, self._deferred = [], False, False, []
         self._reading = False   # (the current span, closed, was the last turn's)
+
+    def finish(self) -> None:
+        """The output is all written: calls waiting for their span's end are sent (unless
+        the turn was held)."""
+        self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        if not self.held:
+            self.calls += self._deferred
+        self._deferred = []
 
     def update(self, spans: list[str]) -> None:
         """Read what the spans added since the last call."""
@@ -90,6 +105,7 @@ class CallStream:
                 self._read(text)
             if self._span == len(spans) - 1:
                 return   # (the last span may still grow)
+            self._release_deferred()   # (the span ended as the parser takes it)
             self._span, self._pos = self._span + 1, 0
             self._reset_span()
 
@@ -106,6 +122,7 @@ class CallStream:
 
     def _hold(self) -> None:
         self.held = True
+        self._deferred = []
 
     def _read(self, text: str) -> None:
         pos, n = self._pos, len(text)
@@ -253,7 +270,7 @@ class CallStream:
             if self._call.name is None:
                 self._hold()   # a call object without a name: the parser refuses it
             else:
-                self._announce()   # (no arguments: the parser gives it "{}")
+                self._announce(bare=True)   # (announced at once if its arguments began)
             self._call = None
         self._value_ends()
 
@@ -364,10 +381,17 @@ class CallStream:
                 self._announce()
         self._value_ends()
 
-    def _announce(self) -> None:
-        """The current call is one the stream may send: add it to ``calls`` (once)."""
+    def _announce(self, bare: bool = False) -> None:
+        """The current call is one the stream may send: add it to ``calls`` (once), or to
+        the calls waiting for the span's end when it closed without arguments (``bare``)
+        or a call before it in the span did."""
         call = self._call
-        if call is not None and call.name is not None and (not self.calls or self.calls[-1] is not call):
+        if call is None or call.name is None or (self.calls and self.calls[-1] is call) \
+                or (self._deferred and self._deferred[-1] is call):
+            return
+        if bare or self._deferred:
+            self._deferred.append(call)
+        else:
             self.calls.append(call)
 
     def _emit(self, piece: str) -> None:
