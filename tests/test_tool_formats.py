@@ -277,6 +277,22 @@ def test_a_call_cut_inside_its_end_tag_reads_as_the_complete_call(tail, size):
     assert not stream.held and [(c.name, c.arguments) for c in stream.calls] == [("get_time", '{"tz": "UTC"}')]
 
 
+@pytest.mark.parametrize("tail", ["<", "</", "</tool_call"])
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_call_cut_inside_a_string_keeps_what_looks_like_an_end_tag(tail, size):
+    """``max_tokens`` ended the text inside a string of the call's arguments, on text that
+    could start ``</tool_call>``: the call's JSON is still open, so that text is part of its
+    arguments (the cut call's partial arguments keep it), not an end tag the turn was cut in."""
+    fmt = get_format("hermes")
+    call = '{"name": "html", "arguments": {"markup": "a ' + tail
+    filt, stream = fmt.markup_filter(), fmt.call_stream(set())
+    shown = "".join(filt.feed(p) for p in pieces("<tool_call>" + call, size))
+    flushed = filt.flush()
+    stream.update(filt.spans)
+    assert shown == "" and flushed == "<tool_call>" + call and filt.spans == [call]
+    assert [(c.name, c.arguments) for c in stream.calls] == [("html", '{"markup": "a ' + tail)]
+
+
 MARKED_CALL = {   # a call after prose, in the marked form of each JSON format
     "mistral": PROSE["mistral"] + CALL_TEXT["mistral"],
     "llama3_json": "Let me compute. <|python_tag|>" + CALL_TEXT["llama3_json"],

@@ -166,9 +166,13 @@ class TaggedMarkupFilter:
         held-back end joins ``spans``, all but the start of the end tag the text was cut
         in, so a call whose close was cut reads as the complete call it is). After the
         last closed span, what is held stays hidden: whitespace, or the start of a tag the
-        turn was cut in (a token such as ``><`` ends one call and starts the next)."""
+        turn was cut in (a token such as ``><`` ends one call and starts the next). A span
+        whose JSON is still open keeps that text: it was cut inside the call (a ``<`` in a
+        string of its arguments), not inside its end tag."""
         if self._inside:
             closing = len(self._pending) - partial_suffix(self._pending, self.end)
+            if json_extent(self.spans[-1] + self._pending[:closing], 0) is None:
+                closing = len(self._pending)   # (its JSON is not complete: no end tag was begun)
             self.spans[-1] += self._pending[:closing]
             text = self.start + self.spans[-1] + self._pending[closing:]
         else:
