@@ -39,7 +39,7 @@ SHAPES = {"llama-1b": LLAMA_1B, "llama-small": LLAMA_SMALL}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--model", default="demo", help="model: a checkpoint directory, a .gguf file, or a built-in name (demo, smollm2-135m)")
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="benchmark a model of these shapes with random weights instead of --model")
     parser.add_argument("--num-prompts", type=positive_int, default=64)

@@ -12,13 +12,14 @@ from jaxserve.config import EngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory, .gguf file, or a built-in name (smollm2-135m, demo)")
+    parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory, .gguf file, or a built-in name (smollm2-135m, demo; default demo)")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt with the chat template")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (the default here) is greedy; the server and SamplingParams default to 1")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 is off)")
+    parser.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest (0 is off)")
     parser.add_argument("--min-p", type=float, default=0.0, help="draw only tokens at least this fraction as likely "
                                                                   "as the likeliest (0 is off)")
     parser.add_argument("--ignore-eos", action="store_true")

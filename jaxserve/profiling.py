@@ -35,7 +35,7 @@ from jaxserve.parallel.mesh import MODEL_AXIS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--model", default="demo", help="model: a checkpoint directory, a .gguf file, or a built-in name (demo, smollm2-135m)")
     EngineConfig.add_cli_arguments(parser, defaults={"num_pages": 512})   # room for the swap-path test
     parser.add_argument("--copy-mib", type=positive_int, default=64, help="size of the host<->device copy test")
     parser.add_argument("--repeats", type=positive_int, default=5)

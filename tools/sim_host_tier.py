@@ -14,6 +14,7 @@ re-linking, not sharing between requests. Pure Python (scheduler + simulator).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -29,9 +30,13 @@ from scheduler import load_profile, make_policy, make_predictor  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rate", type=float, help="requests per second (Poisson arrivals)")
+    ap.add_argument("num_requests", type=int, help="requests drawn from the bundled multi-API trace")
+    args = ap.parse_args()
+    rate, n = args.rate, args.num_requests
     cost = load_profile("gptj-6b-a100-40g")
     entries = load_trace()
-    rate, n = float(sys.argv[1]), int(sys.argv[2])
     for policy in ("infercept", "lamps"):
         for mode, cache, host_cache, host_pages in (("off", False, True, None), ("device", True, False, None),
                                                     ("host", True, True, None), ("no-host", True, True, 0)):

@@ -39,16 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
     parser.add_argument("trace", nargs="?", default=None,
-                        help="InferCept/MARS JSON or JSONL trace (default: the bundled multi-API "
-                             "merged_exp_uniform.json; the bundled single-API one is "
-                             "diverse_oneapi_merged_exp_uniform.json)")
+                        help="InferCept/MARS JSON or JSONL trace, or a Mooncake-format JSONL trace "
+                             "(timestamp, input_length, output_length, hash_ids; docs/replay.md) "
+                             "(default: the bundled multi-API merged_exp_uniform.json; the bundled "
+                             "single-API one is diverse_oneapi_merged_exp_uniform.json)")
     ex = parser.add_argument_group("executor")
     ex.add_argument("--simulate", action="store_true",
                     help="run on the simulator (the default when --model is not given)")
     ex.add_argument("--profile", default=None,
                     help=f"cost profile: built-in name or JSON from `jaxserve profile` "
                          f"(simulator default: {DEFAULT_PROFILE}; with --model it sets the SLO step time)")
-    ex.add_argument("--model", default=None, help="run on the real engine: checkpoint directory or 'demo'")
+    ex.add_argument("--model", default=None, help="run on the real engine: a checkpoint directory, a .gguf file, or a built-in name (demo, smollm2-135m)")
     ex.add_argument("--token-scale", type=float, default=1.0,
                     help="multiply every token count of the trace by this (e.g. 0.05 to fit a small "
                          "model's context; applies to --simulate too so both can be compared)")
