@@ -125,7 +125,8 @@ class EngineConfig:
     handling: str | None = field(default=None, metadata=_flag(
         "force one handling for every API pause (default: the policy decides)", choices=HANDLINGS))
     predictor: str = field(default="oracle", metadata=_flag(
-        "what ranking policies are told: oracle | noisy:P | api-type-mean | elapsed"))
+        "what ranking policies are told: oracle | noisy:P | api-type-mean | elapsed | learned:DIR "
+        "(a probe from `jaxserve predictor train`)"))
     policy_options: dict = field(default_factory=dict, metadata=_flag("policy keyword options", cli=False))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "query tokens per engine step (default: 512; in the simulator, the profile's)"))
@@ -288,6 +289,12 @@ class EngineConfig:
             make_predictor(self.predictor)
         except ValueError as e:
             raise ValueError(f"predictor: {e}") from None
+        if self.predictor.startswith("learned:"):   # (found before the weights load, not after)
+            from jaxserve.predictor.checkpoint import ProbeCheckpointError
+            probe = Path(self.predictor[len("learned:"):]).expanduser().resolve() / "probe"
+            if not probe.is_dir():
+                raise ProbeCheckpointError(f"no probe checkpoint at {probe} (train one with "
+                                           f"`jaxserve predictor train`)")
         if not isinstance(self.policy_options, dict):
             raise ValueError("policy_options must be a dict of keyword options")
         if self.chat_template is not None:

@@ -230,3 +230,88 @@ def test_text_requests_load_from_jsonl_and_a_mooncake_trace_is_named(tmp_path):
         load_text_requests(mooncake, Characters())
     with pytest.raises(TraceDataError, match="none of its 3 text-form requests fits --max-context 2"):
         load_text_requests(lines, Characters(), max_context=2)
+
+
+def _save_variant(trained, out, params_change=None, summary_change=None):
+    """The trained probe saved again under ``out`` with some values changed."""
+    from jaxserve.predictor.checkpoint import save_probe
+    ckpt, _ = trained
+    params, meta = load_probe(ckpt)
+    params.update(params_change or {})
+    summary = dict(meta["summary"])
+    for key, value in (summary_change or {}).items():
+        if value is KeyError:
+            summary.pop(key)
+        else:
+            summary[key] = value
+    save_probe(out, params, ModelIdentity(**meta["model"]), meta["probe_hidden"], summary)
+    return out
+
+
+@pytest.mark.parametrize("params_change, summary_change, message", [
+    ({"bin_tokens": np.full(50, np.nan, np.float32)}, None, "parameter 'bin_tokens' holds NaN or infinite"),
+    ({"mean": np.full(128, np.inf, np.float32)}, None, "parameter 'mean' holds NaN or infinite"),
+    (None, {"train_mean_tokens": float("nan")}, "train_mean_tokens must be a finite number >= 0, got nan"),
+    (None, {"train_mean_tokens": float("inf")}, "train_mean_tokens must be a finite number >= 0, got inf"),
+    (None, {"train_mean_tokens": KeyError}, "train_mean_tokens must be a finite number >= 0, got None"),
+    (None, {"train_mean_tokens": "abc"}, "train_mean_tokens must be a finite number >= 0, got 'abc'"),
+])
+def test_a_probe_with_values_serving_cannot_use_is_refused_when_it_loads(trained, tmp_path, params_change,
+                                                                         summary_change, message):
+    """A NaN or infinite parameter, or a train mean that is missing or not a finite number,
+    loaded without complaint and then failed requests mid-serving (500s from ``round(nan)``
+    the first time a policy ranked by it; a 400 blaming the client): refused at load,
+    naming the checkpoint, so the server never starts with it."""
+    bad = _save_variant(trained, tmp_path / "bad", params_change, summary_change)
+    with pytest.raises(ProbeCheckpointError, match=message) as e:
+        load_probe(bad)
+    assert str(bad.resolve()) in str(e.value)
+
+
+def test_eval_takes_a_probe_written_without_a_seed(trained, tmp_path, capsys):
+    """``bench --length-probe random`` writes a summary without ``seed``; eval's test split does
+    not depend on it (it was a ``KeyError`` traceback)."""
+    _, trace = trained
+    seedless = _save_variant(trained, tmp_path / "seedless", summary_change={"seed": KeyError})
+    assert cli.main(["predictor", "eval", "--model", "demo", "--checkpoint", str(seedless),
+                     "--trace", str(trace)]) == 0
+    assert "held-out test" in capsys.readouterr().out
+
+
+def test_too_few_requests_or_a_lone_surrogate_are_one_line_errors(trained, tmp_path, capsys):
+    """Two text requests cannot be split into train, validation and test (an empty split's
+    metrics error came after the features were computed); a ``\\ud800`` escape in a trace
+    is no text a tokenizer encodes (a tokenizers ``TypeError`` traceback)."""
+    ckpt, _ = trained
+    two = _trace(tmp_path / "two.json", n=2)
+    for command in (["train", "--out", str(tmp_path / "x")], ["eval", "--checkpoint", str(ckpt)]):
+        assert cli.main(["predictor", command[0], "--model", "demo", *command[1:], "--trace", str(two)]) == 2
+        err = capsys.readouterr().err
+        assert "2 text-form request(s) to use; a probe needs at least 3" in err and "Traceback" not in err
+    lone = tmp_path / "lone.json"
+    lone.write_text('{"r0": [{"prompt": "hi \\ud800", "completion": "ok"}]}')
+    assert cli.main(["predictor", "train", "--model", "demo", "--out", str(tmp_path / "y"), "--trace", str(lone)]) == 2
+    err = capsys.readouterr().err
+    assert "request 'r0': a lone surrogate '\\ud800' at character 3" in err and "Traceback" not in err
+
+
+def test_a_missing_probe_directory_is_found_before_the_weights_load(tmp_path):
+    """``EngineConfig.validate`` looks for the probe (it was found after loading the model)."""
+    from jaxserve.config import EngineConfig
+    with pytest.raises(ProbeCheckpointError, match=f"no probe checkpoint at {tmp_path / 'gone'}"):
+        EngineConfig(model="demo", predictor=f"learned:{tmp_path / 'gone'}").validate()
+
+
+def test_a_probe_trains_on_a_gguf_model(tmp_path, capsys):
+    """The built-in ``smollm2-135m`` is a GGUF file: the hidden-state reader loaded it as a
+    transformers directory ("config file ... is not a valid JSON file", labelled ``output``).
+    Trained on its hidden states, the probe loads against the served model's identity."""
+    from jaxserve.model_source import smollm2_path
+    from jaxserve.predictor.features import load_served_model
+    trace = _trace(tmp_path / "trace.json", n=4)
+    out = tmp_path / "smol"
+    assert cli.main(["predictor", "train", "--model", "smollm2-135m", "--out", str(out), "--trace", str(trace),
+                     "--epochs", "2", "--probe-hidden", "0"]) == 0, capsys.readouterr().err
+    served = load_served_model(str(smollm2_path()))
+    params, meta = load_probe(out, served.identity)
+    assert params["w2"].shape == (576, 50) and meta["model"]["hidden_size"] == 576

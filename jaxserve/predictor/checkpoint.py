@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,7 +102,10 @@ def load_probe(directory: str | Path, identity: ModelIdentity | None = None) -> 
 
 
 def _check_consistent(path: Path, params: dict, meta: dict) -> None:
-    """Shapes agree with the recorded hidden size and bin count."""
+    """Shapes agree with the recorded hidden size and bin count; every parameter is
+    finite, and the summary's ``train_mean_tokens`` (the predictor's answer before any
+    prediction) a finite number >= 0: a NaN there would surface only mid-serving, as a
+    failed step when a policy first ranks by it."""
     try:
         h = int(meta["model"]["hidden_size"])
         ok = meta.get("format_version") == FORMAT_VERSION and params["mean"].shape == (h,) \
@@ -115,3 +119,12 @@ def _check_consistent(path: Path, params: dict, meta: dict) -> None:
     if not ok:
         raise ProbeCheckpointError(f"probe checkpoint {path} is inconsistent: parameter shapes do not match "
                                    f"its recorded hidden size / {NUM_BINS} bins")
+    for name, value in params.items():
+        if not np.isfinite(np.asarray(value, np.float64)).all():
+            raise ProbeCheckpointError(f"probe checkpoint {path} is corrupt: parameter {name!r} holds NaN or "
+                                       f"infinite values")
+    summary = meta.get("summary")
+    mean = summary.get("train_mean_tokens") if isinstance(summary, dict) else None
+    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean < 0:
+        raise ProbeCheckpointError(f"probe checkpoint {path} is incomplete: summary.train_mean_tokens must be "
+                                   f"a finite number >= 0, got {mean!r}")

@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         return refuse("predictor", e)
     # Heavy imports here so `jaxserve --help` stays fast.
-    from jaxserve.predictor.dataset import TraceDataError
+    from jaxserve.predictor.dataset import TraceDataError, check_enough_requests
     from jaxserve.predictor.features import load_served_model
     from jaxserve.predictor.train import cached_examples, evaluate, fit_probe, split_examples
     try:
@@ -64,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
         if args.predictor_command == "train":
             out = Path(args.out).expanduser()
             ex, requests = cached_examples(served, args.trace, out, max_context=args.max_context)
+            check_enough_requests(requests, args.trace)
             split = split_examples(ex, requests, args.seed)
             params, summary = fit_probe(split["train"], split["val"], hidden=args.probe_hidden,
                                         epochs=args.epochs, seed=args.seed)
@@ -79,7 +80,10 @@ def main(args: argparse.Namespace) -> int:
         ckpt = Path(args.checkpoint).expanduser()
         params, meta = load_probe(ckpt, served.identity)
         ex, requests = cached_examples(served, args.trace, ckpt, max_context=meta["summary"].get("max_context"))
-        test = split_examples(ex, requests, int(meta["summary"]["seed"]))["test"]
+        check_enough_requests(requests, args.trace)
+        # (the test split does not depend on the seed: a probe without one, as `bench --length-probe random`
+        # writes, is evaluated on the same held-out requests)
+        test = split_examples(ex, requests, int(meta["summary"].get("seed", 0)))["test"]
         probe, base = evaluate(params, test, float(meta["summary"]["train_mean_tokens"]))
         print("held-out test:\n" + _report(probe, base))
         if args.json:
@@ -92,5 +96,5 @@ def main(args: argparse.Namespace) -> int:
         return 0
     except (ProbeCheckpointError, TraceDataError, FileNotFoundError, ValueError) as e:
         return refuse("predictor", e)
-    except OSError as e:   # (writing the checkpoint or --json)
-        return refuse("predictor", f"{e.filename or 'output'}: {e.strerror or e}")
+    except OSError as e:   # (reading the model, writing the checkpoint or --json)
+        return refuse("predictor", f"{e.filename}: {e.strerror or e}" if e.filename else e)

@@ -94,6 +94,8 @@ def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | N
         if not all(isinstance(s, dict) and isinstance(s.get("completion"), str) for s in segs) \
                 or not isinstance(segs[0]["prompt"], str):
             raise TraceDataError(f"{where}: text segments need string 'prompt' (segment 0) and 'completion'")
+        _check_encodable(where, [segs[0]["prompt"]] + [s["completion"] for s in segs]
+                         + [s["api_token"] for s in segs if isinstance(s.get("api_token"), str)])
         ids = list(tokenizer.encode(segs[0]["prompt"], add_special_tokens=True))
         ends, labels = [], []
         for i, s in enumerate(segs):
@@ -113,6 +115,29 @@ def load_text_requests(trace: str | Path | None, tokenizer, max_context: int | N
                              if not texts else f"trace {path}: none of its {texts} text-form requests fits "
                              f"--max-context {max_context} tokens")
     return out
+
+
+def _check_encodable(where: str, texts: list[str]) -> None:
+    """Each of ``texts`` is valid Unicode (JSON's ``\\ud800`` escape gives a lone surrogate,
+    which no tokenizer encodes): a ``TraceDataError`` naming ``where`` otherwise."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TraceDataError(f"{where}: a lone surrogate {text[e.start]!r} at character {e.start} "
+                                 f"(not text a tokenizer can encode)") from None
+
+
+# Requests a probe needs: the split by request gives train, validation and test one each at least.
+MIN_REQUESTS = 3
+
+
+def check_enough_requests(requests: list[TextRequest], trace: str | Path | None) -> None:
+    """A ``TraceDataError`` when ``requests`` are too few to split (``MIN_REQUESTS``)."""
+    if len(requests) < MIN_REQUESTS:
+        raise TraceDataError(f"trace {resolve_trace_path(trace)}: {len(requests)} text-form request(s) to use; "
+                             f"a probe needs at least {MIN_REQUESTS} (split by request into train, validation "
+                             f"and test)")
 
 
 def split_requests(requests: list[TextRequest], seed: int,

@@ -57,7 +57,10 @@ class HiddenStateReader:
         from transformers import AutoModelForCausalLM
         self._torch = torch
         self.served = served
-        self.model = AutoModelForCausalLM.from_pretrained(str(served.model_dir), dtype=torch.float32).eval()
+        path = Path(served.model_dir)
+        gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}   # (a GGUF file, dequantized as the engine does)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent if gguf else path), dtype=torch.float32,
+                                                          **gguf).eval()
 
     def read_many(self, contexts: list[tuple[tuple[int, ...], tuple[int, ...]]],
                   max_batch_tokens: int = 8192) -> list[np.ndarray]:
