@@ -337,8 +337,7 @@ def run_degrees(model_dir: str, prompts: list[list[int]], args, load_format: str
 
 
 def main(args: argparse.Namespace) -> int:
-    import jax
-
+    from jaxserve.cli import refuse
     from jaxserve.sampling_params import MAX_LOGPROBS
     from jaxserve.weights import resolve_dtype
     for flag in ("logprobs", "prompt_logprobs"):
@@ -353,12 +352,21 @@ def main(args: argparse.Namespace) -> int:
     else:
         from jaxserve.model_source import resolve_model
         from jaxserve.weights import read_config
-        from jaxserve.cli import refuse
         try:
             model_dir, load_format = str(resolve_model(args.model)), "safetensors"
             vocab = read_config(Path(model_dir)).vocab_size   # (a checkpoint directory or a .gguf file)
         except (ValueError, OSError) as e:
             return refuse("bench", e)
+    try:
+        return _bench(args, rng, model_dir, load_format, vocab, shape)
+    except ValueError as e:   # a setting the engine refuses (a prompt past the window), a probe it cannot load
+        return refuse("bench", e)
+
+
+def _bench(args: argparse.Namespace, rng, model_dir: str, load_format: str, vocab: int, shape: dict | None) -> int:
+    """``main``'s measurements, once the model is resolved (``shape``: a built-in dummy shape or None)."""
+    import jax
+
     lens = rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.num_prompts)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
     if args.logprobs is not None or args.prompt_logprobs is not None or args.penalties:

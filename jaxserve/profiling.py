@@ -183,10 +183,12 @@ def measure_step_overhead(engine, num_seqs: int = 8, steps: int = 40) -> float:
     if bucket is None:
         return 0.0
     synthetic = runner.synthetic_inputs(bucket)
+    prompt_len = max(1, min(4, engine.max_model_len - 3))
+    steps = max(1, min(steps, engine.max_model_len - prompt_len - 2))   # (a small --max-model-len: fewer steps)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     ids = [f"profile-overhead-{i}" for i in range(num_seqs)]
     for rid in ids:
-        engine.add_request(rid, prompt_token_ids=[5] * 4, sampling_params=params)
+        engine.add_request(rid, prompt_token_ids=[5] * prompt_len, sampling_params=params)
     try:
         engine.step()   # the prompts, then decode only
         differences = []
@@ -263,6 +265,8 @@ def main(args: argparse.Namespace) -> int:
         return refuse("profile", e)
     try:
         cost = measure_profile(engine, args.repeats, args.copy_mib, model=str(args.model), dtype=args.dtype)
+    except jax.errors.JaxRuntimeError as e:   # (a --copy-mib buffer the device cannot hold)
+        return refuse("profile", str(e).splitlines()[0])
     finally:
         engine.shutdown()
     out = Path(args.out) if args.out else Path.home() / ".cache" / "jaxserve" / "profiles" / f"{jax.default_backend()}.json"

@@ -34,17 +34,19 @@ def test_env_var_of_a_repeatable_flag_is_one_value_and_the_command_line_replaces
 
 def test_profile_writes_a_cost_model_the_engine_can_load(tmp_path, capsys):
     out = tmp_path / "cpu.json"
-    rc = cli.main(["profile", "--num-pages", "64", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+    # (a window of 32 tokens: the host-overhead measurement asked 4 + 42 tokens whatever the window, and
+    # failed after every other measurement had run)
+    rc = cli.main(["profile", "--num-pages", "64", "--max-num-batched-tokens", "32", "--max-model-len", "32",
                    "--copy-mib", "2", "--repeats", "2", "--out", str(out)])
     assert rc == 0
     cost = CostModel.load(out)
     assert cost.fwd_per_token_s > 0 and cost.swap_bandwidth_bytes_s > 0 and cost.saturation_tokens in (8, 16, 32)
     assert cost.bytes_per_token == 2 * 2 * 2 * 32 * 4  # K+V, 2 layers, 2 KV heads, head_dim 32, float32
     assert set(cost.meta["step_times_s"]) == {"2", "4", "8", "16", "32"}   # every bucket the engine runs (CPU: from 2)
-    assert cost.meta["max_model_len"] == 128 and cost.step_overhead_s >= 0
+    assert cost.meta["max_model_len"] == 32 and cost.step_overhead_s >= 0
     assert cost.swap_overlaps_forward is False     # this engine copies before the forward
-    sweep = cost.meta["context_sweep"]             # page_size 16 .. max_model_len 128, 8 decoding rows
-    assert sweep["rows"] == 8 and set(sweep["step_times_s"]) == {"16", "32", "64", "128"}
+    sweep = cost.meta["context_sweep"]             # page_size 16 .. max_model_len 32, 8 decoding rows
+    assert sweep["rows"] == 8 and set(sweep["step_times_s"]) == {"16", "32"}
     assert cost.fwd_per_context_token_s >= 0
     assert "T_fwd(n, c)" in capsys.readouterr().out
     from jaxserve import LLM
@@ -99,13 +101,15 @@ def test_generate_refuses_bad_options_in_one_line_before_loading_a_model(argv, m
     (["generate", "/no/such/model"], "model '/no/such/model' is neither a built-in name"),
     (["profile", "--page-size", "3"], "page_size must be a positive power of two"),
     (["bench", "--model", "/no/such/model"], "model '/no/such/model' is neither a built-in name"),
+    (["bench", "--model", "demo", "--prompt-len", "100000", "--skip-transformers"], "exceeds"),
+    (["bench", "--model", "demo", "--length-probe", "/no/such/probe", "--num-prompts", "1"], "no probe checkpoint at"),
 ])
 def test_a_bad_engine_flag_or_model_is_refused_in_one_line(argv, message, capsys):
     """As ``serve``, ``run-batch`` and ``replay`` do: status 2 and one line, not a
     traceback (the engine's settings and the model were read outside the command's
     error handling)."""
     assert cli.main(argv) == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.rpartition("\r")[2]   # (after a model's loading bar, when one loaded)
     assert message in err and err.startswith(f"jaxserve {argv[0]}: ") and len(err.splitlines()) == 1
 
 
