@@ -43,9 +43,7 @@ class Conversations:
         conversation held already is a 400 ``conversation_locked``, as OpenAI answers: two
         responses at once would each read it without the other's turn."""
         self.get(conversation_id, owner, "conversation")
-        if conversation_id in self._busy:
-            raise APIError(400, "Another response is running on this conversation; retry when it has ended",
-                           param="conversation", code="conversation_locked")
+        self._refuse_if_busy(conversation_id, "conversation", "Another response is running on this conversation")
         self._busy.add(conversation_id)
         held = [True]
 
@@ -54,6 +52,11 @@ class Conversations:
                 held.clear()
                 self._busy.discard(conversation_id)
         return release
+
+    def _refuse_if_busy(self, conversation_id: str, param: str, what: str) -> None:
+        """A 400 ``conversation_locked`` naming ``param`` while a response runs on the conversation."""
+        if conversation_id in self._busy:
+            raise APIError(400, f"{what}; retry when it has ended", param=param, code="conversation_locked")
 
     def create(self, owner: str, items: list[ResponseInputItem], metadata: dict | None) -> dict:
         """A new conversation holding ``items``; its object."""
@@ -84,8 +87,12 @@ class Conversations:
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     def add_items(self, conversation_id: str, owner: str, items: list[ResponseInputItem]) -> dict:
-        """Add ``items`` at the conversation's end; the list of the items added, with their ids."""
+        """Add ``items`` at the conversation's end; the list of the items added, with their ids.
+        Not while a response runs on it (a 400 ``conversation_locked``): the response's own
+        input and output are added when it ends, and the items would precede a turn that
+        never saw them."""
         entry = self.get(conversation_id, owner)
+        self._refuse_if_busy(conversation_id, "conversation_id", "A response is running on this conversation")
         check_item_ids(items, held_item_ids([entry]), "items")
         added = input_items(items)
         self._put(owner, entry.response, entry.input_items + added)
@@ -101,9 +108,11 @@ class Conversations:
         return _find(self.get(conversation_id, owner), item_id)
 
     def delete_item(self, conversation_id: str, owner: str, item_id: str) -> dict:
-        """Remove one item; the conversation's object."""
+        """Remove one item; the conversation's object. Not while a response runs on it (a 400
+        ``conversation_locked``: that response was built on the item)."""
         entry = self.get(conversation_id, owner)
         _find(entry, item_id)   # (the 404)
+        self._refuse_if_busy(conversation_id, "conversation_id", "A response is running on this conversation")
         self._put(owner, entry.response, [i for i in entry.input_items if i["id"] != item_id])
         return entry.response
 

@@ -1660,6 +1660,36 @@ def test_a_conversation_is_held_by_one_response_at_a_time():
     conversations.lock(one, "o")
 
 
+def test_items_are_not_added_or_deleted_while_a_response_runs_on_the_conversation():
+    """An item added while a response ran was stored before that response's turn, which
+    never saw it (later turns were rendered from a history that did not happen); deleting
+    one took away what the running response was built on. Both are 400s
+    ``conversation_locked`` until it ends; other conversations are free."""
+    from server.conversations import Conversations
+    from server.errors import APIError
+    from pydantic import TypeAdapter
+
+    from server.protocol import ResponseInputItem
+    from server.response_store import ResponseStore
+    conversations = Conversations(ResponseStore())
+
+    def items():
+        return TypeAdapter(list[ResponseInputItem]).validate_python([{"role": "user", "content": "hi"}])
+    one, two = (conversations.create("o", items(), None)["id"] for _ in range(2))
+    first = conversations.items(one, "o", 20, "asc", None)["data"][0]["id"]
+    release = conversations.lock(one, "o")
+    for change in (lambda: conversations.add_items(one, "o", items()),
+                   lambda: conversations.delete_item(one, "o", first)):
+        with pytest.raises(APIError) as locked:
+            change()
+        assert locked.value.status == 400 and locked.value.code == "conversation_locked"
+    conversations.add_items(two, "o", items())
+    release()
+    conversations.add_items(one, "o", items())
+    conversations.delete_item(one, "o", first)
+    assert len(conversations.items(one, "o", 20, "asc", None)["data"]) == 1
+
+
 class _GatedAnswerEngine(_OneAnswerEngine):
     """Answers as ``_OneAnswerEngine`` after ``gate`` is set (each request's prompt ids in ``prompts``)."""
 
