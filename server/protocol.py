@@ -545,7 +545,7 @@ ResponseInputItem = Annotated[Union[Annotated[ResponseMessageItem, Tag("message"
 
 
 MAX_ITEMS_PER_CALL = 20   # items one Conversations API call may add (OpenAI's limit)
-Metadata = dict[str, Annotated[Text, Field(max_length=512)]]
+Metadata = dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]]   # (OpenAI's limits)
 
 
 class ConversationRef(_Request):

@@ -1923,3 +1923,15 @@ def test_a_query_parameter_of_the_wrong_type_is_named_bare(path):
     with _client(_ScriptedEngine()) as client:
         error = _error(client.get(path), 400)
         assert error["param"] == "limit" and error["message"].startswith("limit: "), error
+
+
+def test_metadata_keys_and_values_are_held_to_openais_limits():
+    """``metadata``: at most 16 pairs, keys of at most 64 characters (a longer key was
+    accepted), values of at most 512."""
+    from pydantic import ValidationError
+
+    from server.protocol import ConversationCreateRequest
+    ConversationCreateRequest.model_validate({"metadata": {"k" * 64: "v" * 512}})
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}, {f"k{i}": "v" for i in range(17)}):
+        with pytest.raises(ValidationError):
+            ConversationCreateRequest.model_validate({"metadata": metadata})
