@@ -831,19 +831,15 @@ def _vllm_structured(body) -> StructuredOutput | None:
             "grammar": StructuredOutput.lark}[kind](value, field)
 
 
-async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], bool]:
-    """Chat template -> token ids; and whether to parse tool calls."""
+async def _render_chat(state: ServerState, body: ChatCompletionRequest,
+                       within_window: bool = True) -> tuple[list[int], bool]:
+    """Chat template -> token ids; and whether to parse tool calls. ``within_window``: text that
+    cannot fit the context window is a 400 before it is rendered (``/tokenize`` counts any)."""
     use_tools = body.tool_choice != "none"
     tools = _advertised_tools(state, body) if use_tools else None
     messages = [m.template_dict() for m in body.messages]
-    # The cheap bound counts only text every template renders: not an earlier assistant turn's reasoning
-    # (a thinking model's template drops it: ``reasoning_content``, and its content up to the last
-    # ``</think>``, as Qwen3's and DeepSeek-R1's templates cut it), nor template kwargs it may never read.
-    last = len(messages) - 1
-    state.check_prompt_bytes([m["content"] if m["role"] != "assistant" or i == last else
-                              m["content"].rpartition("</think>")[2]
-                              for i, m in enumerate(messages) if isinstance(m["content"], str)]
-                             + [json.dumps(t) for t in tools or []], "messages")
+    if within_window:
+        _check_chat_bytes(state, messages, tools)
 
     def render(tok):
         return render_chat(tok, messages, tools, state.tool_format, body.template_options())
@@ -853,6 +849,18 @@ async def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     except Exception as e:  # jinja errors (e.g. the template rejects the roles' order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
     return ids, use_tools
+
+
+def _check_chat_bytes(state: ServerState, messages: list[dict], tools: list[dict] | None) -> None:
+    """``check_prompt_bytes`` for a chat's ``messages`` and advertised ``tools``."""
+    # The cheap bound counts only text every template renders: not an earlier assistant turn's reasoning
+    # (a thinking model's template drops it: ``reasoning_content``, and its content up to the last
+    # ``</think>``, as Qwen3's and DeepSeek-R1's templates cut it), nor template kwargs it may never read.
+    last = len(messages) - 1
+    state.check_prompt_bytes([m["content"] if m["role"] != "assistant" or i == last else
+                              m["content"].rpartition("</think>")[2]
+                              for i, m in enumerate(messages) if isinstance(m["content"], str)]
+                             + [json.dumps(t) for t in tools or []], "messages")
 
 
 def _sampling(state: ServerState, body, prompt_len: int, default_max: int | None, seed_offset: int = 0,
@@ -960,7 +968,9 @@ def _need_tokenizer(state: ServerState, route: str) -> None:
 
 
 async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
-    """The token ids a completions ``prompt`` or chat ``messages`` become here, and their count."""
+    """The token ids a completions ``prompt`` or chat ``messages`` become here, and their count
+    (past the context window too, as vLLM's: a client budgets with it; the body's size bounds
+    the work)."""
     _check_model(state, body.model)
     _need_tokenizer(state, "/tokenize")
     if body.messages is not None:
@@ -970,9 +980,8 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
                                      chat_template_kwargs=body.chat_template_kwargs,
                                      reasoning_effort=body.reasoning_effort)
         _structured(state, chat)   # the same 400s as chat completions (bad tool schemas, unknown names)
-        ids, _ = await _render_chat(state, chat)
+        ids, _ = await _render_chat(state, chat, within_window=False)
     else:
-        state.check_prompt_bytes([body.prompt], "prompt")
         try:
             ids = await state.tokenize(lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's input

@@ -388,8 +388,6 @@ class TokenizeRequest(_ChatTemplateFields):
                                                                 "chat_template_kwargs"}:
             raise ValueError("prompt cannot take add_generation_prompt, continue_final_message or "
                              "chat_template_kwargs (they render messages)")
-        if self.prompt == "":
-            raise ValueError("prompt must not be empty")
         return self
 
 
