@@ -79,6 +79,19 @@ class _Running:
     output: ToolOutput | None = None
 
 
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _as_exception(error: BaseException) -> BaseException:
+    """A tool's ``SystemExit`` or ``KeyboardInterrupt`` (``sys.exit()`` in a tool, or in a library
+    it uses) as an ordinary failure of that call: raised again on the engine's thread or out of
+    the async tools' loop, either would end it."""
+    if isinstance(error, Exception) or isinstance(error, asyncio.CancelledError):
+        return error
+    return RuntimeError(f"the tool raised {type(error).__name__}({error})")
+
+
 def _finished_output(call: _Running, request_id: str, now: float) -> ToolOutput | None:
     """The call's output once its future is done or its deadline passed; else None."""
     name = call.name
@@ -117,6 +130,7 @@ class ApiCalls:
         self.tool_threads_alive = 0
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
 
     # -------------------------------------------------------------- submit
     def call_simulated(self, request_id: str, due_time: float, token_ids: list[int] | None,
@@ -163,9 +177,12 @@ class ApiCalls:
             try:
                 if future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(self._cap(tool.fn(**kwargs)))
-                    except BaseException as e:  # noqa: BLE001 - handed to poll()
-                        future.set_exception(e)
+                        value = tool.fn(**kwargs)
+                        if inspect.isawaitable(value):   # (a lambda or wrapper returning a coroutine)
+                            value = asyncio.run_coroutine_threadsafe(_awaited(value), self._event_loop()).result()
+                        future.set_result(self._cap(value))
+                    except BaseException as e:  # noqa: BLE001 - handed to poll(), as an Exception
+                        future.set_exception(_as_exception(e))
             finally:
                 with self._lock:
                     self.tool_threads_alive -= 1
@@ -179,7 +196,10 @@ class ApiCalls:
         return text[:self.max_result_chars], len(text)
 
     async def _as_text(self, coroutine) -> tuple[str, int]:
-        return self._cap(await coroutine)
+        try:
+            return self._cap(await coroutine)
+        except (SystemExit, KeyboardInterrupt) as e:   # (out of the loop's run_forever, they would end it)
+            raise _as_exception(e) from None
 
     def expect_external(self, request_id: str) -> None:
         with self._lock:
@@ -249,10 +269,14 @@ class ApiCalls:
         return min(times) if times else None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="jaxserve-async-tools", daemon=True).start()
-        return self._loop
+        """The async tools' loop, on a thread of its own (a new one if the last one ended)."""
+        with self._lock:
+            if self._loop is None or not self._loop_thread.is_alive():
+                self._loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-async-tools",
+                                                     daemon=True)
+                self._loop_thread.start()
+            return self._loop
 
     def shutdown(self) -> None:
         with self._lock:

@@ -279,15 +279,20 @@ class AsyncEngine:
         self.stats_snapshot = dataclasses.replace(self.engine.stats, finished=dict(self.engine.stats.finished))
 
     def _fail_all(self, error: Exception) -> None:
-        """Abort every live request after a failed step (its state may be half-applied),
-        then fail every stream owed an output: the live ones, and one whose request ended
-        earlier in the failed step (no longer live, its final output lost with the step).
-        A stream whose final output is already queued stops before reading the error."""
-        for request_id in list(self.engine.scheduler.requests):
+        """End every live request with reason "error" after a failed step (its state may be
+        half-applied; the finish counts say "error", not a client's "abort"), then fail every
+        stream owed an output: the live ones, and one whose request ended earlier in the
+        failed step (no longer live, its final output lost with the step). A stream whose
+        final output is already queued stops before reading the error. The metrics' gauges
+        are published again (nothing may run until the next request)."""
+        core = self.engine.core
+        for request in list(self.engine.scheduler.requests.values()):
             try:
-                self.engine.abort(request_id)
-            except Exception:  # noqa: BLE001 - keep aborting the others
-                log.exception("abort of %s after a failed step failed", request_id)
+                request.error = f"engine step failed: {error}"[:500]
+                core.finish(request, "error")
+            except Exception:  # noqa: BLE001 - keep ending the others
+                log.exception("ending %s after a failed step failed", request.request_id)
+        self._publish_snapshots()   # (before the streams hear of it)
         for request_id, stream in list(self._streams.items()):
             if stream.entered:
                 self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))

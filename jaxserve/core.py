@@ -323,7 +323,12 @@ class EngineCore:
                 errors = [o.error for o in result.outputs]
                 if any(e is not None for e in errors):
                     request.api_calls[-1].error = "; ".join(e for e in errors if e is not None)
-                ids = self.frontend.result_token_ids(request, result) if self.frontend else []
+                try:
+                    ids = self.frontend.result_token_ids(request, result) if self.frontend else []
+                except Exception as e:  # noqa: BLE001 - this request's results fail it, not the step
+                    self.fail(request, e)
+                    touched.append(request)
+                    continue
             else:
                 ids = None
             t = now if result.time is None else result.time

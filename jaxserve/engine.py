@@ -39,7 +39,7 @@ from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningFormat, Reason
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_format import select_format
-from jaxserve.tools import MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
+from jaxserve.tools import LONE_SURROGATE, MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
 from jaxserve.weights import load_model, parse_dtype, read_config
 from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent, RequestState, Scheduler,
                        SchedulerConfig, Segment, make_policy, make_predictor)
@@ -596,11 +596,12 @@ class LLMEngine:
         for out in outputs:
             full_chars = out.full_chars if out.error is None else None
             text = f"error: {out.error}" if out.error is not None else (out.text or "")
-            text, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
+            text = LONE_SURROGATE.sub("\ufffd", text)   # (``errors="surrogateescape"`` text: no tokenizer encodes it)
+            kept, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
             if truncated:
                 request.api_calls[-1].truncated = True
-                log.info("tool result cut to %d tokens (%s characters in full)", limit, full_chars or len(text))
-            texts.append(text)
+                log.info("tool result cut to %d tokens (%d characters in full)", limit, full_chars or len(text))
+            texts.append(kept)
         ids = encode(fmt.wrap_results(texts, template), add_special_tokens=False)
         if ids and ids[0] in self.eos_token_ids and request.token_ids and request.token_ids[-1] in self.eos_token_ids:
             ids = ids[1:]

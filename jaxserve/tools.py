@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from jaxserve.tool_worker import IsolatedFunction, ToolError
 MAX_TOOL_RESULT_TOKENS = 1024  # a tool result's share of the context, by default
 MAX_INT_BITS = 10_000          # largest integer the calculator computes (about 3,000 digits)
 TRUNCATION_MARK = "\n[tool result truncated: {dropped} of {total} characters omitted]"
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # (in a Python str every surrogate code point is a lone one)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,11 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
+        """An ``async def`` function, one wrapped by a decorator (``functools.wraps``), or an
+        object whose ``__call__`` is one (a sync-looking tool that returns an awaitable is
+        awaited too: ``ApiCalls``)."""
+        fn = inspect.unwrap(self.fn)
+        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
 
     def openai_schema(self) -> dict:
         return {"type": "function", "function": {"name": self.name, "description": self.description,

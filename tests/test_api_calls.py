@@ -202,3 +202,42 @@ def test_a_call_due_at_the_token_a_stop_string_ends_on_is_never_made():
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:k]
     assert len(out.api_calls) == 1 and out.api_calls[0].return_time is not None
     assert llm.engine.stats.finished.get("stop") == 1 and not llm.engine.has_unfinished()
+
+
+def test_a_tool_result_the_tokenizer_cannot_take_fails_no_other_request(monkeypatch):
+    """A result holding a lone surrogate (text read with ``errors="surrogateescape"``) made
+    the tokenizer raise inside the step, and every request in flight failed with it. Lone
+    surrogates now become U+FFFD; and a result that still cannot be turned into tokens
+    fails its own request only (finish "error"), the others run on."""
+    llm = LLM("demo", page_size=8, num_pages=64, max_num_batched_tokens=32, max_model_len=256, warmup=False)
+    engine = llm.engine
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    call = SamplingParams(max_tokens=40, temperature=0.0,
+                          structured=StructuredOutput.tool_call({"ext": empty}, name="ext", parallel=False))
+
+    def run(until: set[str]) -> dict:
+        ended = {}
+        while not until <= set(ended):
+            ended.update({out.request_id: out for out in engine.step() if out.finish_reason})
+        return ended
+
+    for rid in ("r", "s"):
+        engine.add_request(rid, "call ext", call, parse_tool_calls=True)
+    assert {o.finish_reason for o in run({"r", "s"}).values()} == {"tool_calls"}
+    engine.add_request("bystander", prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=24, **GREEDY))
+    engine.resume("r", text="read \ud800 as bytes")
+    request = engine.scheduler.requests["r"]
+    ended = run({"r"})
+    assert ended["r"].finish_reason != "error"
+    assert "read \ufffd as bytes" in engine.tokenizer.decode(request.token_ids)
+    real = engine.result_token_ids
+
+    def failing(req, result):
+        if req.request_id == "s":
+            raise TypeError("a tokenizer defect")
+        return real(req, result)
+    monkeypatch.setattr(engine, "result_token_ids", failing)
+    engine.resume("s", text="fine")
+    ended = run({"s", "bystander"})
+    assert ended["s"].finish_reason == "error" and "a tokenizer defect" in ended["s"].error
+    assert ended["bystander"].finish_reason == "length" and len(ended["bystander"].token_ids) == 24

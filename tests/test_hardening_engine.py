@@ -239,6 +239,8 @@ def test_a_request_that_ended_in_a_failed_step_gets_an_error_not_silence(engine,
         return events
     monkeypatch.setattr(scheduler, "update", failing_update)
 
+    before = dict(engine.engine.stats.finished)
+
     async def scenario():
         # (not parsing calls: such a request reaching max_tokens is ended by the scheduler itself, in update())
         short = asyncio.ensure_future(_consume(engine, "short", SamplingParams(max_tokens=2, ignore_eos=True),
@@ -248,6 +250,12 @@ def test_a_request_that_ended_in_a_failed_step_gets_an_error_not_silence(engine,
             with pytest.raises(RuntimeError, match="engine step failed: a scheduler defect"):
                 await asyncio.wait_for(task, 15)
         assert raised and engine.is_alive
+        # The request the failed step left live ended as an error (was counted an "abort"), and the
+        # metrics' gauges say so at once (they kept it running until the next request came).
+        finished = engine.stats_snapshot.finished
+        assert finished.get("error", 0) - before.get("error", 0) == 1
+        assert finished.get("abort", 0) == before.get("abort", 0)
+        assert engine.usage_snapshot["running"] == 0 and engine.usage_snapshot["waiting"] == 0
         await _wait_idle(engine)
         await _fresh_request_completes(engine)
     asyncio.run(scenario())

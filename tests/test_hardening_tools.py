@@ -207,3 +207,74 @@ def test_isolated_worker_does_not_rerun_an_unguarded_script(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("top-level code ran") == 1 and "result 120" in out.stdout, out.stdout
     assert "Warning" not in out.stderr, out.stderr   # (``-m`` warned that the package had imported the module)
+
+
+def test_a_tool_that_exits_or_is_interrupted_fails_its_own_call_only(caplog):
+    """``sys.exit()`` in a tool (or in a library it uses), or ``KeyboardInterrupt``: from a sync
+    tool it was raised again by ``poll`` on the engine's thread (the engine died for good,
+    every later request a 503); from an async tool it ended the async tools' loop (every
+    later async call timed out). Now each is that call's error, and tools keep running."""
+    import asyncio
+    import sys as system
+
+    def exits():
+        system.exit(3)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    async def async_exits():
+        system.exit(4)
+
+    async def async_fine():
+        await asyncio.sleep(0)
+        return "async ok"
+
+    ex = ApiCalls()
+    try:
+        now = time.monotonic()
+        ex.call_tools("a", [(Tool("exits", exits), "{}"), (Tool("interrupted", interrupted), "{}")], now)
+        ex.call_tools("b", [(Tool("async_exits", async_exits), "{}")], now)
+        res = _results(ex, 2)
+        assert [o.error for o in res["a"].outputs] == ["tool 'exits' failed (internal error)",
+                                                       "tool 'interrupted' failed (internal error)"]
+        assert res["b"].outputs[0].error == "tool 'async_exits' failed (internal error)"
+        assert "SystemExit(3)" in caplog.text and "KeyboardInterrupt" in caplog.text
+        ex.call_tools("c", [(Tool("async_fine", async_fine), "{}"), (Tool("sync", lambda: "sync ok"), "{}")],
+                      time.monotonic())
+        assert [o.text for o in _results(ex, 1)["c"].outputs] == ["async ok", "sync ok"]
+    finally:
+        ex.shutdown()
+
+
+def test_async_tools_behind_a_decorator_or_a_call_method_are_awaited():
+    """A ``functools.wraps`` decorator, an object with ``async def __call__`` and a lambda
+    returning a coroutine: ``inspect.iscoroutinefunction`` says no to each, so they ran as
+    sync tools and the model got ``<coroutine object ...>`` as the result (the coroutine
+    never ran)."""
+    import asyncio
+    import functools
+
+    async def search(query: str) -> str:
+        await asyncio.sleep(0)
+        return f"found {query}"
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    class Searcher:
+        async def __call__(self, query: str) -> str:
+            return await search(query)
+
+    tools = [Tool("decorated", logged(search)), Tool("callable", Searcher()),
+             Tool("lambda", lambda query: search(query))]
+    assert [t.is_async for t in tools] == [True, True, False]   # (the lambda's awaitable is awaited when it returns)
+    ex = ApiCalls()
+    try:
+        ex.call_tools("a", [(t, '{"query": "%s"}' % t.name) for t in tools], time.monotonic())
+        assert [o.text for o in _results(ex, 1)["a"].outputs] == ["found decorated", "found callable", "found lambda"]
+    finally:
+        ex.shutdown()
