@@ -11,6 +11,7 @@ import argparse
 import importlib
 from pathlib import Path
 
+from jaxserve.chat import TOOL_NAME
 from jaxserve.config import EngineConfig, positive_int
 from jaxserve.model_source import BUILTIN_MODELS
 
@@ -40,7 +41,15 @@ def load_tools(spec: str | None) -> dict:
         module, colon, attr = target.partition(":")
         if not sep or not colon or not name or not module or not attr:
             raise ValueError(f"--tools: expected name=module:function, got {item!r}")
-        fn = getattr(importlib.import_module(module), attr)
+        if not TOOL_NAME.match(name):
+            raise ValueError(f"--tools: tool name {name!r} is not a function name (letters, digits, _ . -; "
+                             f"at most 64)")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except ImportError as e:   # (the module, or something it imports, is not there)
+            raise ValueError(f"--tools: cannot import {module!r} for {name!r}: {e}") from None
+        except AttributeError:
+            raise ValueError(f"--tools: module {module!r} has no {attr!r} (for {name!r})") from None
         if not callable(fn):
             raise ValueError(f"--tools: {target} is not callable")
         tools[name] = fn

@@ -142,6 +142,13 @@ def test_load_tools_spec():
     assert tools == {"upper": str, "mx": max}
     with pytest.raises(ValueError, match="name=module:function"):
         load_tools("nonsense")
+    # A module or function that is not there was a traceback (not the one-line refusal); a
+    # name no model could call was accepted.
+    for spec, message in (("f=builtins:nope", "module 'builtins' has no 'nope'"),
+                          ("f=no_such_module_here:f", "cannot import 'no_such_module_here' for 'f'"),
+                          ("bad name=builtins:str", "tool name 'bad name' is not a function name")):
+        with pytest.raises(ValueError, match=message):
+            load_tools(spec)
 
 
 class _ScriptedEngine:
