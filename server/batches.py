@@ -212,11 +212,12 @@ class BatchJob:
         """Count an answered output line: as completed or failed, and the tokens its
         answer's ``usage`` reports (chat and completions: ``prompt_tokens``...; the
         Responses API: ``input_tokens``...)."""
+        response = line.get("response")   # (``line``: a dict; what it holds is read with care, as kept lines may be old)
+        body = response.get("body") if isinstance(response, dict) else None
         if bad:
             self.failed_count += 1
         else:
             self.completed += 1
-        body = (line.get("response") or {}).get("body")
         usage = body.get("usage") if isinstance(body, dict) else None
         if not isinstance(usage, dict):
             return
@@ -271,9 +272,13 @@ class Batches:
         self._state = state
         self._stopping = False   # ``close`` was called: with a state file, running batches stay running there
         for batch_id, record in state.rows("SELECT id, job FROM batches ORDER BY rowid") if state is not None else ():
-            fields = json.loads(record)
-            fields.setdefault("usage_known", "input_tokens" in fields)   # (a record from before usage was counted)
-            self._jobs[batch_id] = BatchJob(**fields)
+            try:
+                fields = json.loads(record)
+                fields.setdefault("usage_known", "input_tokens" in fields)   # (a record from before usage was counted)
+                self._jobs[batch_id] = BatchJob(**fields)
+            except (ValueError, TypeError, AttributeError) as e:   # (not JSON, not an object, unknown fields)
+                raise ValueError(f"response store {state.path}: batch {batch_id}: unreadable record "
+                                 f"({type(e).__name__}: {e})") from None
         files.in_use = self._inputs_in_use
 
     def _inputs_in_use(self) -> set[str]:
@@ -288,7 +293,15 @@ class Batches:
         if self._state is None or self._state.closed:   # (no file, or closed by an earlier shutdown: nothing to read)
             return
         for job in [j for j in self._jobs.values() if not j.ended and (j.task is None or j.task.done())]:
-            outputs, errors = self._answered(job)
+            outputs, errors, unreadable = self._answered(job)
+            if unreadable:   # (damaged answered lines: this batch fails with the lines it can read; the server starts)
+                log.error("batch %s: %d answered line(s) in the response store %s are unreadable", job.id,
+                          unreadable, self._state.path)
+                job.errors = [{"code": "server_error", "message": f"the server stopped this batch and {unreadable} of "
+                               f"the lines it had answered are unreadable: run those lines again", "param": None,
+                               "line": None}]
+                self._finish(job, outputs, errors, "failed")
+                continue
             if job.status == "cancelling":
                 self._finish(job, outputs, errors, "cancelled")
                 continue
@@ -308,17 +321,24 @@ class Batches:
                         "lines answered before)", job.id, len(outputs) + len(errors))
             self._start(job, source.data, outputs, errors)
 
-    def _answered(self, job: BatchJob) -> tuple[list[bytes], list[bytes]]:
+    def _answered(self, job: BatchJob) -> tuple[list[bytes], list[bytes], int]:
         """The output and error lines the state file holds for ``job`` (its counts and usage set
-        from them)."""
-        outputs, errors = [], []
+        from them), and how many more it holds that are not readable (damaged)."""
+        outputs, errors, unreadable = [], [], 0
         job.completed = job.failed_count = job.input_tokens = job.cached_tokens = job.output_tokens = 0
         job.reasoning_tokens, job.usage_known = 0, True   # (counted afresh from its answered lines)
         for bad, line in self._state.rows("SELECT bad, line FROM batch_lines WHERE batch_id = ? ORDER BY rowid",
                                           job.id):
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                unreadable += 1
+                continue
+            job.count(answer, bool(bad))
             (errors if bad else outputs).append(line)
-            job.count(json.loads(line), bool(bad))
-        return outputs, errors
+        return outputs, errors, unreadable
 
     def _become(self, job: BatchJob, status: str) -> None:
         """``job.become(status)``, kept in the state file."""

@@ -572,3 +572,60 @@ def test_a_running_batchs_input_file_outlives_its_expiry_until_the_batch_ends(tm
     assert Batches(FileStore(state=state), "m", concurrency=1, state=state).page("me", 20, None)["data"][0]["usage"] \
         is None
     state.close()
+
+
+def test_a_damaged_batch_record_in_the_state_file_is_named_or_fails_its_batch_only(tmp_path):
+    """A damaged ``batches`` record stopped the server with a bare JSON error naming no file;
+    a damaged answered line of a running batch stopped it with a traceback ("Application
+    startup failed"). The first is a one-line ``ValueError`` naming the file and the batch;
+    the second fails that batch (keeping the lines it can read) and the server starts."""
+    import sqlite3
+
+    from server.state_file import StateFile
+
+    path = tmp_path / "responses.sqlite3"
+
+    async def stalled_batch() -> str:
+        state = StateFile(path)
+        files = FileStore(state=state)
+        batches = Batches(files, "m", concurrency=2, state=state)
+
+        async def app(scope, receive, send):   # answers "a…" lines, holds the others until the stop
+            body = json.loads((await receive())["body"])
+            if not body["prompt"].startswith("a"):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": json.dumps({"choices": [{"text": "ok"}]}).encode()})
+        batches.app = app
+        lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                    "body": {"model": "m", "prompt": p}}) + "\n" for i, p in enumerate(["a0", "a1", "a2", "z"]))
+        job = batches.create("me", None, files.add("me", "in.jsonl", "batch", lines.encode()).id, "/v1/completions",
+                             "24h", None)
+        while job.completed < 3:
+            await asyncio.sleep(0.01)
+        await batches.close()
+        state.close()
+        return job.id
+
+    batch_id = asyncio.run(stalled_batch())
+    db = sqlite3.connect(path)
+    db.execute("UPDATE batch_lines SET line = ? WHERE rowid = (SELECT MIN(rowid) FROM batch_lines)", (b"{not json",))
+    db.commit()
+
+    async def restart():
+        state = StateFile(path)
+        batches = Batches(FileStore(state=state), "m", concurrency=2, state=state)
+        batches.resume()
+        job = batches.get(batch_id, "me")
+        assert job.status == "failed" and "1 of the lines it had answered are unreadable" in job.errors[0]["message"]
+        assert job.completed == 2 and len(batches.files.get(job.output_file_id, "me").data.splitlines()) == 2
+        state.close()
+    asyncio.run(restart())
+    db.execute("UPDATE batches SET job = '{\"id\": 1' WHERE id = ?", (batch_id,))
+    db.commit()
+    state = StateFile(path)
+    with pytest.raises(ValueError, match=f"response store {path}: batch {batch_id}: unreadable record"):
+        Batches(FileStore(state=state), "m", concurrency=2, state=state)
+    state.close()
