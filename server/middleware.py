@@ -9,6 +9,7 @@ disconnects pass through untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -166,6 +167,17 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            # The server cancels what still runs when its shutdown grace ends (uvicorn's
+            # ``timeout_graceful_shutdown``): a response not begun is an OpenAI-shaped 503, not
+            # uvicorn's plain-text 500 (and its traceback in the log); the request ends here.
+            if started:
+                raise
+            log.warning("request %s on %s cancelled by the server's shutdown: answered 503", request_id(scope),
+                        scope.get("path"))
+            with contextlib.suppress(Exception):
+                await _send_error(send, APIError(503, "the server is shutting down: retry the request",
+                                                 code="server_shutting_down"))
         except Exception as e:  # noqa: BLE001 - the last line of defence
             if started:
                 raise

@@ -1949,3 +1949,41 @@ def test_metadata_keys_and_values_are_held_to_openais_limits():
     for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}, {f"k{i}": "v" for i in range(17)}):
         with pytest.raises(ValidationError):
             ConversationCreateRequest.model_validate({"metadata": metadata})
+
+
+def test_a_request_the_servers_shutdown_cancels_is_answered_503_json():
+    """SIGTERM while a request waited (on a hung tool): after uvicorn's 5-s grace it cancels
+    the request's task, and uvicorn answered a plain-text 500 with a traceback in the log.
+    The response not begun is an OpenAI-shaped 503 now; one already streaming is left to
+    the cancel (nothing can be answered after it started)."""
+    import asyncio
+
+    from server.middleware import CatchAllMiddleware
+
+    async def waits(scope, receive, send):
+        await asyncio.Event().wait()
+
+    async def streams(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.Event().wait()
+
+    async def run(app):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+        task = asyncio.ensure_future(CatchAllMiddleware(app)({"type": "http", "path": "/v1/chat/completions",
+                                                              "headers": []}, None, send))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return sent, "cancelled"
+        return sent, "returned"
+
+    sent, ended = asyncio.run(run(waits))
+    assert ended == "returned" and sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["code"] == "server_shutting_down"
+    sent, ended = asyncio.run(run(streams))
+    assert ended == "cancelled" and [m["type"] for m in sent] == ["http.response.start"]
