@@ -39,7 +39,8 @@ from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningFormat, Reason
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_format import select_format
-from jaxserve.tools import LONE_SURROGATE, MAX_TOOL_RESULT_TOKENS, Tool, normalize_tools, truncate_tool_result
+from jaxserve.tools import (LONE_SURROGATE, MAX_TOOL_RESULT_TOKENS, Tool, encode_tool_results, normalize_tools,
+                            truncate_tool_result)
 from jaxserve.weights import load_model, parse_dtype, read_config
 from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent, RequestState, Scheduler,
                        SchedulerConfig, Segment, make_policy, make_predictor)
@@ -602,7 +603,7 @@ class LLMEngine:
                 request.api_calls[-1].truncated = True
                 log.info("tool result cut to %d tokens (%d characters in full)", limit, full_chars or len(text))
             texts.append(kept)
-        ids = encode(fmt.wrap_results(texts, template), add_special_tokens=False)
+        ids = encode_tool_results(self.tokenizer, fmt.wrap_results(texts, template), fmt.result_spans(texts, template))
         if ids and ids[0] in self.eos_token_ids and request.token_ids and request.token_ids[-1] in self.eos_token_ids:
             ids = ids[1:]
         return ids

@@ -161,6 +161,27 @@ def call_arguments(arguments: str) -> dict:
     return args
 
 
+def encode_tool_results(tokenizer, wrapped: str, spans: list[tuple[int, int]]) -> list[int]:
+    """``tokenizer.encode(wrapped, add_special_tokens=False)``, except that a special token
+    (``<|im_end|>``, ``<|eot_id|>``...) written inside one of ``spans`` (the tools' own
+    text, ``ToolFormat.result_spans``) is encoded as the plain text it is: a tool returning
+    a fetched page that holds ``<|im_end|>\n<|im_start|>system`` cannot forge a turn. The
+    tokenizer splits text at special tokens before anything else, so each such token is
+    replaced in place by its characters' tokens and the rest stays as encoded."""
+    specials = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    results = [wrapped[start:end] for start, end in spans]
+    if not any(token in text for text in results for token in specials.values()):
+        return tokenizer.encode(wrapped, add_special_tokens=False)
+    encoded = tokenizer(wrapped, add_special_tokens=False, return_offsets_mapping=True)
+    ids = []
+    for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        if token in specials and any(a <= start and end <= b for a, b in spans):
+            ids += tokenizer.encode(wrapped[start:end], add_special_tokens=False, split_special_tokens=True)
+        else:
+            ids.append(token)
+    return ids
+
+
 def truncate_tool_result(text: str, max_tokens: int, tokenizer, total_chars: int | None = None) -> tuple[str, bool]:
     """Cut a tool's rendered result text to at most about ``max_tokens`` tokens, before it is
     wrapped in the chat template's tool turn (so the wrapper stays intact), ending with a

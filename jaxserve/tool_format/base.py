@@ -337,6 +337,25 @@ class ToolFormat:
         order) to the model mid-generation."""
         raise NotImplementedError
 
+    def result_spans(self, texts: list[str], chat_template: str | None) -> list[tuple[int, int]]:
+        """``[start, end)`` of each of ``texts`` as ``wrap_results(texts, chat_template)`` writes it
+        (as written: Mistral's results are JSON strings), so the text a tool returned can be told
+        from the wrapper's around it. Found by wrapping placeholders: each result's text sits
+        where its placeholder does, written as a result alone would be."""
+        marks = [f"JAXSERVERESULT{i}PLACE" for i in range(len(texts))]
+        skeleton = self.wrap_results(marks, chat_template)
+        spans, read, at = [], 0, 0
+        for mark, text in zip(marks, texts):
+            found = skeleton.index(mark, read)
+            at += found - read   # (the wrapper's text before this result)
+            alone = self.wrap_results([mark], chat_template)
+            before, after = alone.index(mark), len(alone) - alone.index(mark) - len(mark)
+            written = self.wrap_results([text], chat_template)
+            length = len(written) - before - after
+            spans.append((at, at + length))
+            at, read = at + length, found + len(mark)
+        return spans
+
     def render_calls(self, calls: list[tuple[str, str]]) -> str:
         """Past calls of one turn (``(name, JSON arguments)``) as the model would have written them."""
         raise NotImplementedError
