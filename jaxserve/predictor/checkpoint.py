@@ -53,7 +53,10 @@ def model_identity(model, config, name: str) -> ModelIdentity:
 
 
 def _ocp():
+    import logging
+
     import orbax.checkpoint as ocp
+    logging.getLogger("absl").setLevel(logging.WARNING)   # (orbax logs a dozen INFO lines per save or restore)
     return ocp
 
 
