@@ -227,7 +227,7 @@ def main() -> int:
     for seed, c in in_run.items():
         print(f"seed {seed} in-run profile: buckets seen {c.meta['in_run']['buckets_seen']}, the others "
               f"x{c.meta['in_run']['unseen_ratio']:.2f} of the profile before")
-    print(f"\nsim = simulator on the in-run profile (headline); before = on the profile measured before the runs\n")
+    print("\nsim = simulator on the in-run profile (headline); before = on the profile measured before the runs\n")
     print(f"| seed | policy | engine E2E s | sim E2E s | sim/engine | sim band (step x1±{args.sensitivity:g}) | "
           "before E2E s | before/engine | engine TTFT s | sim TTFT s | preemptions engine/sim |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
