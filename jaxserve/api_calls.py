@@ -83,11 +83,11 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def _as_exception(error: BaseException) -> BaseException:
+def _as_exception(error: BaseException) -> Exception:
     """A tool's ``SystemExit`` or ``KeyboardInterrupt`` (``sys.exit()`` in a tool, or in a library
-    it uses) as an ordinary failure of that call: raised again on the engine's thread or out of
-    the async tools' loop, either would end it."""
-    if isinstance(error, Exception) or isinstance(error, asyncio.CancelledError):
+    it uses; any ``BaseException`` that is no ``Exception``) as an ordinary failure of that call:
+    raised again on the engine's thread or out of the async tools' loop, it would end it."""
+    if isinstance(error, Exception):
         return error
     return RuntimeError(f"the tool raised {type(error).__name__}({error})")
 
