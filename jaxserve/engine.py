@@ -679,7 +679,8 @@ class LLMEngine:
                 "device_pages_total": s.device_pool.num_pages,
                 "host_pages_used": s.host_pool.num_pages - s.kv.num_free_host,   # host-tier cached: free
                 "host_pages_total": s.host_pool.num_pages,
-                "preemptions": s.num_preemptions, **self.prefix_cache_usage()}
+                "preemptions": s.num_preemptions, "api_calls": dict(s.api_calls_by_handling),
+                **self.prefix_cache_usage()}
 
     def prefix_cache_usage(self) -> dict:
         """Prefix cache counters (tokens, cumulative; host hits are part of the hits) and

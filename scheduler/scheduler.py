@@ -75,6 +75,7 @@ class Scheduler:
         self.swapping_in: list[Request] = []
         self.iteration = 0
         self.num_preemptions = 0
+        self.api_calls_by_handling: dict[str, int] = {h.value: 0 for h in Handling}   # pauses, by the handling chosen
         self._ranked = RankedQueue()            # ``waiting`` in admission order (``_rank_key``)
         self._classed = 0                       # live requests of a priority class other than 0
         self.classes_in_use = False             # whether there are any (``_count_class``)
@@ -316,6 +317,7 @@ class Scheduler:
         apply the handling (engine-forced, else the policy's). Returns it."""
         self.now = now
         chosen = self.config.handling or self.policy.handling(request, self.view(), now, api_duration_s)
+        self.api_calls_by_handling[chosen.value] += 1
         request.api_calls.append(ApiCallRecord(api_type=api_type, handling=chosen, call_time=now,
                                                context_tokens=request.num_computed_tokens))
         request.api_returned = False

@@ -96,6 +96,11 @@ class EngineCollector:
         yield counter("prefix_cache_host_hits", "Of the prefix cache's hits, tokens copied back from its host tier.",
                       usage.get("prefix_cache_host_hits", 0))
         yield counter("engine_steps", "Engine steps run.", stats.steps)
+        fam = CounterMetricFamily(PREFIX + "api_calls", "API calls requests paused on, by the handling chosen "
+                                  "when each paused (preserve, discard, swap).", labels=["handling"])
+        for handling, n in sorted(usage.get("api_calls", {}).items()):
+            fam.add_metric([handling], n)
+        yield fam
         fam = CounterMetricFamily(PREFIX + "request_finished", "Requests finished in the engine, by reason.",
                                   labels=["finish_reason"])
         for reason, n in sorted(stats.finished.items()):

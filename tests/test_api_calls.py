@@ -95,6 +95,7 @@ def test_swap_moves_kv_to_pinned_host_and_frees_device_pages():
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.kv.num_free_device == 12 and engine.scheduler.kv.num_free_host == 16   # or cached
+    assert engine.usage()["api_calls"] == {"preserve": 0, "discard": 0, "swap": 1}   # (/metrics' api_calls_total)
 
 
 def test_many_paused_requests_in_a_tight_pool_all_finish(caplog):

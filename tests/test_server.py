@@ -426,7 +426,8 @@ def test_latency_histograms_are_exported(demo):
                  "request_queue_time_seconds"):
         assert m[f"jaxserve:{name}_count"] > 0, name
     for name in ("prompt_tokens_total", "generation_tokens_total", "recomputed_tokens_total",
-                 "num_preemptions_total", 'num_requests_paused{handling="swap"}', 'kv_pages_used{memory="host"}'):
+                 "num_preemptions_total", 'num_requests_paused{handling="swap"}', 'kv_pages_used{memory="host"}',
+                 'api_calls_total{handling="discard"}'):
         assert f"jaxserve:{name}" in m, name
 
 
