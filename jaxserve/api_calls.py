@@ -79,10 +79,6 @@ class _Running:
     output: ToolOutput | None = None
 
 
-async def _awaited(awaitable):
-    return await awaitable
-
-
 def _as_exception(error: BaseException) -> Exception:
     """A tool's ``SystemExit`` or ``KeyboardInterrupt`` (``sys.exit()`` in a tool, or in a library
     it uses; any ``BaseException`` that is no ``Exception``) as an ordinary failure of that call:
@@ -101,6 +97,9 @@ def _finished_output(call: _Running, request_id: str, now: float) -> ToolOutput 
             return ToolOutput(text=text, full_chars=full)
         except ToolError as e:   # written for the model
             return ToolOutput(error=f"tool {name!r}: {str(e)[:500]}")
+        except TimeoutError:   # (an awaitable a sync tool returned, given up at the tool's timeout on its thread)
+            log.warning("tool %r timed out for %s", name, request_id)
+            return ToolOutput(error=f"tool {name!r} timed out")
         except Exception as e:  # noqa: BLE001 - the tool's own failure: generic for the model
             log.warning("tool %r failed for %s", name, request_id, exc_info=e)
             return ToolOutput(error=f"tool {name!r} failed (internal error)")
@@ -158,7 +157,11 @@ class ApiCalls:
                 running.append(_Running(tool.name, None, now, ToolOutput(error=str(e))))
                 continue
             if tool.is_async:
-                future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), self._event_loop())
+                try:   # (calling it only makes the coroutine; an object's ``__call__`` may still raise)
+                    future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), self._event_loop())
+                except BaseException as e:  # noqa: BLE001 - that call's failure, on the engine's thread
+                    future = concurrent.futures.Future()
+                    future.set_exception(_as_exception(e))
             else:
                 future = self._start_thread(tool, kwargs)
             running.append(_Running(tool.name, future, now + tool.timeout_s))
@@ -178,9 +181,15 @@ class ApiCalls:
                 if future.set_running_or_notify_cancel():
                     try:
                         value = tool.fn(**kwargs)
-                        if inspect.isawaitable(value):   # (a lambda or wrapper returning a coroutine)
-                            value = asyncio.run_coroutine_threadsafe(_awaited(value), self._event_loop()).result()
-                        future.set_result(self._cap(value))
+                        if inspect.isawaitable(value):   # (a decorator, lambda or wrapper returning a coroutine)
+                            awaited = asyncio.run_coroutine_threadsafe(self._as_text(value), self._event_loop())
+                            try:
+                                future.set_result(awaited.result(timeout=tool.timeout_s))
+                            except concurrent.futures.TimeoutError:
+                                awaited.cancel()   # (poll() answered "timed out" at the deadline; this frees the thread)
+                                raise
+                        else:
+                            future.set_result(self._cap(value))
                     except BaseException as e:  # noqa: BLE001 - handed to poll(), as an Exception
                         future.set_exception(_as_exception(e))
             finally:
@@ -195,9 +204,9 @@ class ApiCalls:
         text = value if isinstance(value, str) else str(value)
         return text[:self.max_result_chars], len(text)
 
-    async def _as_text(self, coroutine) -> tuple[str, int]:
+    async def _as_text(self, awaitable) -> tuple[str, int]:
         try:
-            return self._cap(await coroutine)
+            return self._cap(await awaitable)
         except (SystemExit, KeyboardInterrupt) as e:   # (out of the loop's run_forever, they would end it)
             raise _as_exception(e) from None
 
@@ -269,8 +278,11 @@ class ApiCalls:
         return min(times) if times else None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        """The async tools' loop, on a thread of its own (a new one if the last one ended)."""
+        """The async tools' loop, on a thread of its own (a new one if the last one ended; none
+        after ``shutdown``: a ``ToolError``)."""
         with self._lock:
+            if self._closed:
+                raise ToolError("the engine is shutting down: no tool runs")
             if self._loop is None or not self._loop_thread.is_alive():
                 self._loop = asyncio.new_event_loop()
                 self._loop_thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-async-tools",

@@ -36,10 +36,11 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        """An ``async def`` function, one wrapped by a decorator (``functools.wraps``), or an
-        object whose ``__call__`` is one (a sync-looking tool that returns an awaitable is
-        awaited too: ``ApiCalls``)."""
-        fn = inspect.unwrap(self.fn)
+        """An ``async def`` function, or an object whose ``__call__`` is one. (Anything else runs
+        on a thread of its own, and an awaitable it returns, as a decorator around an async
+        function returns, is awaited there: ``ApiCalls``. A sync wrapper is never called on the
+        engine's thread.)"""
+        fn = self.fn
         return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
 
     def openai_schema(self) -> dict:
@@ -162,24 +163,39 @@ def call_arguments(arguments: str) -> dict:
 
 
 def encode_tool_results(tokenizer, wrapped: str, spans: list[tuple[int, int]]) -> list[int]:
-    """``tokenizer.encode(wrapped, add_special_tokens=False)``, except that a special token
-    (``<|im_end|>``, ``<|eot_id|>``...) written inside one of ``spans`` (the tools' own
-    text, ``ToolFormat.result_spans``) is encoded as the plain text it is: a tool returning
-    a fetched page that holds ``<|im_end|>\n<|im_start|>system`` cannot forge a turn. The
-    tokenizer splits text at special tokens before anything else, so each such token is
-    replaced in place by its characters' tokens and the rest stays as encoded."""
-    specials = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    results = [wrapped[start:end] for start, end in spans]
-    if not any(token in text for text in results for token in specials.values()):
+    """``tokenizer.encode(wrapped, add_special_tokens=False)``, except that an added token
+    (``<|im_end|>``, ``<|eot_id|>``, Qwen's ``</tool_response>``...) written inside one of
+    ``spans`` (the tools' own text, ``ToolFormat.result_spans``) is encoded as the plain
+    text it is: a tool returning a fetched page that holds ``<|im_end|>\n<|im_start|>system``
+    cannot forge a turn. The tokenizer splits text at added tokens before anything else,
+    so each such token is replaced in place by its characters' tokens and the rest stays
+    as encoded."""
+    added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    if not any(token in wrapped[start:end] for start, end in spans for token in added.values()):
         return tokenizer.encode(wrapped, add_special_tokens=False)
     encoded = tokenizer(wrapped, add_special_tokens=False, return_offsets_mapping=True)
     ids = []
     for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-        if token in specials and any(a <= start and end <= b for a, b in spans):
-            ids += tokenizer.encode(wrapped[start:end], add_special_tokens=False, split_special_tokens=True)
+        if token in added and any(a <= start and end <= b for a, b in spans):
+            ids += _as_text(tokenizer, wrapped[start:end], added)
         else:
             ids.append(token)
     return ids
+
+
+def encode_as_text(tokenizer, text: str) -> list[int]:
+    """``text`` as ``encode_tool_results`` encodes a tool's result: added tokens as characters."""
+    return encode_tool_results(tokenizer, text, [(0, len(text))])
+
+
+def _as_text(tokenizer, piece: str, added: dict) -> list[int]:
+    """The ids of ``piece`` (an added token's text) as plain text: special tokens are split by
+    the tokenizer itself; others (``split_special_tokens`` leaves them) by cutting the piece
+    before its second character, so that no part of it is the token any more."""
+    ids = tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+    if len(piece) < 2 or not any(i in added for i in ids):
+        return ids
+    return _as_text(tokenizer, piece[:1], added) + _as_text(tokenizer, piece[1:], added)
 
 
 def truncate_tool_result(text: str, max_tokens: int, tokenizer, total_chars: int | None = None) -> tuple[str, bool]:
@@ -190,7 +206,7 @@ def truncate_tool_result(text: str, max_tokens: int, tokenizer, total_chars: int
     ``16 * max_tokens`` characters is ever tokenized, however long ``text`` is."""
     total = max(total_chars or 0, len(text))
     head = text[:16 * max(0, max_tokens) + 1]
-    ids = tokenizer.encode(head, add_special_tokens=False) if max_tokens > 0 else []
+    ids = encode_as_text(tokenizer, head) if max_tokens > 0 else []   # (as the result will be encoded)
     if max_tokens > 0 and len(ids) <= max_tokens and len(head) == total:
         return text, False
     mark_tokens = len(tokenizer.encode(TRUNCATION_MARK.format(dropped=total, total=total), add_special_tokens=False))

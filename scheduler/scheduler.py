@@ -251,7 +251,7 @@ class Scheduler:
             if request in q:
                 q.remove(request)
         self.kv.free(request, retain=in_call)   # a context parked in a call may be resumed by a follow-up
-        if reason != "abort":
+        if reason not in ("abort", "error"):   # (a request cut short says nothing of how long outputs run)
             self.policy.predictor.observe_output(request)   # learned predictor: per-class running mean
         request.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         request.finish_reason = reason

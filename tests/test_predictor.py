@@ -288,6 +288,7 @@ def test_too_few_requests_or_a_lone_surrogate_are_one_line_errors(trained, tmp_p
         assert cli.main(["predictor", command[0], "--model", "demo", *command[1:], "--trace", str(two)]) == 2
         err = capsys.readouterr().err
         assert "2 text-form request(s) to use; a probe needs at least 3" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()   # (said before any feature was computed and cached)
     lone = tmp_path / "lone.json"
     lone.write_text('{"r0": [{"prompt": "hi \\ud800", "completion": "ok"}]}')
     assert cli.main(["predictor", "train", "--model", "demo", "--out", str(tmp_path / "y"), "--trace", str(lone)]) == 2

@@ -437,3 +437,18 @@ def test_a_result_that_ends_the_request_may_fill_the_context_to_its_last_token(m
     # 21 + 2 generated: 9 fit exactly when the request ends there, 8 leave a token's room otherwise
     assert r.api_calls[-1].num_returned_tokens == (8 if more else 9)
     sched.check_invariants()
+
+
+def test_a_request_ended_by_an_error_teaches_the_predictor_nothing():
+    """A failed step now ends every live request "error" (it was "abort"); as an abort, such
+    an ending says nothing of how long outputs run, so the learned predictor's running means
+    must not take it (waiting requests would pull them toward 0 tokens)."""
+    sched = make_scheduler()
+    seen = []
+    sched.policy.predictor.observe_output = lambda request: seen.append(request.request_id)
+    for rid in ("err", "abort", "stop"):
+        sched.add_request(Request(rid, 0.0, prompt_len=4, max_tokens=4), 0.0)
+    sched.finish(sched.requests["err"], "error", 0.0)
+    sched.finish(sched.requests["abort"], "abort", 0.0)
+    sched.finish(sched.requests["stop"], "stop", 0.0)
+    assert seen == ["stop"]

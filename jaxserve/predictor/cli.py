@@ -56,15 +56,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         return refuse("predictor", e)
     # Heavy imports here so `jaxserve --help` stays fast.
-    from jaxserve.predictor.dataset import TraceDataError, check_enough_requests
+    from jaxserve.predictor.dataset import TraceDataError
     from jaxserve.predictor.features import load_served_model
     from jaxserve.predictor.train import cached_examples, evaluate, fit_probe, split_examples
     try:
         served = load_served_model(args.model)
         if args.predictor_command == "train":
             out = Path(args.out).expanduser()
-            ex, requests = cached_examples(served, args.trace, out, max_context=args.max_context)
-            check_enough_requests(requests, args.trace)
+            ex, requests = cached_examples(served, args.trace, out, max_context=args.max_context, split=True)
             split = split_examples(ex, requests, args.seed)
             params, summary = fit_probe(split["train"], split["val"], hidden=args.probe_hidden,
                                         epochs=args.epochs, seed=args.seed)
@@ -79,8 +78,8 @@ def main(args: argparse.Namespace) -> int:
             return 0
         ckpt = Path(args.checkpoint).expanduser()
         params, meta = load_probe(ckpt, served.identity)
-        ex, requests = cached_examples(served, args.trace, ckpt, max_context=meta["summary"].get("max_context"))
-        check_enough_requests(requests, args.trace)
+        ex, requests = cached_examples(served, args.trace, ckpt, max_context=meta["summary"].get("max_context"),
+                                       split=True)
         # (the test split does not depend on the seed: a probe without one, as `bench --length-probe random`
         # writes, is evaluated on the same held-out requests)
         test = split_examples(ex, requests, int(meta["summary"].get("seed", 0)))["test"]

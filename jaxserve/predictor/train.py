@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from jaxserve.predictor.bins import NUM_BINS, LengthMetrics, bin_lengths, length_metrics, length_to_bin
-from jaxserve.predictor.dataset import TextRequest, batches, load_text_requests, split_requests
+from jaxserve.predictor.dataset import TextRequest, batches, check_enough_requests, load_text_requests, split_requests
 from jaxserve.predictor.features import HiddenStateReader, ServedModel
 from jaxserve.predictor.probe import ProbeParams, init_probe, probe_logits, probe_predict, trainable
 from jaxserve.replay.trace import resolve_trace_path
@@ -74,11 +74,16 @@ def compute_examples(served: ServedModel, requests: list[TextRequest], progress:
 
 
 def cached_examples(served: ServedModel, trace: str | Path | None, cache_dir: Path | None,
-                    progress: bool = True, max_context: int | None = None) -> tuple[Examples, list[TextRequest]]:
+                    progress: bool = True, max_context: int | None = None,
+                    split: bool = False) -> tuple[Examples, list[TextRequest]]:
     """``compute_examples`` for ``trace`` (requests up to ``max_context`` tokens), reusing
     ``cache_dir/features.npz`` when it was made from the same trace file, model and
-    ``max_context``; writes it when ``cache_dir`` is given."""
+    ``max_context``; writes it when ``cache_dir`` is given. ``split``: the examples will be
+    split by request (train, eval): too few requests for that is a ``TraceDataError``
+    before any feature is computed."""
     requests = load_text_requests(trace, served.tokenizer, max_context)
+    if split:
+        check_enough_requests(requests, trace)
     key = f"{trace_digest(trace)}|{served.identity.fingerprint}|{max_context}"
     path = cache_dir / FEATURES_FILE if cache_dir is not None else None
     if path is not None and path.is_file():
