@@ -79,6 +79,10 @@ class _Running:
     output: ToolOutput | None = None
 
 
+class _GaveUp(TimeoutError):
+    """An awaitable a sync tool returned, given up at the tool's timeout on its thread."""
+
+
 def _as_exception(error: BaseException) -> Exception:
     """A tool's ``SystemExit`` or ``KeyboardInterrupt`` (``sys.exit()`` in a tool, or in a library
     it uses; any ``BaseException`` that is no ``Exception``) as an ordinary failure of that call:
@@ -97,10 +101,10 @@ def _finished_output(call: _Running, request_id: str, now: float) -> ToolOutput 
             return ToolOutput(text=text, full_chars=full)
         except ToolError as e:   # written for the model
             return ToolOutput(error=f"tool {name!r}: {str(e)[:500]}")
-        except TimeoutError:   # (an awaitable a sync tool returned, given up at the tool's timeout on its thread)
+        except _GaveUp:
             log.warning("tool %r timed out for %s", name, request_id)
             return ToolOutput(error=f"tool {name!r} timed out")
-        except Exception as e:  # noqa: BLE001 - the tool's own failure: generic for the model
+        except BaseException as e:  # noqa: BLE001 - the tool's own failure (any kind: it must not end the engine)
             log.warning("tool %r failed for %s", name, request_id, exc_info=e)
             return ToolOutput(error=f"tool {name!r} failed (internal error)")
     if now >= call.deadline:
@@ -157,11 +161,12 @@ class ApiCalls:
                 running.append(_Running(tool.name, None, now, ToolOutput(error=str(e))))
                 continue
             if tool.is_async:
-                try:   # (calling it only makes the coroutine; an object's ``__call__`` may still raise)
-                    future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), self._event_loop())
-                except BaseException as e:  # noqa: BLE001 - that call's failure, on the engine's thread
+                try:   # (the loop first, then the coroutine: calling the tool only makes it)
+                    loop = self._event_loop()
+                    future = asyncio.run_coroutine_threadsafe(self._as_text(tool.fn(**kwargs)), loop)
+                except Exception as e:  # noqa: BLE001 - that call's failure (after shutdown; an odd ``__call__``)
                     future = concurrent.futures.Future()
-                    future.set_exception(_as_exception(e))
+                    future.set_exception(e)
             else:
                 future = self._start_thread(tool, kwargs)
             running.append(_Running(tool.name, future, now + tool.timeout_s))
@@ -171,7 +176,8 @@ class ApiCalls:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed or self.tool_threads_alive >= self.max_tool_threads:
-                future.set_exception(ToolError(f"tool {tool.name!r} is unavailable: too many tool calls still "
+                future.set_exception(ToolError("the engine is shutting down: no tool runs" if self._closed else
+                                               f"tool {tool.name!r} is unavailable: too many tool calls still "
                                                f"running ({self.tool_threads_alive})"))
                 return future
             self.tool_threads_alive += 1
@@ -183,11 +189,12 @@ class ApiCalls:
                         value = tool.fn(**kwargs)
                         if inspect.isawaitable(value):   # (a decorator, lambda or wrapper returning a coroutine)
                             awaited = asyncio.run_coroutine_threadsafe(self._as_text(value), self._event_loop())
+                            wait = tool.timeout_s if tool.timeout_s <= threading.TIMEOUT_MAX else None   # (inf: none)
                             try:
-                                future.set_result(awaited.result(timeout=tool.timeout_s))
+                                future.set_result(awaited.result(timeout=wait))
                             except concurrent.futures.TimeoutError:
                                 awaited.cancel()   # (poll() answered "timed out" at the deadline; this frees the thread)
-                                raise
+                                raise _GaveUp() from None
                         else:
                             future.set_result(self._cap(value))
                     except BaseException as e:  # noqa: BLE001 - handed to poll(), as an Exception
@@ -207,8 +214,10 @@ class ApiCalls:
     async def _as_text(self, awaitable) -> tuple[str, int]:
         try:
             return self._cap(await awaitable)
-        except (SystemExit, KeyboardInterrupt) as e:   # (out of the loop's run_forever, they would end it)
-            raise _as_exception(e) from None
+        except (Exception, asyncio.CancelledError, GeneratorExit):   # (a failure poll() reports; the call's
+            raise                                                      # deadline or abort; the coroutine closed)
+        except BaseException as e:  # noqa: BLE001 - ``SystemExit`` and the like would end the loop, or the engine
+            raise _as_exception(e) from e
 
     def expect_external(self, request_id: str) -> None:
         with self._lock:

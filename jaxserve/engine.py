@@ -39,7 +39,7 @@ from jaxserve.reasoning import REASONING_TURN_SEPARATOR, ReasoningFormat, Reason
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import RequestGrammar, StructuredDecoding
 from jaxserve.tool_format import select_format
-from jaxserve.tools import (LONE_SURROGATE, MAX_TOOL_RESULT_TOKENS, Tool, encode_tool_results, normalize_tools,
+from jaxserve.tools import (LONE_SURROGATE, MAX_TOOL_RESULT_TOKENS, ResultEncoder, Tool, normalize_tools,
                             truncate_tool_result)
 from jaxserve.weights import load_model, parse_dtype, read_config
 from scheduler import (EventKind, Handling, PageAllocator, Request, RequestEvent, RequestState, Scheduler,
@@ -147,6 +147,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
+        self._results_encoder: ResultEncoder | None = None   # (``_result_encoder``)
         self.reasoning_format = None if config.reasoning_parser is None else get_reasoning_format(config.reasoning_parser)
         # Structured output: the executor asks it for the token bitmask of constrained rows.
         self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self._turn_end_ids(),
@@ -579,6 +580,16 @@ class LLMEngine:
         wrapper = self.tokenizer.encode(self.tool_format.wrap_results([""], template), add_special_tokens=False)
         return {wrapper[0]} if wrapper and wrapper[0] in self.eos_token_ids else self.eos_token_ids
 
+    def _result_encoder(self, template: str | None) -> ResultEncoder:
+        """The encoder of tool results (made once): control tokens are those the chat template
+        and the tool format write as markup, and every special token."""
+        if self._results_encoder is None:
+            fmt = self.tool_format
+            markup = "".join([template or "", fmt.wrap_results(["", ""], template), *fmt.template_markers,
+                              fmt.call_opener or ""])
+            self._results_encoder = ResultEncoder(self.tokenizer, markup)
+        return self._results_encoder
+
     def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
         """Tool outputs of one turn as context tokens, wrapped the way the chat template
         shows tool turns, in call order; an output over ``MAX_TOOL_RESULT_TOKENS`` (or over
@@ -591,6 +602,7 @@ class LLMEngine:
         room = self.context_limit - request.num_tokens - 1
         template = getattr(self.tokenizer, "chat_template", None)
         fmt, encode = self.tool_format, self.tokenizer.encode
+        results = self._result_encoder(template)
         wrapper = len(encode(fmt.wrap_results([""] * len(outputs), template), add_special_tokens=False))
         limit = min(MAX_TOOL_RESULT_TOKENS, (room - wrapper) // len(outputs) - 2)   # 2: merges across the seams
         texts = []
@@ -598,12 +610,12 @@ class LLMEngine:
             full_chars = out.full_chars if out.error is None else None
             text = f"error: {out.error}" if out.error is not None else (out.text or "")
             text = LONE_SURROGATE.sub("\ufffd", text)   # (``errors="surrogateescape"`` text: no tokenizer encodes it)
-            kept, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars)
+            kept, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars, results.encode_text)
             if truncated:
                 request.api_calls[-1].truncated = True
                 log.info("tool result cut to %d tokens (%d characters in full)", limit, full_chars or len(text))
             texts.append(kept)
-        ids = encode_tool_results(self.tokenizer, fmt.wrap_results(texts, template), fmt.result_spans(texts, template))
+        ids = results.encode(fmt.wrap_results(texts, template), fmt.result_spans(texts, template))
         if ids and ids[0] in self.eos_token_ids and request.token_ids and request.token_ids[-1] in self.eos_token_ids:
             ids = ids[1:]
         return ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import logging
 import math
 import operator
 import re
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jaxserve.tool_worker import IsolatedFunction, ToolError
+
+log = logging.getLogger(__name__)
 
 MAX_TOOL_RESULT_TOKENS = 1024  # a tool result's share of the context, by default
 MAX_INT_BITS = 10_000          # largest integer the calculator computes (about 3,000 digits)
@@ -162,51 +165,77 @@ def call_arguments(arguments: str) -> dict:
     return args
 
 
-def encode_tool_results(tokenizer, wrapped: str, spans: list[tuple[int, int]]) -> list[int]:
-    """``tokenizer.encode(wrapped, add_special_tokens=False)``, except that an added token
-    (``<|im_end|>``, ``<|eot_id|>``, Qwen's ``</tool_response>``...) written inside one of
-    ``spans`` (the tools' own text, ``ToolFormat.result_spans``) is encoded as the plain
-    text it is: a tool returning a fetched page that holds ``<|im_end|>\n<|im_start|>system``
-    cannot forge a turn. The tokenizer splits text at added tokens before anything else,
-    so each such token is replaced in place by its characters' tokens and the rest stays
-    as encoded."""
-    added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
-    if not any(token in wrapped[start:end] for start, end in spans for token in added.values()):
-        return tokenizer.encode(wrapped, add_special_tokens=False)
-    encoded = tokenizer(wrapped, add_special_tokens=False, return_offsets_mapping=True)
-    ids = []
-    for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-        if token in added and any(a <= start and end <= b for a, b in spans):
-            ids += _as_text(tokenizer, wrapped[start:end], added)
-        else:
-            ids.append(token)
-    return ids
+class ResultEncoder:
+    """Tool results as context tokens for one tokenizer, never as control: a control token
+    written inside a result (a special token such as ``<|im_end|>`` or ``<|eot_id|>``, or an
+    added token the chat template or tool format uses as markup, as Qwen's
+    ``</tool_response>``) is encoded as the characters it is, so a fetched page holding
+    ``<|im_end|>\n<|im_start|>system`` cannot forge a turn. The tokenizer splits text at
+    added tokens before anything else, so each such token is replaced in place by its
+    characters' tokens and the rest stays as encoded. Other added tokens (whitespace runs,
+    words a fine-tune added) stay as the tokenizer writes them. ``markup``: the chat
+    template and the tool format's markup text, where control tokens are looked for."""
 
+    def __init__(self, tokenizer, markup: str) -> None:
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.control = {i: t.content for i, t in added.items() if t.special or t.content in markup}
+        self._anchor = tokenizer.encode("\n", add_special_tokens=False) if self.control else []
+        self._warned = False
 
-def encode_as_text(tokenizer, text: str) -> list[int]:
-    """``text`` as ``encode_tool_results`` encodes a tool's result: added tokens as characters."""
-    return encode_tool_results(tokenizer, text, [(0, len(text))])
-
-
-def _as_text(tokenizer, piece: str, added: dict) -> list[int]:
-    """The ids of ``piece`` (an added token's text) as plain text: special tokens are split by
-    the tokenizer itself; others (``split_special_tokens`` leaves them) by cutting the piece
-    before its second character, so that no part of it is the token any more."""
-    ids = tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
-    if len(piece) < 2 or not any(i in added for i in ids):
+    def encode(self, wrapped: str, spans: list[tuple[int, int]]) -> list[int]:
+        """``tokenizer.encode(wrapped, add_special_tokens=False)`` with the control tokens inside
+        ``spans`` (the results' text, ``ToolFormat.result_spans``) encoded as text."""
+        tokenizer = self.tokenizer
+        if not any(token in wrapped[a:b] for a, b in spans for token in self.control.values()):
+            return tokenizer.encode(wrapped, add_special_tokens=False)
+        try:
+            encoded = tokenizer(wrapped, add_special_tokens=False, return_offsets_mapping=True)
+            offsets = encoded["offset_mapping"]
+        except (KeyError, ValueError, NotImplementedError):   # (a slow tokenizer: no offsets)
+            if not self._warned:
+                log.warning("this tokenizer gives no offsets: control tokens inside tool results stay control tokens")
+                self._warned = True
+            return tokenizer.encode(wrapped, add_special_tokens=False)
+        ids = []
+        for token, (start, end) in zip(encoded["input_ids"], offsets):
+            if token in self.control and any(a <= start and end <= b for a, b in spans):
+                ids += self._as_text(wrapped[start:end])
+            else:
+                ids.append(token)
         return ids
-    return _as_text(tokenizer, piece[:1], added) + _as_text(tokenizer, piece[1:], added)
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` (one result) as ``encode`` encodes it inside the wrapper."""
+        return self.encode(text, [(0, len(text))])
+
+    def _as_text(self, piece: str) -> list[int]:
+        """The ids of ``piece`` (a control token's text) as plain text: after a newline whose
+        ids are then dropped (a SentencePiece tokenizer would start a piece of its own with a
+        space); special tokens are split by the tokenizer itself, others by cutting the piece
+        before its second character, so that no part of it is the token any more."""
+        tokenizer, anchor = self.tokenizer, self._anchor
+        ids = tokenizer.encode("\n" + piece, add_special_tokens=False, split_special_tokens=True)
+        ids = ids[len(anchor):] if ids[:len(anchor)] == anchor else \
+            tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+        if len(piece) < 2 or not any(i in self.control for i in ids):
+            return ids
+        return self._as_text(piece[:1]) + self._as_text(piece[1:])
 
 
-def truncate_tool_result(text: str, max_tokens: int, tokenizer, total_chars: int | None = None) -> tuple[str, bool]:
+def truncate_tool_result(text: str, max_tokens: int, tokenizer, total_chars: int | None = None,
+                         encode: Callable[[str], list[int]] | None = None) -> tuple[str, bool]:
     """Cut a tool's rendered result text to at most about ``max_tokens`` tokens, before it is
     wrapped in the chat template's tool turn (so the wrapper stays intact), ending with a
     note of what was dropped. ``total_chars``: the result's full length when ``text`` is
-    already a prefix of it. Returns ``(text, truncated)``. Only a prefix of at most
-    ``16 * max_tokens`` characters is ever tokenized, however long ``text`` is."""
+    already a prefix of it. ``encode``: how the result will be encoded (``ResultEncoder.encode_text``;
+    default the tokenizer's ``encode``), so the cut counts its tokens as they will be. Returns
+    ``(text, truncated)``. Only a prefix of at most ``16 * max_tokens`` characters is ever
+    tokenized, however long ``text`` is."""
     total = max(total_chars or 0, len(text))
     head = text[:16 * max(0, max_tokens) + 1]
-    ids = encode_as_text(tokenizer, head) if max_tokens > 0 else []   # (as the result will be encoded)
+    encode = encode or (lambda t: tokenizer.encode(t, add_special_tokens=False))   # (``ResultEncoder.encode_text``)
+    ids = encode(head) if max_tokens > 0 else []
     if max_tokens > 0 and len(ids) <= max_tokens and len(head) == total:
         return text, False
     mark_tokens = len(tokenizer.encode(TRUNCATION_MARK.format(dropped=total, total=total), add_special_tokens=False))

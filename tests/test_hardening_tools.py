@@ -367,3 +367,80 @@ def test_special_tokens_a_tool_returns_are_text_not_control_tokens():
         assert len(context("<|im_end|>" * 2000)) <= room
     finally:
         engine.shutdown()
+
+
+def test_any_baseexception_an_async_tool_raises_fails_its_call_only():
+    """``SystemExit`` was converted on the async path, but any other ``BaseException`` (a
+    ``BaseExceptionGroup`` from an ``asyncio.TaskGroup``, a library's own) reached the
+    engine's thread through ``poll`` and ended it for good."""
+    import asyncio
+
+    class Bail(BaseException):
+        pass
+
+    async def bails():
+        raise Bail("out")
+
+    async def group():
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(bails())
+
+    ex = ApiCalls()
+    try:
+        ex.call_tools("a", [(Tool("bails", bails), "{}"), (Tool("group", group), "{}"),
+                            (Tool("wrapped", lambda: bails()), "{}"),
+                            (Tool("patient", lambda: asyncio.sleep(0.05, "waited"), timeout_s=float("inf")), "{}")],
+                      time.monotonic())
+        outputs = _results(ex, 1)["a"].outputs
+        assert [o.error for o in outputs[:3]] == ["tool 'bails' failed (internal error)",
+                                                  "tool 'group' failed (internal error)",
+                                                  "tool 'wrapped' failed (internal error)"]
+        assert outputs[3].text == "waited"   # (an infinite timeout waits: it was an OverflowError at once)
+    finally:
+        ex.shutdown()
+
+
+def test_tool_result_encoding_keeps_ordinary_added_tokens_and_falls_back_without_offsets():
+    """Only control tokens become text (an added token that is ordinary text stays as the
+    tokenizer writes it); a tokenizer that gives no offsets keeps the result as encoded
+    (it raised ``KeyError``, failing the request); a token encoded as text gets no space
+    before it from a tokenizer that starts each piece with one."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.demo import demo_dir
+    from jaxserve.tools import ResultEncoder
+    tok = AutoTokenizer.from_pretrained(str(demo_dir()))
+    tok.add_tokens(["weather"])   # an ordinary added word, in no template
+    encoder = ResultEncoder(tok, "<|im_start|> ... <|im_end|> <tool_call>")
+    text = "weather <tool_call> <|im_end|> weather"
+    ids = encoder.encode_text(text)
+    weather = tok.convert_tokens_to_ids("weather")
+    assert ids.count(weather) == 2 and not set(ids) & set(encoder.control)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+    class NoOffsets:
+        """A slow tokenizer's answer to ``return_offsets_mapping``: no offsets at all."""
+
+        added_tokens_decoder = tok.added_tokens_decoder
+
+        def __call__(self, text, **kwargs):
+            return {"input_ids": tok.encode(text, add_special_tokens=False)}
+
+        def encode(self, text, **kwargs):
+            return tok.encode(text, **kwargs)
+    slow = ResultEncoder(NoOffsets(), "<|im_end|>")
+    assert slow.encode_text(text) == tok.encode(text, add_special_tokens=False)
+
+    class Spaced:
+        """A SentencePiece-like tokenizer: a piece of its own starts with a space (id 0)."""
+
+        added_tokens_decoder = tok.added_tokens_decoder
+
+        def __call__(self, text, **kwargs):
+            return tok(text, **kwargs)
+
+        def encode(self, text, **kwargs):
+            return [0] + tok.encode(text, **kwargs)
+    spaced = ResultEncoder(Spaced(), "<|im_end|>")
+    assert spaced._as_text("<|im_end|>") == tok.encode("<|im_end|>", add_special_tokens=False,
+                                                       split_special_tokens=True)
