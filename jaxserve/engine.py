@@ -409,6 +409,11 @@ class LLMEngine:
         elif isinstance(text, list) and request.pending_tool_calls and len(text) != len(request.pending_tool_calls):
             raise ValueError(f"text: {len(text)} results for the {len(request.pending_tool_calls)} call(s) of "
                              "the turn (one per call, in call order; or one string for them all)")
+        if text is not None:
+            room, wrapper = self._results_room(request, len(text) if isinstance(text, list) else 1)
+            if room < wrapper:
+                raise ValueError(f"text: the context window has {max(0, room)} token(s) left, fewer than the "
+                                 f"{wrapper} of the results' tool turn with nothing in it; abort the request")
         if max_tokens is None and request.num_generated >= request.max_tokens:
             raise ValueError(f"max_tokens: the call was made with the last of the request's {request.max_tokens} "
                              "tokens; give the continuation a budget of its own (resume(..., max_tokens=N))")
@@ -519,9 +524,15 @@ class LLMEngine:
             request.stop_token_ids = frozenset(self._stop_ids(request.sampling_params))
             if request.logit_adjuster is not None:
                 request.logit_adjuster.set_stop_ids(request.stop_token_ids, request.num_generated)
-        if calls and (not last or self._has_client_call(calls)):
-            # (a turn of server-side calls at the last allowed token ends: no token is left to answer them)
+        if calls and self._has_client_call(calls):
             self._pause_for_tools(request, calls, now)
+        elif calls and not last:
+            room, wrapper = self._results_room(request, len(calls))
+            if room < wrapper:   # (no closed tool turn and a token after it fit: the tools are not run)
+                self.core.finish(request, "length")
+            else:
+                self._pause_for_tools(request, calls, now)
+        # (a turn of server-side calls at the last allowed token ends: no token is left to answer them)
 
     def _has_client_call(self, calls: list) -> bool:
         """Whether a turn of parsed calls names a client-side tool (the caller answers it)."""
@@ -590,6 +601,15 @@ class LLMEngine:
             self._results_encoder = ResultEncoder(self.tokenizer, markup)
         return self._results_encoder
 
+    def _results_room(self, request: Request, num_results: int) -> tuple[int, int]:
+        """``(room, wrapper)``: the context tokens left for the results of ``num_results``
+        calls (a token to sample after them kept), and the tokens of their tool turn's
+        wrapper alone (empty results)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        wrapper = len(self.tokenizer.encode(self.tool_format.wrap_results([""] * num_results, template),
+                                            add_special_tokens=False)) if self.tokenizer is not None else 0
+        return self.context_limit - request.num_tokens - 1, wrapper
+
     def result_token_ids(self, request: Request, result: ApiResult) -> list[int]:
         """Tool outputs of one turn as context tokens, wrapped the way the chat template
         shows tool turns, in call order; an output over ``MAX_TOOL_RESULT_TOKENS`` (or over
@@ -599,25 +619,28 @@ class LLMEngine:
         if self.tokenizer is None:
             return []
         outputs = result.outputs
-        room = self.context_limit - request.num_tokens - 1
         template = getattr(self.tokenizer, "chat_template", None)
-        fmt, encode = self.tool_format, self.tokenizer.encode
+        fmt = self.tool_format
         results = self._result_encoder(template)
-        wrapper = len(encode(fmt.wrap_results([""] * len(outputs), template), add_special_tokens=False))
+        room, wrapper = self._results_room(request, len(outputs))
         limit = min(MAX_TOOL_RESULT_TOKENS, (room - wrapper) // len(outputs) - 2)   # 2: merges across the seams
-        texts = []
-        for out in outputs:
-            full_chars = out.full_chars if out.error is None else None
-            text = f"error: {out.error}" if out.error is not None else (out.text or "")
-            text = LONE_SURROGATE.sub("\ufffd", text)   # (``errors="surrogateescape"`` text: no tokenizer encodes it)
-            kept, truncated = truncate_tool_result(text, limit, self.tokenizer, full_chars, results.encode_text)
+        texts = [LONE_SURROGATE.sub("\ufffd", f"error: {out.error}" if out.error is not None else (out.text or ""))
+                 for out in outputs]   # (lone surrogates: ``errors="surrogateescape"`` text no tokenizer encodes)
+        while True:
+            kept = [truncate_tool_result(text, limit, self.tokenizer, out.full_chars if out.error is None else None,
+                                         results.encode_text) for text, out in zip(texts, outputs)]
+            ids = results.encode(fmt.wrap_results([k for k, _ in kept], template),
+                                 fmt.result_spans([k for k, _ in kept], template))
+            if ids and ids[0] in self.eos_token_ids and request.token_ids and request.token_ids[-1] in self.eos_token_ids:
+                ids = ids[1:]
+            if len(ids) <= room or limit <= 0:
+                break
+            limit -= -(-(len(ids) - room) // len(outputs))   # (the seams merged otherwise than the margin allowed)
+        for (_, truncated), text, out in zip(kept, texts, outputs):
             if truncated:
                 request.api_calls[-1].truncated = True
-                log.info("tool result cut to %d tokens (%d characters in full)", limit, full_chars or len(text))
-            texts.append(kept)
-        ids = results.encode(fmt.wrap_results(texts, template), fmt.result_spans(texts, template))
-        if ids and ids[0] in self.eos_token_ids and request.token_ids and request.token_ids[-1] in self.eos_token_ids:
-            ids = ids[1:]
+                log.info("tool result cut to %d tokens (%d characters in full)", limit,
+                         (out.full_chars if out.error is None else None) or len(text))
         return ids
 
     # -------------------------------------------------------------- outputs

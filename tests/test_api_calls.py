@@ -3,6 +3,7 @@ swap really moves KV to host memory, tight pools never deadlock."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -242,3 +243,56 @@ def test_a_tool_result_the_tokenizer_cannot_take_fails_no_other_request(monkeypa
     ended = run({"s", "bystander"})
     assert ended["s"].finish_reason == "error" and "a tokenizer defect" in ended["s"].error
     assert ended["bystander"].finish_reason == "length" and len(ended["bystander"].token_ids) == 24
+
+
+def test_a_server_side_turn_with_no_room_for_its_results_turn_is_not_run():
+    """With less room in the context than the results' tool turn takes, a tool still ran:
+    its result was cut with the wrapper (``<|im_end|>\\n<|im_start|>to``), or dropped, and
+    the model sampled a token after the broken turn. Now the tools are not run and the
+    request ends "length" at the call (as at the last allowed token); with room for the
+    wrapper, the model always sees a closed tool turn, the result cut inside it."""
+    window = 128
+    llm = LLM("demo", page_size=8, num_pages=64, max_model_len=window, warmup=False,
+              tools={"big": lambda: "abcdefghij " * 200})
+    engine = llm.engine
+    tok, sched = engine.tokenizer, engine.scheduler
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    seen = {}
+    api_return = sched.api_return
+
+    def spy(request, n, now, token_ids=None):
+        seen["at"] = request.num_tokens
+        done = api_return(request, n, now, token_ids)
+        seen["kept"] = request.token_ids[seen["at"]:]
+        return done
+    sched.api_return = spy
+
+    def run(prompt_len: int):
+        seen.clear()
+        params = SamplingParams(max_tokens=window - prompt_len, temperature=0.0, ignore_eos=True,
+                                structured=StructuredOutput.tool_call({"big": empty}, name="big", parallel=False))
+        return llm.generate(prompt_token_ids=[[(7 * i + 3) % 200 + 10 for i in range(prompt_len)]],
+                            sampling_params=params, parse_tool_calls=True)[0]
+
+    run(20)
+    call = seen["at"] - 20   # tokens the forced call takes
+    wrapper = len(tok.encode(engine.tool_format.wrap_results([""], tok.chat_template), add_special_tokens=False))
+    for room in (1, 2, 6, wrapper - 1, wrapper, wrapper + 3, wrapper + 30):
+        out = run(window - call - room)
+        if room - 1 < wrapper:   # (a token to sample after the turn is kept)
+            assert not out.api_calls and out.finish_reason == "length" and len(out.token_ids) == call, room
+        else:
+            closed = tok.decode(seen["kept"], skip_special_tokens=False)
+            assert len(out.api_calls) == 1 and closed.endswith("<|im_end|>\n<|im_start|>assistant\n"), (room, closed)
+    # A client-side call pauses at any room (the caller answers it, or sends a follow-up of its own);
+    # a result given back with no room for its tool turn is refused and leaves the request paused.
+    ext = SamplingParams(max_tokens=window, temperature=0.0, ignore_eos=True,
+                         structured=StructuredOutput.tool_call({"ext": empty}, name="ext", parallel=False))
+    engine.add_request("x", prompt_token_ids=[(7 * i + 3) % 200 + 10 for i in range(window - call - 3)],
+                       sampling_params=dataclasses.replace(ext, max_tokens=call + 3), parse_tool_calls=True)
+    while engine.is_live("x") and not engine.api.is_waiting_external("x"):
+        engine.step()
+    with pytest.raises(ValueError, match=r"the context window has \d token\(s\) left, fewer than the \d+ of"):
+        engine.resume("x", text="a result")
+    assert engine.api.is_waiting_external("x")
+    engine.abort("x")
