@@ -79,6 +79,9 @@ class _Running:
     output: ToolOutput | None = None
 
 
+SHUTTING_DOWN = "the engine is shutting down: no tool runs"
+
+
 class _GaveUp(TimeoutError):
     """An awaitable a sync tool returned, given up at the tool's timeout on its thread."""
 
@@ -176,7 +179,7 @@ class ApiCalls:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed or self.tool_threads_alive >= self.max_tool_threads:
-                future.set_exception(ToolError("the engine is shutting down: no tool runs" if self._closed else
+                future.set_exception(ToolError(SHUTTING_DOWN if self._closed else
                                                f"tool {tool.name!r} is unavailable: too many tool calls still "
                                                f"running ({self.tool_threads_alive})"))
                 return future
@@ -291,7 +294,7 @@ class ApiCalls:
         after ``shutdown``: a ``ToolError``)."""
         with self._lock:
             if self._closed:
-                raise ToolError("the engine is shutting down: no tool runs")
+                raise ToolError(SHUTTING_DOWN)
             if self._loop is None or not self._loop_thread.is_alive():
                 self._loop = asyncio.new_event_loop()
                 self._loop_thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-async-tools",

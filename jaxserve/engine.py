@@ -146,8 +146,13 @@ class LLMEngine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.tool_format = select_format(config.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
-        self._results_encoder: ResultEncoder | None = None   # (``_result_encoder``)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = select_format(config.tool_call_parser, template)
+        # Tool results as context tokens, never as control: control tokens are every special token and
+        # the added tokens the chat template and the tool format write as markup.
+        self.result_encoder = None if self.tokenizer is None else ResultEncoder(self.tokenizer, "".join(
+            [template or "", self.tool_format.wrap_results(["", ""], template), *self.tool_format.template_markers,
+             self.tool_format.call_opener or ""]))
         self.reasoning_format = None if config.reasoning_parser is None else get_reasoning_format(config.reasoning_parser)
         # Structured output: the executor asks it for the token bitmask of constrained rows.
         self.structured = StructuredDecoding(self.tokenizer, cfg.vocab_size, self._turn_end_ids(),
@@ -591,16 +596,6 @@ class LLMEngine:
         wrapper = self.tokenizer.encode(self.tool_format.wrap_results([""], template), add_special_tokens=False)
         return {wrapper[0]} if wrapper and wrapper[0] in self.eos_token_ids else self.eos_token_ids
 
-    def _result_encoder(self, template: str | None) -> ResultEncoder:
-        """The encoder of tool results (made once): control tokens are those the chat template
-        and the tool format write as markup, and every special token."""
-        if self._results_encoder is None:
-            fmt = self.tool_format
-            markup = "".join([template or "", fmt.wrap_results(["", ""], template), *fmt.template_markers,
-                              fmt.call_opener or ""])
-            self._results_encoder = ResultEncoder(self.tokenizer, markup)
-        return self._results_encoder
-
     def _results_room(self, request: Request, num_results: int) -> tuple[int, int]:
         """``(room, wrapper)``: the context tokens left for the results of ``num_results``
         calls (a token to sample after them kept), and the tokens of their tool turn's
@@ -621,7 +616,7 @@ class LLMEngine:
         outputs = result.outputs
         template = getattr(self.tokenizer, "chat_template", None)
         fmt = self.tool_format
-        results = self._result_encoder(template)
+        results = self.result_encoder
         room, wrapper = self._results_room(request, len(outputs))
         limit = min(MAX_TOOL_RESULT_TOKENS, (room - wrapper) // len(outputs) - 2)   # 2: merges across the seams
         texts = [LONE_SURROGATE.sub("\ufffd", f"error: {out.error}" if out.error is not None else (out.text or ""))

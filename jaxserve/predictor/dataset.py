@@ -23,6 +23,7 @@ import grain
 import numpy as np
 
 from jaxserve.replay.trace import TraceError, json_objects, resolve_trace_path
+from jaxserve.tools import LONE_SURROGATE
 
 
 class TraceDataError(ValueError):
@@ -121,11 +122,9 @@ def _check_encodable(where: str, texts: list[str]) -> None:
     """Each of ``texts`` is valid Unicode (JSON's ``\\ud800`` escape gives a lone surrogate,
     which no tokenizer encodes): a ``TraceDataError`` naming ``where`` otherwise."""
     for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise TraceDataError(f"{where}: a lone surrogate {text[e.start]!r} at character {e.start} "
-                                 f"(not text a tokenizer can encode)") from None
+        if (lone := LONE_SURROGATE.search(text)) is not None:
+            raise TraceDataError(f"{where}: a lone surrogate {lone.group()!r} at character {lone.start()} "
+                                 f"(not text a tokenizer can encode)")
 
 
 # Requests a probe needs: the split by request gives train, validation and test one each at least.

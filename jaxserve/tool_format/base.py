@@ -344,12 +344,13 @@ class ToolFormat:
         where its placeholder does, written as a result alone would be."""
         marks = [f"JAXSERVERESULT{i}PLACE" for i in range(len(texts))]
         skeleton = self.wrap_results(marks, chat_template)
+        alone = self.wrap_results(marks[:1], chat_template)   # (a result alone: the wrapper's text around it)
+        before = alone.index(marks[0]) if marks else 0
+        after = len(alone) - before - len(marks[0]) if marks else 0
         spans, read, at = [], 0, 0
         for mark, text in zip(marks, texts):
             found = skeleton.index(mark, read)
             at += found - read   # (the wrapper's text before this result)
-            alone = self.wrap_results([mark], chat_template)
-            before, after = alone.index(mark), len(alone) - alone.index(mark) - len(mark)
             written = self.wrap_results([text], chat_template)
             length = len(written) - before - after
             spans.append((at, at + length))
