@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +98,41 @@ def test_corrupt_or_missing_checkpoint_and_empty_trace(trained, tmp_path, capsys
     assert cli.main(["predictor", "train", "--model", "demo", "--out", str(tmp_path / "x"),
                      "--trace", str(empty)]) == 2
     assert str(empty) in capsys.readouterr().err
+
+
+def test_a_truncated_checkpoint_is_one_error_without_a_late_traceback(trained, tmp_path):
+    """A data file cut short: orbax's restore fails at its first bad read, closes its
+    event loop, and tensorstore's other reads land on the closed loop afterwards;
+    their ``Event loop is closed`` tracebacks reached stderr now and then (about
+    one load in two) after the one-line refusal. Six loads in one process, then a
+    pause for stragglers: one error each, nothing else on stderr. Other
+    unraisable exceptions still reach the hook that was there before."""
+    bad = tmp_path / "cut"
+    shutil.copytree(trained[0], bad)
+    data = [f for f in (bad / "probe" / "params" / "d").iterdir() if f.is_file()]
+    assert data
+    for f in data:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    script = f"""
+import gc, sys, time
+from jaxserve.predictor.checkpoint import ProbeCheckpointError, load_probe
+for _ in range(6):
+    try:
+        load_probe({str(bad)!r})
+    except ProbeCheckpointError as e:
+        print("refused:", str(e).split(":")[0])
+time.sleep(1.0)
+class Leaky:
+    def __del__(self):
+        raise KeyError("another unraisable")
+Leaky()
+gc.collect()
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("refused: probe checkpoint") == 6, run.stdout
+    assert "Event loop is closed" not in run.stderr, run.stderr
+    assert "another unraisable" in run.stderr   # (the filter drops nothing else)
 
 
 def test_predictions_land_on_requests_in_the_engine(trained):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +62,33 @@ def _ocp():
     return ocp
 
 
+def _is_late_read_on_a_closed_loop(unraisable) -> bool:
+    """Whether ``unraisable`` (``sys.unraisablehook``'s argument) is tensorstore
+    reporting a read that finished after orbax closed the event loop of a
+    failed restore: ``RuntimeError('Event loop is closed')`` raised by
+    ``call_soon_threadsafe`` (the other reads of a damaged checkpoint land
+    after the first error ended the restore)."""
+    if unraisable.exc_type is not RuntimeError or str(unraisable.exc_value) != "Event loop is closed":
+        return False
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    return bool(frames) and frames[0].name == "call_soon_threadsafe"
+
+
+def _drop_late_reads_of_failed_restores() -> None:
+    """Keep those late reads' tracebacks off stderr (once per process): the
+    restore's failure is already reported, as one ``ProbeCheckpointError``.
+    Every other unraisable exception goes to the hook that was there before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_late_reads", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _is_late_read_on_a_closed_loop(unraisable):
+            previous(unraisable)
+    hook.drops_late_reads = True
+    sys.unraisablehook = hook
+
+
 def save_probe(directory: str | Path, params: ProbeParams, identity: ModelIdentity, probe_hidden: int,
                summary: dict) -> Path:
     """Write ``params`` and their model identity under ``directory/probe`` (replacing an old one)."""
@@ -91,6 +120,7 @@ def load_probe(directory: str | Path, identity: ModelIdentity | None = None) -> 
                                                               meta=ocp.args.JsonRestore()))
         params, meta = dict(restored["params"]), dict(restored["meta"])
     except Exception as e:  # orbax raises many kinds for damaged files
+        _drop_late_reads_of_failed_restores()
         raise ProbeCheckpointError(f"probe checkpoint {path} is corrupt or unreadable: "
                                    f"{type(e).__name__}: {e}") from e
     _check_consistent(path, params, meta)
