@@ -14,7 +14,10 @@ full exception goes to the log.
 A sync tool that hangs past its timeout keeps its thread (Python cannot stop
 one), but it no longer blocks anyone: every call gets a fresh thread, so
 later calls run at once. Only when ``max_tool_threads`` threads are still
-alive are new calls refused (an error result, at once). Results are turned
+alive are new calls refused (an error result, at once). An awaitable a sync
+tool returns (a decorator or lambda around an async function) is awaited on
+the async tools' loop, as an async tool is: its thread ends as it returns,
+and the call's deadline or its request's abort cancels the awaitable. Results are turned
 into text and cut to ``max_result_chars`` on the tool's thread, so a huge
 result never reaches the engine thread whole.
 """
@@ -82,8 +85,39 @@ class _Running:
 SHUTTING_DOWN = "the engine is shutting down: no tool runs"
 
 
-class _GaveUp(TimeoutError):
-    """An awaitable a sync tool returned, given up at the tool's timeout on its thread."""
+class _Call(concurrent.futures.Future):
+    """A sync tool call's future. When the tool returns an awaitable (a decorator or
+    lambda around an async function), that runs on the async tools' loop as
+    ``awaited`` and this future takes its outcome; cancelling this one (the call's
+    deadline, its request's abort) cancels ``awaited`` too, though this one is
+    already running and so stays uncancelled itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited: concurrent.futures.Future | None = None
+        self.cancel_requested = False
+
+    def cancel(self) -> bool:
+        self.cancel_requested = True
+        awaited = self.awaited
+        if awaited is not None:
+            awaited.cancel()
+        return super().cancel()
+
+    def follow(self, awaited: concurrent.futures.Future) -> None:
+        """Take ``awaited``'s outcome when it has one (cancelled: ``CancelledError``)."""
+        self.awaited = awaited
+        if self.cancel_requested:   # (a cancel that came before ``awaited`` was linked)
+            awaited.cancel()
+
+        def done(inner: concurrent.futures.Future) -> None:
+            if inner.cancelled():
+                self.set_exception(concurrent.futures.CancelledError())
+            elif inner.exception() is not None:
+                self.set_exception(inner.exception())
+            else:
+                self.set_result(inner.result())
+        awaited.add_done_callback(done)
 
 
 def _as_exception(error: BaseException) -> Exception:
@@ -104,9 +138,6 @@ def _finished_output(call: _Running, request_id: str, now: float) -> ToolOutput 
             return ToolOutput(text=text, full_chars=full)
         except ToolError as e:   # written for the model
             return ToolOutput(error=f"tool {name!r}: {str(e)[:500]}")
-        except _GaveUp:
-            log.warning("tool %r timed out for %s", name, request_id)
-            return ToolOutput(error=f"tool {name!r} timed out")
         except BaseException as e:  # noqa: BLE001 - the tool's own failure (any kind: it must not end the engine)
             log.warning("tool %r failed for %s", name, request_id, exc_info=e)
             return ToolOutput(error=f"tool {name!r} failed (internal error)")
@@ -176,7 +207,7 @@ class ApiCalls:
         self._pending[request_id] = running
 
     def _start_thread(self, tool: Tool, kwargs: dict) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future = _Call()
         with self._lock:
             if self._closed or self.tool_threads_alive >= self.max_tool_threads:
                 future.set_exception(ToolError(SHUTTING_DOWN if self._closed else
@@ -190,14 +221,9 @@ class ApiCalls:
                 if future.set_running_or_notify_cancel():
                     try:
                         value = tool.fn(**kwargs)
-                        if inspect.isawaitable(value):   # (a decorator, lambda or wrapper returning a coroutine)
-                            awaited = asyncio.run_coroutine_threadsafe(self._as_text(value), self._event_loop())
-                            wait = tool.timeout_s if tool.timeout_s <= threading.TIMEOUT_MAX else None   # (inf: none)
-                            try:
-                                future.set_result(awaited.result(timeout=wait))
-                            except concurrent.futures.TimeoutError:
-                                awaited.cancel()   # (poll() answered "timed out" at the deadline; this frees the thread)
-                                raise _GaveUp() from None
+                        if inspect.isawaitable(value):   # (a decorator, lambda or wrapper returning a coroutine):
+                            # awaited on the loop, whose task the call's deadline or abort cancels; the thread is free
+                            future.follow(asyncio.run_coroutine_threadsafe(self._as_text(value), self._event_loop()))
                         else:
                             future.set_result(self._cap(value))
                     except BaseException as e:  # noqa: BLE001 - handed to poll(), as an Exception

@@ -296,8 +296,8 @@ def test_async_tools_behind_a_decorator_or_a_call_method_are_awaited():
 def test_an_awaitable_a_sync_tool_returns_cannot_end_the_loop_or_hold_its_thread():
     """A sync tool returning a coroutine that calls ``sys.exit()`` ended the async tools' loop;
     one that never finished held its tool thread past the deadline (64 of them and every
-    sync tool was refused). The first is that call's error; the second frees its thread
-    at the tool's timeout."""
+    sync tool was refused). The first is that call's error; the second no longer holds a
+    thread (awaited on the async tools' loop) and is cancelled at the tool's timeout."""
     import asyncio
     import sys as system
 
@@ -319,6 +319,49 @@ def test_an_awaitable_a_sync_tool_returns_cannot_end_the_loop_or_hold_its_thread
         assert ex.tool_threads_alive == 0
         ex.call_tools("b", [(Tool("fine", lambda: asyncio.sleep(0, "still runs")), "{}")], time.monotonic())
         assert _results(ex, 1)["b"].outputs[0].text == "still runs"
+    finally:
+        ex.shutdown()
+
+
+def test_an_awaitable_a_sync_tool_returns_frees_its_thread_and_is_cancelled_at_the_deadline_or_abort():
+    """The awaitable a sync tool returned was awaited on the tool's thread with the whole
+    timeout counted from the moment the sync part returned: the thread (one of
+    ``max_tool_threads``) stayed taken meanwhile, the awaitable ran on up to a whole
+    timeout past the call's deadline, and a request's abort did not stop it. Now the
+    thread ends as the sync part returns, and the deadline (counted from the call) or
+    the abort cancels the awaitable."""
+    import asyncio
+
+    stopped: dict[str, float] = {}
+
+    async def slow(label: str) -> str:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            stopped[label] = time.monotonic()
+        return "never"
+
+    def sync_then_async(label: str):
+        time.sleep(0.2)   # the sync part takes most of the timeout
+        return slow(label)
+
+    ex = ApiCalls()
+    try:
+        start = time.monotonic()
+        ex.call_tools("timed", [(Tool("late", sync_then_async, timeout_s=0.5), '{"label": "timed"}')], start)
+        ex.call_tools("aborted", [(Tool("late", sync_then_async, timeout_s=30), '{"label": "aborted"}')], start)
+        def wait_for(condition) -> bool:
+            deadline = time.monotonic() + 5
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return condition()
+
+        assert wait_for(lambda: ex.tool_threads_alive == 0)   # no thread is held for the awaiting (was: 30 s)
+        ex.cancel("aborted")
+        assert wait_for(lambda: "aborted" in stopped)
+        results = _results(ex, 1)
+        assert results["timed"].outputs[0].error == "tool 'late' timed out"
+        assert wait_for(lambda: "timed" in stopped)
     finally:
         ex.shutdown()
 
