@@ -9,13 +9,15 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.sampling_params import GREEDY_BELOW_TEMPERATURE
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingArrays:
     """Per-row sampling settings for a padded batch of S rows."""
 
-    temperature: jax.Array  # [S] float32; 0 = greedy
+    temperature: jax.Array  # [S] float32; 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
     top_k: jax.Array        # [S] int32; 0 = off
     top_p: jax.Array        # [S] float32
     min_p: jax.Array        # [S] float32; 0 = off
@@ -68,7 +70,7 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
 
 def _sample_random(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """Temperature / top-k / top-p / min-p sampling of every row of ``logits [S, V]``; ``[S]`` int32."""
-    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    temperature = jnp.where(params.temperature >= GREEDY_BELOW_TEMPERATURE, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
     needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
     scaled = jax.lax.cond(needs_filter, _filter, lambda x, k, p, m: x, scaled, params.top_k, params.top_p, params.min_p)
@@ -77,14 +79,15 @@ def _sample_random(logits: jax.Array, params: SamplingArrays) -> jax.Array:
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Pick one token per row of ``logits [S, V]`` (float32). Returns ``[S]`` int32.
+    """Pick one token per row of ``logits [S, V]`` (float32). Returns ``[S]`` int32. A row
+    whose temperature is below ``GREEDY_BELOW_TEMPERATURE`` (0 included) is greedy.
 
     A batch whose rows are all greedy skips the random path (a Gumbel draw over the
     whole vocabulary per row, as costly as the LM head on CPU)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    any_random = jnp.any(params.temperature > 0)
-    sampled = jax.lax.cond(any_random, _sample_random, lambda x, p: greedy, logits, params)
-    return jnp.where(params.temperature > 0, sampled, greedy)
+    random = params.temperature >= GREEDY_BELOW_TEMPERATURE
+    sampled = jax.lax.cond(jnp.any(random), _sample_random, lambda x, p: greedy, logits, params)
+    return jnp.where(random, sampled, greedy)
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

@@ -12,6 +12,9 @@ from jaxserve.constraints import StructuredOutput
 # top_k and step counts as int32, temperature/top_p as float32, seeds as uint32.
 INT32_MAX = 2**31 - 1
 MAX_TEMPERATURE = 100.0     # far above any useful value, far below float32's range
+# A temperature below this samples greedily (vLLM's threshold): logits divided by a tiny one
+# overflow float32 to inf (a logit of 20 over 2e-38), and the draw then took the first inf, not the best.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20           # alternatives per token (OpenAI's top_logprobs limit; one compiled variant)
@@ -25,7 +28,8 @@ REPETITION_RANGE = (0.01, 10.0)   # repetition_penalty bounds: far past any usef
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p
+    ``temperature == 0`` is greedy, as is any below 1e-5
+    (``GREEDY_BELOW_TEMPERATURE``, vLLM's threshold). ``top_k <= 0``, ``top_p == 1`` and ``min_p
     == 0`` disable those filters (``min_p``: only tokens at least ``min_p`` times
     as likely as the likeliest are drawn, after temperature). ``seed`` makes sampling reproducible per request: the same
     seed gives the same tokens whether the request runs alone or in a batch.

@@ -9,7 +9,8 @@ import torch
 from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from jaxserve.sampling import _filter
+from jaxserve.sampling import SamplingArrays, _filter, sample
+from jaxserve.sampling_params import SamplingParams
 
 # (temperature, top_k, top_p, min_p) per row: each filter alone, pairs, all three, none
 ROWS = [(1.0, 5, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.05), (1.0, 0, 1.0, 0.3), (0.5, 20, 0.9, 0.1),
@@ -47,3 +48,22 @@ def test_a_top_p_too_small_for_float32_keeps_the_likeliest_token():
                               jnp.zeros(2, jnp.float32)))
     for row in range(2):
         assert np.flatnonzero(np.isfinite(ours[row])).tolist() == [int(np.argmax(logits[row]))]
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_a_tiny_temperature_is_greedy(top_k):
+    """A temperature that passes validation but divides the logits into float32's
+    overflow (a logit of 20 over 2e-38 is inf) drew the first inf token, not the best:
+    garbage (token 0, "!!!!") with a 200 from the server. Below 1e-5 it is greedy
+    (vLLM's threshold); at 1e-5 and above the draw is a real one."""
+    logits = jnp.asarray([[-3.0, 12.0, 20.0, 15.0]] * 6, jnp.float32)   # greedy: token 2
+    temps = [2e-38, 5e-38, 1e-30, 1e-6, 0.0, 50.0]
+    for t in temps:
+        SamplingParams(temperature=t)   # all accepted
+    rows = len(temps)
+    params = SamplingArrays(temperature=jnp.asarray(temps, jnp.float32), top_k=jnp.full(rows, top_k, jnp.int32),
+                            top_p=jnp.ones(rows, jnp.float32), min_p=jnp.zeros(rows, jnp.float32),
+                            seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.zeros(rows, jnp.int32))
+    drawn = [np.asarray(sample(logits, SamplingArrays(**{**params.__dict__, "step": params.step + n}))) for n in range(40)]
+    assert all((d[:5] == 2).all() for d in drawn)
+    assert {int(d[5]) for d in drawn} != {2}   # (temperature 50 draws for real: not always the likeliest)
