@@ -32,7 +32,8 @@ class SamplingParams:
     (``GREEDY_BELOW_TEMPERATURE``, vLLM's threshold). ``top_k <= 0``, ``top_p == 1`` and ``min_p
     == 0`` disable those filters (``min_p``: only tokens at least ``min_p`` times
     as likely as the likeliest are drawn, after temperature). ``seed`` makes sampling reproducible per request: the same
-    seed gives the same tokens whether the request runs alone or in a batch.
+    seed gives the same draws whether the request runs alone or in a batch (from logits
+    equal up to float rounding: docs/engine.md, "Sampling and seeds").
     ``max_tokens`` counts generated tokens only (not API-returned ones).
     ``structured`` constrains the output (JSON Schema, JSON object, forced tool
     call; see ``jaxserve.constraints``); a constraint that cannot be completed
