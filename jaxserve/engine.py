@@ -668,12 +668,17 @@ class LLMEngine:
             name=rec.name, arguments=rec.arguments, tool_calls=[dict(c) for c in rec.tool_calls], error=rec.error,
             truncated=rec.truncated)
             for rec in request.api_calls]
-        metrics = {} if not final else {
-            "arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time,
-            "first_token_time": request.first_token_time, "finish_time": request.finish_time,
-            "num_preemptions": request.num_preemptions, "prompt_tokens": request.prompt_len,
-            "generated_tokens": len(generated), "api_time_s": request.api_time_total,
-            "num_cached_tokens": request.num_cached_tokens}
+        if final:
+            metrics = {
+                "arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time,
+                "first_token_time": request.first_token_time, "finish_time": request.finish_time,
+                "num_preemptions": request.num_preemptions, "prompt_tokens": request.prompt_len,
+                "generated_tokens": len(generated), "api_time_s": request.api_time_total,
+                "num_cached_tokens": request.num_cached_tokens}
+        elif new_ids and len(new_ids) == len(generated):   # the first tokens: the queue time is known
+            metrics = {"arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time}
+        else:
+            metrics = {}
         return RequestOutput(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                              token_ids=list(generated), text=text, delta_token_ids=new_ids,
                              delta_text=new_text, finish_reason=reason, api_calls=calls,

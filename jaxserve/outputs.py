@@ -78,6 +78,10 @@ class RequestOutput:
     With a reasoning parser (``EngineConfig.reasoning_parser``) ``text`` is the
     answer and ``reasoning`` the thinking written before it, tags left out
     (``jaxserve.reasoning``); otherwise ``reasoning`` is empty and ``text`` all.
+    ``metrics``: on the final output the request's timings (seconds on the
+    engine's clock) and counts; on the first output with tokens its
+    ``arrival_time`` and ``first_scheduled_time`` (its queue time, for a caller
+    that stops reading before the end); otherwise empty.
     """
 
     request_id: str

@@ -445,6 +445,10 @@ async def _serve(state: ServerState, request: Request, body, chat: bool, wire=No
         try:
             try:
                 await wait_or_disconnect(request, _collect(merger, choices))
+            except BaseException as e:
+                _end_unfinished(choices, "abort" if isinstance(e, (ClientDisconnected, asyncio.CancelledError))
+                                else "error")
+                raise
             finally:
                 await merger.aclose()
             await _park_paused(state, choices, owner)
@@ -1021,6 +1025,16 @@ async def _park_paused(state: ServerState, choices: list[ChoiceState], owner: st
         c.settled = True
 
 
+def _end_unfinished(choices: list[ChoiceState], reason: str) -> None:
+    """The response ended before some choices' final outputs (``reason``: ``abort``, the
+    client left; ``error``, it failed): their latency and count are observed all the same,
+    so every response in the TTFT histogram is in the E2E one and in ``responses_total``."""
+    now = time.monotonic()
+    for c in choices:
+        if c.finish_reason is None:
+            c.timer.on_end(reason, now)
+
+
 async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> None:
     """A response that ended before its paused tool calls were parked (client gone,
     a sibling choice failed): abort them, or they would hold their KV forever."""
@@ -1034,7 +1048,7 @@ async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> No
 async def _stream(state: ServerState, request: Request, wire, merger: ChoiceMerger, choices: list[ChoiceState],
                   owner: str) -> AsyncIterator[str]:
     """The events of a streamed response as its choices progress, in ``wire``'s shape."""
-    finished = False
+    finished = failed = False
     try:
         for event in wire.start(choices):
             yield event
@@ -1072,10 +1086,12 @@ async def _stream(state: ServerState, request: Request, wire, merger: ChoiceMerg
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band, then end it
+        failed = True
         log.warning("stream %s failed: %s", wire.response_id, e)
         for event in wire.error(from_value_error(e, wire.prompt_param) if isinstance(e, ValueError) else e):
             yield event
     finally:
         if not finished:
+            _end_unfinished(choices, "error" if failed else "abort")
             await merger.aclose()
         await _abort_unsettled(state, choices)

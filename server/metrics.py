@@ -149,6 +149,7 @@ class ResponseTimer:
         self.observe_queue = not resumed
         self.last_token: float | None = None
         self.calls_seen = calls_seen
+        self.ended = False
 
     def on_output(self, out: RequestOutput, now: float) -> None:
         new_pause = False
@@ -158,7 +159,7 @@ class ResponseTimer:
             self.metrics.api_pause.observe(max(0.0, call.return_time - call.call_time))
             self.calls_seen += 1
             new_pause = True
-        if self.observe_queue and out.metrics.get("first_scheduled_time") is not None:  # on final outputs
+        if self.observe_queue and out.metrics.get("first_scheduled_time") is not None:  # (the first output with tokens)
             self.metrics.queue.observe(max(0.0, out.metrics["first_scheduled_time"] - out.metrics["arrival_time"]))
             self.observe_queue = False
         if out.delta_token_ids:
@@ -169,6 +170,11 @@ class ResponseTimer:
             self.last_token = now
 
     def on_end(self, finish_reason: str, now: float) -> None:
+        """The choice ended (its final output; or the response ended without it: the
+        client left, ``abort``, or the stream failed, ``error``); once per choice."""
+        if self.ended:
+            return
+        self.ended = True
         self.metrics.e2e.observe(now - self.start)
         self.metrics.responses.labels(finish_reason).inc()
 
