@@ -223,7 +223,7 @@ class ApiCalls:
                         value = tool.fn(**kwargs)
                         if inspect.isawaitable(value):   # (a decorator, lambda or wrapper returning a coroutine):
                             # awaited on the loop, whose task the call's deadline or abort cancels; the thread is free
-                            future.follow(asyncio.run_coroutine_threadsafe(self._as_text(value), self._event_loop()))
+                            self._await_on_loop(value, future)
                         else:
                             future.set_result(self._cap(value))
                     except BaseException as e:  # noqa: BLE001 - handed to poll(), as an Exception
@@ -234,6 +234,21 @@ class ApiCalls:
 
         threading.Thread(target=run, name=f"jaxserve-tool-{tool.name}", daemon=True).start()
         return future
+
+    def _await_on_loop(self, awaitable, future: _Call) -> None:
+        """``future`` follows ``awaitable`` run on the async tools' loop; one that
+        will never run (its call was cancelled while the sync part ran, or the
+        engine shuts down) is closed, not left un-awaited."""
+        try:
+            if future.cancel_requested:
+                raise concurrent.futures.CancelledError()
+            loop = self._event_loop()
+        except BaseException:
+            close = getattr(awaitable, "close", None)
+            if close is not None:
+                close()
+            raise
+        future.follow(asyncio.run_coroutine_threadsafe(self._as_text(awaitable), loop))
 
     def _cap(self, value) -> tuple[str, int]:
         """``(text cut to max_result_chars, full length in characters)``, on the tool's thread."""

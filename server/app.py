@@ -436,6 +436,7 @@ async def _serve(state: ServerState, request: Request, body, chat: bool, wire=No
         except BaseException as e:
             await merger.aclose()
             if isinstance(e, ClientDisconnected):
+                _end_unfinished(choices, "abort")   # (a client that gave up while its request was queued)
                 return Response(status_code=499)
             raise _start_error(e, wire.prompt_param) from None
         if body.stream:
@@ -1031,8 +1032,7 @@ def _end_unfinished(choices: list[ChoiceState], reason: str) -> None:
     so every response in the TTFT histogram is in the E2E one and in ``responses_total``."""
     now = time.monotonic()
     for c in choices:
-        if c.finish_reason is None:
-            c.timer.on_end(reason, now)
+        c.timer.on_end(reason, now)   # (once: a choice that ended is not counted again)
 
 
 async def _abort_unsettled(state: ServerState, choices: list[ChoiceState]) -> None:

@@ -366,6 +366,45 @@ def test_an_awaitable_a_sync_tool_returns_frees_its_thread_and_is_cancelled_at_t
         ex.shutdown()
 
 
+def test_an_awaitable_whose_call_ended_during_the_sync_part_never_runs():
+    """A review of the fix above: an abort while the sync part ran still let the
+    awaitable start (its body ran to its first ``await``), and one returned after
+    ``shutdown`` was never awaited (``coroutine ... was never awaited``). Both are
+    closed now, their bodies never run."""
+    import asyncio
+    import gc
+    import warnings
+
+    ran: list[str] = []
+
+    async def body(label: str) -> str:
+        ran.append(label)
+        await asyncio.sleep(0)
+        return label
+
+    def sync_then_async(label: str):
+        time.sleep(0.2)
+        return body(label)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ex = ApiCalls()
+        ex.call_tools("aborted", [(Tool("late", sync_then_async), '{"label": "aborted"}')], time.monotonic())
+        time.sleep(0.05)
+        ex.cancel("aborted")
+        ex.call_tools("closing", [(Tool("late", sync_then_async), '{"label": "closing"}')], time.monotonic())
+        time.sleep(0.05)
+        ex.shutdown()
+        deadline = time.monotonic() + 5
+        while ex.tool_threads_alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        gc.collect()
+    assert ex.tool_threads_alive == 0
+    assert ran == []
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("fmt_name, template", [("hermes", "<|im_start|>"), ("hermes", None), ("llama3_json", None),
                                                 ("mistral", None), ("mistral", "<|im_start|>")])
 def test_result_spans_find_each_result_as_the_wrapper_writes_it(fmt_name, template):
