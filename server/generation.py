@@ -71,6 +71,11 @@ async def job_outputs(engine, job: Job) -> AsyncIterator[RequestOutput]:
                 await agen.aclose()
                 job.resume_from = None
                 job.request_id = f"{job.request_id}-r"
+            except Exception:
+                # Refused (a ValueError): the paused request, whose parked context was taken for
+                # this resumption, would hold its pages with no TTL left to free them.
+                await engine.abort(job.request_id)
+                raise
             else:
                 yield first
         if job.resume_from is None:

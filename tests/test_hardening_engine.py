@@ -259,3 +259,35 @@ def test_a_request_that_ended_in_a_failed_step_gets_an_error_not_silence(engine,
         await _wait_idle(engine)
         await _fresh_request_completes(engine)
     asyncio.run(scenario())
+
+
+def test_a_refused_resumption_ends_the_paused_request_it_took():
+    """Found by reading the code in the soak: a resumption the engine refused with anything but
+    ``KeyError`` (here a token id outside the vocabulary) left the paused request in
+    the engine, holding its pages, after its parked context was taken: no TTL was
+    left to free it. It is aborted now, and the refusal reaches the caller."""
+    from jaxserve.constraints import StructuredOutput
+    from server.generation import Job, job_outputs, sampling_key
+    from server.parked import ParkedContext
+
+    eng = AsyncEngine("demo", max_num_batched_tokens=32, num_pages=32, max_model_len=256, warmup=False)
+    try:
+        empty = {"type": "object", "properties": {}, "additionalProperties": False}
+        params = SamplingParams(max_tokens=40, temperature=0.0,
+                                structured=StructuredOutput.tool_call({"ext": empty}, name="ext", parallel=False))
+
+        async def scenario() -> None:
+            outs = await _consume(eng, "r", params, parse_tool_calls=True)
+            assert outs[-1].finish_reason == "tool_calls" and eng.engine.is_live("r")
+            context = outs[-1].prompt_token_ids + outs[-1].token_ids
+            parked = ParkedContext("r", context, sampling_key(params), calls_seen=0, expires_at=time.monotonic() + 60)
+            job = Job("r", context + [eng.engine.model_config.vocab_size + 7], params, parse_tool_calls=True,
+                      resume_from=parked, resume_at=len(context))
+            with pytest.raises(ValueError, match="token_ids must be integers"):
+                async for _ in job_outputs(eng, job):
+                    pass
+            assert not eng.engine.is_live("r")
+            await _wait_idle(eng)
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
