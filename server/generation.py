@@ -98,12 +98,15 @@ class ChoiceMerger:
     ``(choice index, RequestOutput)`` in arrival order, ``aclose()`` aborts the rest."""
 
     def __init__(self, engine, jobs: list[Job]) -> None:
+        self._engine, self._jobs = engine, jobs
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._started: set[int] = set()   # jobs whose pump ran (a task cancelled before it never does)
         self._tasks = [asyncio.ensure_future(self._pump(i, engine, job)) for i, job in enumerate(jobs)]
         self._buffer: list = []
         self._open = len(jobs)
 
     async def _pump(self, index: int, engine, job: Job) -> None:
+        self._started.add(index)
         try:
             async for out in job_outputs(engine, job):
                 self._queue.put_nowait((index, out))
@@ -143,6 +146,10 @@ class ChoiceMerger:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for index, job in enumerate(self._jobs):
+            if job.resume_from is not None and index not in self._started:
+                # cancelled before it ran: its paused request (whose parked context was taken) is ended
+                await self._engine.abort(job.request_id)
 
 
 @dataclass

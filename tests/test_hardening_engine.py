@@ -265,9 +265,10 @@ def test_a_refused_resumption_ends_the_paused_request_it_took():
     """Found by reading the code in the soak: a resumption the engine refused with anything but
     ``KeyError`` (here a token id outside the vocabulary) left the paused request in
     the engine, holding its pages, after its parked context was taken: no TTL was
-    left to free it. It is aborted now, and the refusal reaches the caller."""
+    left to free it. It is aborted now, and the refusal reaches the caller. The same for a
+    resumption whose task was cancelled before it ran."""
     from jaxserve.constraints import StructuredOutput
-    from server.generation import Job, job_outputs, sampling_key
+    from server.generation import ChoiceMerger, Job, job_outputs, sampling_key
     from server.parked import ParkedContext
 
     eng = AsyncEngine("demo", max_num_batched_tokens=32, num_pages=32, max_model_len=256, warmup=False)
@@ -287,6 +288,15 @@ def test_a_refused_resumption_ends_the_paused_request_it_took():
                 async for _ in job_outputs(eng, job):
                     pass
             assert not eng.engine.is_live("r")
+            # The same for a resumption whose task was cancelled before it ran (a response that
+            # ended at once): nothing resumed or aborted the paused request.
+            outs = await _consume(eng, "s", params, parse_tool_calls=True)
+            context = outs[-1].prompt_token_ids + outs[-1].token_ids
+            parked = ParkedContext("s", context, sampling_key(params), calls_seen=0, expires_at=time.monotonic() + 60)
+            merger = ChoiceMerger(eng, [Job("s", context + [1, 2], params, parse_tool_calls=True, resume_from=parked,
+                                            resume_at=len(context))])
+            await merger.aclose()
+            assert not eng.engine.is_live("s")
             await _wait_idle(eng)
         asyncio.run(scenario())
     finally:
